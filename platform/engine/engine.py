@@ -1,0 +1,239 @@
+"""The engine: add requests, then `step()` = schedule -> run -> postprocess, until all are done."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loramux.engine.block_manager import BlockManager
+from loramux.engine.detokenizer import IncrementalDetokenizer
+from loramux.engine.model_runner import ModelRunner
+from loramux.engine.sampler import Sampler, SamplingRow
+from loramux.engine.sampling_params import SamplingParams
+from loramux.engine.scheduler import Scheduler
+from loramux.engine.sequence import FinishReason, Sequence
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # None: derived from kv_cache_bytes
+    kv_cache_bytes: int = 512 * 1024**2
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 4096
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request: the new text and tokens, and the state so far."""
+
+    request_id: str
+    delta_text: str
+    new_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    timings: dict[str, Any] = field(default_factory=dict)
+
+
+class RequestError(ValueError):
+    """A request the engine cannot take (prompt too long, duplicate id, ...); the message says why."""
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    generator: torch.Generator | None
+    stop_ids: frozenset[int]
+    stop_string_hit: bool = False
+
+
+class LLMEngine:
+    def __init__(self, model, tokenizer, config: EngineConfig, eos_token_ids: tuple[int, ...] = (),
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        device = torch.device(device)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        mcfg = model.config
+        self.max_model_len = min(config.max_model_len, mcfg.max_position_embeddings)
+        num_blocks = config.num_blocks
+        if num_blocks is None:
+            per_block = config.block_size * mcfg.kv_bytes_per_token(torch.finfo(dtype).bits // 8)
+            num_blocks = max(1, config.kv_cache_bytes // per_block)
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, dtype, device)
+        self.sampler = Sampler()
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.requests: dict[str, _Request] = {}
+
+    # -- construction from settings --------------------------------------------------------------
+    @classmethod
+    def from_settings(cls, settings) -> "LLMEngine":
+        from transformers import AutoTokenizer
+
+        from loramux.model.loader import build_model, end_of_turn_ids, resolve_model_dir, torch_dtype
+
+        device = torch.device("cuda" if settings.device == "auto" and torch.cuda.is_available()
+                              else ("cpu" if settings.device == "auto" else settings.device))
+        dtype = torch_dtype(settings.dtype, device)
+        model_dir = resolve_model_dir(settings.model, Path(settings.cache_dir))
+        model, mcfg = build_model(model_dir, dtype, device, max_positions=settings.max_model_len)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        config = EngineConfig(block_size=settings.block_size, kv_cache_bytes=settings.kv_cache_bytes,
+                              max_num_seqs=settings.max_num_seqs,
+                              max_num_batched_tokens=settings.max_num_batched_tokens,
+                              max_model_len=settings.max_model_len)
+        engine = cls(model, tokenizer, config, end_of_turn_ids(tokenizer, mcfg, model_dir), dtype, device)
+        engine.model_name = settings.model
+        return engine
+
+    # -- requests --------------------------------------------------------------------------------
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of `messages` under the model's chat template, ready for the assistant's turn."""
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    priority: int = 0, arrival: float | None = None) -> Sequence:
+        """Queue a request; raise RequestError when it can never run."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise RequestError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise RequestError(f"the prompt has {len(ids)} tokens; this model accepts at most "
+                               f"{self.max_model_len - 1} prompt tokens")
+        blocks = self.block_manager.blocks_for_tokens(len(ids) + 1)
+        if blocks > self.block_manager.num_blocks:
+            raise RequestError(f"the prompt needs {blocks} KV blocks but the cache has {self.block_manager.num_blocks}")
+        seq = Sequence(request_id, ids, params, priority=priority,
+                       **({"arrival": arrival} if arrival is not None else {}))
+        generator = Sampler.make_generator(params.seed) if params.seed is not None else None
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+        self.requests[request_id] = _Request(seq, detok, generator, stop_ids)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Cancel a request: its KV blocks are freed at once. Unknown ids are ignored."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.finish(req.seq, FinishReason.CANCELLED)
+        return self._output(req, "", [])
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        now = time.monotonic()
+        outputs = self._expire(now)
+        batch = self.scheduler.schedule(now)
+        if not batch:
+            return outputs
+        logits, sampled = self.runner.run(batch)
+        for seq, n in batch.prefills:
+            seq.num_computed_tokens += n
+        for seq in batch.decodes:
+            seq.num_computed_tokens += 1
+        if sampled:
+            reqs = [self.requests[seq.request_id] for seq in sampled]
+            rows = [self._sampling_row(req.seq) for req in reqs]
+            result = self.sampler(logits, rows, [req.generator for req in reqs])
+            now = time.monotonic()
+            for req, token, logprob in zip(reqs, result.token_ids, result.logprobs):
+                outputs.append(self._append_token(req, token, logprob, now))
+        return outputs
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        p = seq.params
+        return SamplingRow(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+                           repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+                           frequency_penalty=p.frequency_penalty, seed=p.seed,
+                           prompt_token_ids=seq.prompt_token_ids if p.repetition_penalty != 1.0 else (),
+                           output_token_ids=seq.output_token_ids)
+
+    def _append_token(self, req: _Request, token: int, logprob: float, now: float) -> RequestOutput:
+        seq = req.seq
+        seq.output_token_ids.append(token)
+        seq.output_logprobs.append(logprob)
+        if seq.timings.first_token is None:
+            seq.timings.first_token = now
+        reason = None
+        if token in req.stop_ids:
+            reason = FinishReason.STOP
+            update_delta = ""
+        else:
+            update = req.detok.add_tokens([token])
+            update_delta = update.delta
+            if update.stopped:
+                reason = FinishReason.STOP
+                req.stop_string_hit = True
+            elif len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+                reason = FinishReason.LENGTH
+        if reason is None:
+            return self._output(req, update_delta, [token])
+        self.scheduler.finish(seq, reason, now)
+        del self.requests[seq.request_id]
+        return self._output(req, update_delta, [token])
+
+    def _expire(self, now: float) -> list[RequestOutput]:
+        outputs = []
+        for req in [r for r in self.requests.values() if r.seq.deadline is not None and r.seq.deadline <= now]:
+            self.scheduler.finish(req.seq, FinishReason.TIMEOUT, now)
+            del self.requests[req.seq.request_id]
+            outputs.append(self._output(req, "", []))
+        return outputs
+
+    def _output(self, req: _Request, delta: str, new_ids: list[int]) -> RequestOutput:
+        seq = req.seq
+        finished = seq.is_finished
+        if finished and not req.stop_string_hit:
+            delta += req.detok.finish()  # release text held back in case it began a stop string
+        return RequestOutput(
+            request_id=seq.request_id, delta_text=delta, new_token_ids=new_ids, text=req.detok.text,
+            token_ids=list(seq.output_token_ids), logprobs=list(seq.output_logprobs), finished=finished,
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            num_prompt_tokens=len(seq.prompt_token_ids),
+            timings=seq.timings.as_dict(len(seq.output_token_ids)) if finished else {},
+        )
+
+    # -- conveniences ----------------------------------------------------------------------------
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Run `prompts` to completion as one continuous batch; outputs in prompt order."""
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, params_list):
+            self.add_request(rid, prompt, p)
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[rid] for rid in ids]
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": self.scheduler.num_waiting,
+            "kv_blocks_used": self.block_manager.num_used_blocks,
+            "kv_blocks_free": self.block_manager.num_free_blocks,
+            "kv_blocks_total": self.block_manager.num_blocks,
+        }

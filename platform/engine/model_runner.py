@@ -1,0 +1,83 @@
+"""Turns a scheduled batch into flat tensors, runs the model and returns the logits to sample from."""
+from __future__ import annotations
+
+import torch
+
+from loramux.engine.scheduler import ScheduledBatch
+from loramux.engine.sequence import Sequence
+from loramux.model.attention import AttentionMetadata, KVCache, PrefillChunk
+from loramux.model.llama import LlamaModel
+
+
+class ModelRunner:
+    """Owns the model and its paged KV cache.
+
+    Row layout of a step: every prefill chunk's tokens in order, then one token per decode. Only rows
+    that end a sequence's known tokens are projected to logits (the last row of a prefill that
+    finishes its prompt, and every decode row).
+    """
+
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device):
+        cfg = model.config
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.kv = KVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+
+    def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype, device=self.device)
+
+    def prepare(self, batch: ScheduledBatch):
+        """Build (input_ids, positions, metadata, rows to sample, sequences sampled)."""
+        bs = self.block_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        chunks: list[PrefillChunk] = []
+        sample_rows: list[int] = []
+        sampled: list[Sequence] = []
+        for seq, n in batch.prefills:
+            start = seq.num_computed_tokens
+            end = start + n
+            all_tokens = seq.token_ids
+            table = seq.block_table
+            row0 = len(tokens)
+            tokens.extend(all_tokens[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            chunks.append(PrefillChunk(row0, row0 + n, end, self._tensor(table)))
+            if end == seq.num_tokens:
+                sample_rows.append(len(tokens) - 1)
+                sampled.append(seq)
+        num_prefill_tokens = len(tokens)
+
+        decode_tables = decode_mask = None
+        if batch.decodes:
+            max_blocks = max(len(seq.block_table) for seq in batch.decodes)
+            padded, context_lens = [], []
+            for seq in batch.decodes:
+                p = seq.num_computed_tokens
+                tokens.append(seq.last_token())
+                positions.append(p)
+                slots.append(seq.block_table[p // bs] * bs + p % bs)
+                padded.append(seq.block_table + [0] * (max_blocks - len(seq.block_table)))
+                context_lens.append(p + 1)
+                sample_rows.append(len(tokens) - 1)
+                sampled.append(seq)
+            decode_tables = self._tensor(padded)
+            lens = self._tensor(context_lens)
+            decode_mask = (torch.arange(max_blocks * bs, device=self.device)[None, :] < lens[:, None])[:, None, None, :]
+
+        meta = AttentionMetadata(self._tensor(slots), chunks, num_prefill_tokens, decode_tables, decode_mask)
+        return self._tensor(tokens), self._tensor(positions), meta, sample_rows, sampled
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
+        """Forward the batch; return float32 logits [len(sampled), vocab] and the sequences they belong to."""
+        input_ids, positions, meta, sample_rows, sampled = self.prepare(batch)
+        hidden = self.model(input_ids, positions, self.kv, meta)
+        if not sampled:
+            return torch.empty(0), sampled
+        rows = hidden[self._tensor(sample_rows)] if len(sample_rows) != hidden.shape[0] else hidden
+        return self.model.compute_logits(rows).float(), sampled

@@ -1,0 +1,281 @@
+"""Per-row vectorised token sampler.
+
+One batch mixes rows from different requests, each with its own sampling parameters. Every
+transformation is vectorised across rows (per-row parameter tensors, [B, V] masks); the only Python
+loop over rows draws the noise of seeded rows, so that a seeded request never depends on its batch.
+
+Pipeline, per step:
+    penalties (repetition, then frequency/presence)
+    -> greedy rows: argmax of the penalised logits
+    -> temperature -> top-k -> top-p -> min-p -> sample (exponential race)
+
+Reported logprobs are those of the model's raw distribution (log_softmax of the unmodified logits),
+as the OpenAI API reports them, not of the distribution actually sampled from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["SamplingRow", "SamplerOutput", "Sampler", "apply_penalties"]
+
+# Temperatures below this are treated as greedy (dividing by them would overflow anyway).
+_GREEDY_TEMPERATURE = 1e-5
+# Slack on the top-p comparison: float32 softmax/cumsum rounding must not decide whether a token
+# whose preceding mass is exactly top_p (e.g. 0.5 + 0.3 vs 0.8) is kept.
+_TOP_P_SLACK = 1e-6
+
+
+@dataclass
+class SamplingRow:
+    """Sampling parameters of one row (one request); plain Python, built by the engine per step.
+
+    temperature: < 1e-5 (including <= 0) means greedy (argmax of the penalised logits).
+    top_k: 0 or negative = off; else keep the k highest logits.
+    top_p: nucleus; keep the smallest set of top tokens whose mass >= top_p (1.0 = off).
+    min_p: drop tokens whose prob < min_p * max prob (0.0 = off).
+    repetition_penalty: HF/CTRL semantics over prompt and output tokens: logit > 0 -> logit / p,
+        else logit * p (1.0 = off).
+    presence_penalty: OpenAI semantics over output tokens: logit -= presence * (count > 0).
+    frequency_penalty: OpenAI semantics over output tokens: logit -= frequency * count.
+    seed: the request's seed. The sampler itself reads only the generator the engine passes for the
+        row (made once per request with `Sampler.make_generator(seed)` and kept across steps).
+    prompt_token_ids: only read when repetition_penalty != 1.
+    output_token_ids: tokens generated so far by this request.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+
+
+@dataclass
+class SamplerOutput:
+    """token_ids[i]: the token chosen for row i; logprobs[i]: its log-prob under the raw logits."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+def _is_greedy(row: SamplingRow) -> bool:
+    return row.temperature < _GREEDY_TEMPERATURE
+
+
+def _has_penalty(row: SamplingRow) -> bool:
+    return (
+        row.repetition_penalty != 1.0 or row.presence_penalty != 0.0 or row.frequency_penalty != 0.0
+    )
+
+
+def _pad(seqs: list[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
+    """[len(seqs), max_len] long tensor, right-padded with `pad`."""
+    width = max((len(s) for s in seqs), default=0)
+    padded = [list(s) + [pad] * (width - len(s)) for s in seqs]
+    return torch.tensor(padded, dtype=torch.long, device=device).reshape(len(seqs), width)
+
+
+def _penalise(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Penalties on float32 `x` [B, V]; may write into `x`, returns the result."""
+    idx = [i for i, r in enumerate(rows) if _has_penalty(r)]
+    if not idx:
+        return x
+    device, vocab = x.device, x.shape[1]
+    sub_rows = [rows[i] for i in idx]
+    whole = len(idx) == x.shape[0]
+    index = torch.tensor(idx, dtype=torch.long, device=device)
+    sub = x if whole else x.index_select(0, index)
+    n = len(idx)
+
+    # Token id `vocab` is the padding: it lands in an extra column that is dropped afterwards.
+    out_ids = _pad([r.output_token_ids for r in sub_rows], vocab, device)
+    counts = torch.zeros(n, vocab + 1, dtype=torch.float32, device=device)
+    counts.scatter_add_(1, out_ids, torch.ones(out_ids.shape, dtype=torch.float32, device=device))
+    counts = counts[:, :vocab]
+
+    rep = [r.repetition_penalty for r in sub_rows]
+    if any(p != 1.0 for p in rep):
+        # Prompts are only needed by rows that actually use the repetition penalty.
+        prompts = [
+            r.prompt_token_ids if p != 1.0 else () for r, p in zip(sub_rows, rep, strict=True)
+        ]
+        prompt_ids = _pad(prompts, vocab, device)
+        seen = torch.zeros(n, vocab + 1, dtype=torch.bool, device=device)
+        seen.scatter_(1, prompt_ids, True)
+        seen = seen[:, :vocab] | (counts > 0)
+        p = torch.tensor(rep, dtype=torch.float32, device=device).unsqueeze(1)
+        # where() leaves unseen columns bit-identical; p == 1 rows are unchanged (x/1 == x*1 == x).
+        sub = torch.where(seen, torch.where(sub > 0, sub / p, sub * p), sub)
+
+    freq = [r.frequency_penalty for r in sub_rows]
+    if any(f != 0.0 for f in freq):
+        f = torch.tensor(freq, dtype=torch.float32, device=device).unsqueeze(1)
+        sub = sub - f * counts  # count 0 subtracts exactly 0.0: other columns stay bit-identical
+    pres = [r.presence_penalty for r in sub_rows]
+    if any(v != 0.0 for v in pres):
+        v = torch.tensor(pres, dtype=torch.float32, device=device).unsqueeze(1)
+        sub = sub - v * (counts > 0).to(torch.float32)
+
+    if whole:
+        return sub
+    return x.index_copy_(0, index, sub)
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Return float32 logits [B, V] with each row's repetition, then frequency/presence penalties.
+
+    Repetition (HF/CTRL) applies to every token of the row's prompt or output: positive logits
+    are divided by the penalty, others multiplied. Frequency and presence (OpenAI) apply to output
+    tokens only: logit -= frequency * count + presence * (count > 0). All other entries are
+    bit-identical to `logits.float()`. `logits` is not modified.
+    """
+    return _penalise(logits.to(torch.float32, copy=True), rows)
+
+
+def _top_k_top_p_(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> None:
+    """Mask (-inf, in place) tokens outside each row's top-k, then its nucleus, using one sort.
+
+    Top-p is computed on the top-k-renormalised distribution. The top token always survives.
+    """
+    n, vocab = x.shape
+    device = x.device
+    sorted_x, order = x.sort(dim=-1, descending=True)
+    drop = torch.zeros(n, vocab, dtype=torch.bool, device=device)
+    if any(0 < k < vocab for k in top_k):
+        k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=device)
+        drop |= torch.arange(vocab, device=device).unsqueeze(0) >= k.unsqueeze(1)
+    if any(p < 1.0 for p in top_p):
+        probs = sorted_x.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        # Rows with top_p >= 1 get an infinite threshold so rounding in the cumsum never trims them.
+        limit = torch.tensor(
+            [p - _TOP_P_SLACK if p < 1.0 else float("inf") for p in top_p],
+            dtype=torch.float32,
+            device=device,
+        )
+        drop |= mass_before >= limit.unsqueeze(1)
+    drop[:, 0] = False
+    x.masked_fill_(torch.zeros_like(drop).scatter_(1, order, drop), float("-inf"))
+
+
+def _min_p_(x: torch.Tensor, min_p: list[float]) -> None:
+    """Mask (-inf, in place) tokens whose prob < min_p * max prob. The top token always survives."""
+    probs = x.softmax(dim=-1)
+    # Clamping at 1 keeps the max-prob token even for min_p > 1.
+    scale = torch.tensor(min_p, dtype=torch.float32, device=x.device).clamp(max=1.0).unsqueeze(1)
+    x.masked_fill_(probs < probs.amax(dim=-1, keepdim=True) * scale, float("-inf"))
+
+
+class Sampler:
+    """Choose one token per row of a [B, V] logits batch, each row with its own SamplingRow."""
+
+    def __init__(self) -> None:
+        pass
+
+    @staticmethod
+    def make_generator(seed: int) -> torch.Generator:
+        """A CPU generator seeded with `seed`; the engine keeps one per seeded request."""
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(seed)
+        return gen
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        generators: list[torch.Generator | None],
+    ) -> SamplerOutput:
+        """Sample one token per row.
+
+        logits: [B, V] float32 or bfloat16 (computed in float32); rows[i] and generators[i]
+        belong to row i. A sampled row with generators[i] set draws its noise (V exponentials per
+        step) only from that generator, so a seeded request yields the same tokens wherever it sits
+        and whatever shares its batch; unseeded rows share one draw from the default generator.
+        Greedy rows draw nothing.
+        """
+        n_rows, vocab = logits.shape
+        if n_rows == 0:
+            return SamplerOutput(token_ids=[], logprobs=[])
+        device = logits.device
+        raw = logits.float()  # aliases `logits` when already float32; never written to
+
+        greedy = [_is_greedy(r) for r in rows]
+        penalised = any(_has_penalty(r) for r in rows)
+        if all(greedy) and not penalised:
+            return self._output(raw, raw.argmax(dim=-1))
+
+        x = apply_penalties(raw, rows) if penalised else raw
+        tokens = torch.empty(n_rows, dtype=torch.long, device=device)
+
+        greedy_idx = [i for i, g in enumerate(greedy) if g]
+        if greedy_idx:
+            gi = torch.tensor(greedy_idx, dtype=torch.long, device=device)
+            tokens[gi] = x.index_select(0, gi).argmax(dim=-1)
+
+        sample_idx = [i for i, g in enumerate(greedy) if not g]
+        if sample_idx:
+            si = torch.tensor(sample_idx, dtype=torch.long, device=device)
+            tokens[si] = self._sample(x, [rows[i] for i in sample_idx], sample_idx, si, generators)
+
+        return self._output(raw, tokens)
+
+    @staticmethod
+    def _sample(
+        x: torch.Tensor,
+        rows: list[SamplingRow],
+        sample_idx: list[int],
+        si: torch.Tensor,
+        generators: list[torch.Generator | None],
+    ) -> torch.Tensor:
+        """Temperature, top-k, top-p, min-p and the exponential race for the non-greedy rows."""
+        device, vocab = x.device, x.shape[1]
+        temps = torch.tensor([r.temperature for r in rows], dtype=torch.float32, device=device)
+        xs = x.index_select(0, si) / temps.unsqueeze(1)  # a fresh tensor: safe to mask in place
+
+        # Truncations touch only the rows that use them (subset, mask, write back).
+        trunc = [j for j, r in enumerate(rows) if 0 < r.top_k < vocab or r.top_p < 1.0]
+        if trunc:
+            t = torch.tensor(trunc, dtype=torch.long, device=device)
+            sub = xs.index_select(0, t)
+            _top_k_top_p_(sub, [rows[j].top_k for j in trunc], [rows[j].top_p for j in trunc])
+            xs.index_copy_(0, t, sub)
+        min_p = [j for j, r in enumerate(rows) if r.min_p > 0.0]
+        if min_p:
+            t = torch.tensor(min_p, dtype=torch.long, device=device)
+            sub = xs.index_select(0, t)
+            _min_p_(sub, [rows[j].min_p for j in min_p])
+            xs.index_copy_(0, t, sub)
+
+        probs = xs.softmax(dim=-1)
+        # Exponential race: argmax(probs / q), q ~ Exp(1) i.i.d., is a draw from probs.
+        seeded = [(j, generators[i]) for j, i in enumerate(sample_idx) if generators[i] is not None]
+        if not seeded:
+            q = torch.empty_like(probs).exponential_()
+        else:
+            q = torch.empty_like(probs)
+            unseeded = [j for j, i in enumerate(sample_idx) if generators[i] is None]
+            if unseeded:
+                u = torch.tensor(unseeded, dtype=torch.long, device=device)
+                q[u] = torch.empty(len(unseeded), vocab, device=device).exponential_()
+            for j, gen in seeded:
+                # Drawn on the generator's own device so the stream depends only on the request.
+                q[j] = torch.empty(vocab, device=gen.device).exponential_(generator=gen).to(device)
+        # q == 0 would turn a zero-probability token into 0/0 = NaN, which argmax would pick.
+        q.clamp_min_(torch.finfo(torch.float32).tiny)
+        return (probs / q).argmax(dim=-1)
+
+    @staticmethod
+    def _output(raw: torch.Tensor, tokens: torch.Tensor) -> SamplerOutput:
+        # log_softmax at one index: logit - logsumexp, without a [B, V] log_softmax tensor.
+        chosen = raw.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        logprobs = chosen - torch.logsumexp(raw, dim=-1)
+        return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs.tolist())

@@ -1,0 +1,135 @@
+"""Continuous batching: which sequences run in the next step, and with how many tokens (torch-free).
+
+Each step has a token budget. Running decodes come first (one token each), then running prefills
+continue in chunks, then waiting sequences are admitted by priority. A long prompt is therefore
+split across steps instead of stalling the decodes. When the KV pool runs dry the lowest-priority,
+most recently arrived running sequence is preempted: its blocks are freed and it is recomputed later.
+"""
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass, field
+
+from loramux.engine.block_manager import BlockManager
+from loramux.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """Prefill chunks (sequence, number of tokens) and decode sequences of one step."""
+
+    prefills: list[tuple[Sequence, int]] = field(default_factory=list)
+    decodes: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.prefills) + len(self.decodes)
+
+    def __bool__(self) -> bool:
+        return bool(self.prefills or self.decodes)
+
+
+def _rank(seq: Sequence) -> tuple:
+    """Sort key: higher priority first, then earlier arrival."""
+    return (-seq.priority, seq.arrival, seq.seq_id)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs so every decode fits a step")
+        self.blocks = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self._waiting: list[tuple[tuple, Sequence]] = []  # heap by _rank
+        self.running: list[Sequence] = []
+
+    # -- queue ---------------------------------------------------------------------------------
+    @property
+    def waiting(self) -> list[Sequence]:
+        return [seq for _, seq in sorted(self._waiting, key=lambda item: item[0])]
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        heapq.heappush(self._waiting, (_rank(seq), seq))
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: FinishReason, now: float | None = None) -> None:
+        """End `seq` wherever it is (waiting or running) and free its blocks at once."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self._waiting = [item for item in self._waiting if item[1] is not seq]
+            heapq.heapify(self._waiting)
+        self.blocks.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.timings.finished = now if now is not None else time.monotonic()
+
+    # -- scheduling ----------------------------------------------------------------------------
+    def schedule(self, now: float | None = None) -> ScheduledBatch:
+        now = now if now is not None else time.monotonic()
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        self.running.sort(key=_rank)
+
+        for seq in [s for s in self.running if not s.is_prefill]:
+            if seq.status is SequenceStatus.RUNNING and self._make_room(seq, 1, batch):
+                self.blocks.allocate(seq, 1)
+                batch.decodes.append(seq)
+                budget -= 1
+        for seq in [s for s in self.running if s.is_prefill]:
+            if budget <= 0:
+                break
+            n = min(seq.num_uncomputed_tokens, budget)
+            if seq.status is SequenceStatus.RUNNING and self._make_room(seq, n, batch):
+                self.blocks.allocate(seq, n)
+                batch.prefills.append((seq, n))
+                budget -= n
+
+        # Admit new work only when nothing had to be preempted this step: otherwise they would thrash.
+        while self._waiting and not batch.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self._waiting[0][1]
+            # Reserve the whole remaining prompt so an admitted prefill is not preempted halfway.
+            if self.blocks.blocks_needed(seq, seq.num_uncomputed_tokens + 1) > self.blocks.num_free_blocks:
+                break
+            heapq.heappop(self._waiting)
+            n = min(seq.num_uncomputed_tokens, budget)
+            self.blocks.allocate(seq, n)
+            seq.status = SequenceStatus.RUNNING
+            if seq.timings.first_scheduled is None:
+                seq.timings.first_scheduled = now
+            self.running.append(seq)
+            batch.prefills.append((seq, n))
+            budget -= n
+        return batch
+
+    def _make_room(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
+        """Preempt lower-ranked sequences until `seq` can get its blocks; False if `seq` itself was."""
+        while not self.blocks.can_allocate(seq, num_tokens):
+            victim = max(self.running, key=_rank)  # lowest priority, latest arrival
+            self._preempt(victim, batch)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        self.running.remove(seq)
+        if seq in batch.decodes:
+            batch.decodes.remove(seq)
+        batch.prefills = [(s, n) for s, n in batch.prefills if s is not seq]
+        self.blocks.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        batch.preempted.append(seq)
+        self.add(seq)

@@ -1,0 +1,90 @@
+"""Attention over a paged KV cache.
+
+The cache of one layer is two tensors [num_blocks, block_size, kv_heads, head_dim]. A sequence owns a
+list of blocks (its block table); token t of the sequence lives at slot
+`block_table[t // block_size] * block_size + t % block_size`.
+
+A batch is flat: prefill chunks first (one per sequence, any length), then decode tokens (one per
+sequence). Prefills run one sequence at a time; decodes run together, gathering each sequence's blocks
+and masking the padding.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    start: int  # first row of this chunk in the flat batch
+    end: int  # one past the last row
+    context_len: int  # tokens in the cache after this chunk (cached prefix + chunk)
+    block_table: torch.Tensor  # [num_blocks_of_seq] long
+
+    @property
+    def fresh(self) -> bool:
+        """No earlier tokens: attention needs only this chunk's own k/v, causally masked."""
+        return self.context_len == self.end - self.start
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] long: cache slot each token's k/v is written to
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    num_prefill_tokens: int = 0
+    # Decode rows [num_prefill_tokens, T): padded block tables, a validity mask over gathered keys.
+    decode_block_tables: torch.Tensor | None = None  # [D, max_blocks] long
+    decode_mask: torch.Tensor | None = None  # [D, 1, 1, max_blocks * block_size] bool
+
+
+class KVCache:
+    """The paged K/V pool for all layers: [layers, num_blocks, block_size, kv_heads, head_dim] each."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q [T, H, D], k/v [T, KVH, D] (already rotated) -> output [T, H, D]; writes k/v into the cache."""
+    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+    flat_k = k_cache.view(num_blocks * block_size, kv_heads, head_dim)
+    flat_v = v_cache.view(num_blocks * block_size, kv_heads, head_dim)
+    flat_k.index_copy_(0, meta.slot_mapping, k)
+    flat_v.index_copy_(0, meta.slot_mapping, v)
+
+    out = torch.empty_like(q)
+    for chunk in meta.prefills:
+        qs = q[chunk.start:chunk.end].transpose(0, 1)  # [H, L, D]
+        if chunk.fresh:
+            ks = k[chunk.start:chunk.end].transpose(0, 1)
+            vs = v[chunk.start:chunk.end].transpose(0, 1)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            # Earlier tokens are in the cache: query i sits at absolute position ctx - L + i.
+            n = chunk.context_len
+            ks = k_cache[chunk.block_table].reshape(-1, kv_heads, head_dim)[:n].transpose(0, 1)
+            vs = v_cache[chunk.block_table].reshape(-1, kv_heads, head_dim)[:n].transpose(0, 1)
+            length = chunk.end - chunk.start
+            q_pos = torch.arange(n - length, n, device=q.device).unsqueeze(1)
+            mask = torch.arange(n, device=q.device).unsqueeze(0) <= q_pos
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[chunk.start:chunk.end] = o.transpose(0, 1)
+
+    d0 = meta.num_prefill_tokens
+    if meta.decode_block_tables is not None and d0 < q.shape[0]:
+        tables = meta.decode_block_tables
+        num_seqs = tables.shape[0]
+        ks = k_cache[tables].view(num_seqs, -1, kv_heads, head_dim).transpose(1, 2)  # [D, KVH, S, Dh]
+        vs = v_cache[tables].view(num_seqs, -1, kv_heads, head_dim).transpose(1, 2)
+        qs = q[d0:].unsqueeze(2)  # [D, H, 1, Dh]
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
+        out[d0:] = o.squeeze(2)
+    return out

@@ -1,0 +1,130 @@
+"""A Llama-family decoder (Llama, Mistral, SmolLM, Qwen2-style q/k/v bias) over a paged KV cache.
+
+The engine owns the tokens' layout: `forward` takes a flat batch of tokens from many sequences with
+their absolute positions and the attention metadata that says where each one's KV lives. q/k/v and
+gate/up run as single merged matmuls; `MergedLinear.slices` records the sub-projections so weight
+loading (and LoRA) can address q, k, v, gate and up separately.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loramux.model.attention import AttentionMetadata, KVCache, paged_attention
+from loramux.model.config import ModelConfig
+from loramux.model.rope import RotaryEmbedding
+
+
+class MergedLinear(nn.Module):
+    """y = x @ W^T (+ b) where W stacks named output slices, e.g. (("q", 576), ("k", 192), ("v", 192))."""
+
+    def __init__(self, in_features: int, slices: tuple[tuple[str, int], ...], bias: bool = False):
+        super().__init__()
+        self.in_features = in_features
+        self.slices = slices
+        self.out_features = sum(size for _, size in slices)
+        self.weight = nn.Parameter(torch.empty(self.out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(self.out_features), requires_grad=False) if bias else None
+
+    def slice_range(self, name: str) -> tuple[int, int]:
+        start = 0
+        for slice_name, size in self.slices:
+            if slice_name == name:
+                return start, start + size
+            start += size
+        raise KeyError(name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # float32 statistics, as HF does, so low-precision runs stay close to the reference.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, (("q", cfg.q_size), ("k", cfg.kv_size), ("v", cfg.kv_size)),
+                                     bias=cfg.attention_bias)
+        self.o_proj = MergedLinear(cfg.q_size, (("o", cfg.hidden_size),))
+        self.scale = cfg.head_dim ** -0.5
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+
+    def forward(self, x, positions, rope: RotaryEmbedding, k_cache, v_cache, meta: AttentionMetadata):
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        t = x.shape[0]
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        q, k = rope(positions, q, k)
+        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, (("gate", cfg.intermediate_size),
+                                                            ("up", cfg.intermediate_size)))
+        self.down_proj = MergedLinear(cfg.intermediate_size, (("down", cfg.hidden_size),))
+        self.intermediate_size = cfg.intermediate_size
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, rope, k_cache, v_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, k_cache, v_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Decoder + LM head. `forward` returns final hidden states; `compute_logits` projects chosen rows."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+                                    max_positions or cfg.max_position_embeddings)
+        if cfg.tie_word_embeddings:
+            self.lm_head_weight = self.embed_tokens.weight
+        else:
+            self.lm_head_weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, self.rope, kv.k[i], kv.v[i], meta)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head_weight)
