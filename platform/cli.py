@@ -1,2 +1,152 @@
-def main():
-    pass
+"""`loramux` command line: generate, plan, serve."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from loramux.settings import DEFAULT_MODEL, Settings
+
+
+def _settings(args) -> Settings:
+    overrides = {k: v for k, v in {"model": getattr(args, "model", None), "dtype": getattr(args, "dtype", None),
+                                   "device": getattr(args, "device", None)}.items() if v}
+    return Settings(**overrides)
+
+
+def cmd_generate(args) -> int:
+    from loramux.engine.engine import LLMEngine, RequestError
+    from loramux.engine.sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature or 0.0,
+                                top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop or [])
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    engine = LLMEngine.from_settings(_settings(args))
+    load_s = time.perf_counter() - t0
+    prompt = engine.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    try:
+        engine.add_request("cli", prompt, params)
+    except RequestError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    final = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            sys.stdout.write(out.delta_text)
+            sys.stdout.flush()
+            if out.finished:
+                final = out
+    sys.stdout.write("\n")
+    t = final.timings
+    print(f"[{len(final.token_ids)} tokens, finish={final.finish_reason}, load {load_s:.1f}s, "
+          f"ttft {t['ttft_ms']:.0f} ms, decode {t['decode_tokens_per_s'] or 0:.1f} tok/s, "
+          f"total {t['total_ms']:.0f} ms]", file=sys.stderr)
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from loramux.model.config import ModelConfig
+    from loramux.model.loader import read_model_config, resolve_model_dir
+    from loramux.plan import DTYPE_BYTES, fmt_bytes, parse_bytes, plan_memory
+
+    if args.config:
+        cfg = ModelConfig.from_hf(json.loads(Path(args.config).read_text()))
+    else:
+        settings = _settings(args)
+        cfg, _ = read_model_config(resolve_model_dir(settings.model, Path(settings.cache_dir)))
+    dtype = args.dtype or "float32"
+    if dtype not in DTYPE_BYTES:
+        print(f"error: --dtype must be one of {', '.join(DTYPE_BYTES)}", file=sys.stderr)
+        return 2
+    plan = plan_memory(cfg, DTYPE_BYTES[dtype], args.context_len, args.batch_size, args.adapter_slots,
+                       args.adapter_rank)
+    print(f"model: {cfg.model_type}, {cfg.num_parameters() / 1e6:.1f}M parameters, {cfg.num_layers} layers, "
+          f"{cfg.num_kv_heads} KV heads x {cfg.head_dim}, dtype {dtype}")
+    print(f"weights        {fmt_bytes(plan.weights):>12}")
+    print(f"KV cache       {fmt_bytes(plan.kv_cache):>12}   ({fmt_bytes(plan.kv_per_token)}/token x "
+          f"{args.context_len} tokens x {args.batch_size} sequences)")
+    print(f"adapter slots  {fmt_bytes(plan.adapters):>12}   ({fmt_bytes(plan.adapter_per_slot)}/slot at rank "
+          f"{args.adapter_rank} on 7 projections x {args.adapter_slots} slots)")
+    print(f"total          {fmt_bytes(plan.total):>12}")
+    if args.memory:
+        try:
+            budget = parse_bytes(args.memory)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        verdict = "fits" if plan.total <= budget else "does NOT fit"
+        print(f"{verdict} in {fmt_bytes(budget)} ({fmt_bytes(budget - plan.total)} left)")
+        return 0 if plan.total <= budget else 1
+    return 0
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from loramux.engine.async_engine import AsyncEngine
+    from loramux.engine.engine import LLMEngine
+    from loramux.server.app import create_app
+
+    settings = _settings(args)
+    host, port = args.host or settings.host, args.port or settings.port
+    app = create_app(lambda: AsyncEngine(LLMEngine.from_settings(settings)))
+    print(f"loramux: serving {settings.model} on http://{host}:{port}  (try: curl http://{host}:{port}/health)",
+          file=sys.stderr)
+    uvicorn.run(app, host=host, port=port, log_level="info")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="loramux", description="Multi-tenant LoRA serving on one base model.")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    def model_opts(p):
+        p.add_argument("--model", help=f"base model: {DEFAULT_MODEL} (default), a .gguf file or an HF directory")
+        p.add_argument("--dtype", help="auto (default), float32, bfloat16, float16")
+        p.add_argument("--device", help="auto (default), cpu, cuda")
+
+    g = sub.add_parser("generate", help="generate text for one prompt (greedy unless --temperature)")
+    model_opts(g)
+    g.add_argument("prompt")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=None)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("plan", help="memory needed for weights, KV cache and adapter slots")
+    model_opts(p)
+    p.add_argument("--config", help="an HF config.json to plan for instead of --model")
+    p.add_argument("--context-len", type=int, default=4096)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--adapter-slots", type=int, default=8)
+    p.add_argument("--adapter-rank", type=int, default=16)
+    p.add_argument("--memory", help="memory to fit in, e.g. 24GiB or 80GB")
+    p.set_defaults(func=cmd_plan)
+
+    s = sub.add_parser("serve", help="start the HTTP server")
+    model_opts(s)
+    s.add_argument("--host")
+    s.add_argument("--port", type=int)
+    s.set_defaults(func=cmd_serve)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

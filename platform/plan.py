@@ -1,0 +1,57 @@
+"""Memory planning: weights + KV cache + adapter slots for a model, context, batch and slot count."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from loramux.model.config import ModelConfig
+
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+
+
+def parse_bytes(text: str) -> int:
+    """'24GiB', '512MB', '1.5g', '1000000' -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read {text!r} as a size; write e.g. 24GiB, 512MB or 1000000")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError
+
+
+@dataclass
+class MemoryPlan:
+    weights: int
+    kv_per_token: int
+    kv_cache: int
+    adapter_per_slot: int
+    adapters: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.adapters
+
+
+def plan_memory(cfg: ModelConfig, dtype_bytes: int, context_len: int, batch_size: int, adapter_slots: int,
+                adapter_rank: int) -> MemoryPlan:
+    """weights = parameters x bytes; KV per token = 2 x layers x kv_heads x head_dim x bytes;
+    adapters = rank x sum over the 7 projections of (d_in + d_out) x layers x bytes, per slot."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    dims = [(h, cfg.q_size), (h, cfg.kv_size), (h, cfg.kv_size), (cfg.q_size, h), (h, i), (h, i), (i, h)]
+    per_slot = adapter_rank * sum(a + b for a, b in dims) * cfg.num_layers * dtype_bytes
+    kv_token = cfg.kv_bytes_per_token(dtype_bytes)
+    return MemoryPlan(
+        weights=cfg.num_parameters() * dtype_bytes,
+        kv_per_token=kv_token,
+        kv_cache=kv_token * context_len * batch_size,
+        adapter_per_slot=per_slot,
+        adapters=per_slot * adapter_slots,
+    )
