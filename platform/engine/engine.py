@@ -75,6 +75,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, _Request] = {}
+        self.num_preemptions = 0
 
     # -- construction from settings --------------------------------------------------------------
     @classmethod
@@ -145,6 +146,7 @@ class LLMEngine:
         now = time.monotonic()
         outputs = self._expire(now)
         batch = self.scheduler.schedule(now)
+        self.num_preemptions += len(batch.preempted)
         if not batch:
             return outputs
         logits, sampled = self.runner.run(batch)
@@ -236,4 +238,5 @@ class LLMEngine:
             "kv_blocks_used": self.block_manager.num_used_blocks,
             "kv_blocks_free": self.block_manager.num_free_blocks,
             "kv_blocks_total": self.block_manager.num_blocks,
+            "preemptions": self.num_preemptions,
         }

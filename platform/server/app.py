@@ -68,6 +68,13 @@ def _final_body(request_id: str, out: RequestOutput) -> dict:
     }
 
 
+def get_engine(request: Request) -> AsyncEngine:
+    return request.app.state.engine
+
+
+EngineDep = Annotated[AsyncEngine, Depends(get_engine)]
+
+
 def create_app(engine_factory) -> FastAPI:
     """`engine_factory()` returns the AsyncEngine; it is called once at startup."""
 
@@ -80,11 +87,6 @@ def create_app(engine_factory) -> FastAPI:
             app.state.engine.shutdown()
 
     app = FastAPI(title="loramux", version="0.1.0", lifespan=lifespan)
-
-    def get_engine(request: Request) -> AsyncEngine:
-        return request.app.state.engine
-
-    EngineDep = Annotated[AsyncEngine, Depends(get_engine)]
 
     @app.get("/health")
     async def health() -> dict:

@@ -1,0 +1,41 @@
+"""The package installs as a wheel, imports from anywhere, and never shadows the stdlib `platform`."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_stdlib_platform_wins_from_the_repo_root():
+    code = "import platform, loramux.engine.engine; print(platform.__file__); print(platform.system())"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.splitlines()[0].startswith(sysconfig.get_paths()["stdlib"])
+    assert not (ROOT / "platform" / "__init__.py").exists()
+
+
+def test_wheel_contains_every_package_and_runs_from_elsewhere(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path / "dist"), str(ROOT)], check=True, capture_output=True)
+    wheel = next((tmp_path / "dist").glob("loramux-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    for module in ("loramux/cli.py", "loramux/engine/engine.py", "loramux/model/llama.py",
+                   "loramux/server/app.py", "loramux/kernels/__init__.py", "loramux/adapters/__init__.py",
+                   "loramux/admin/__init__.py"):
+        assert module in names, module
+    assert not any(n.startswith(("platform/", "tests/")) for n in names)
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    # The unpacked wheel comes first on the path, ahead of the editable install.
+    code = ("import loramux.cli, loramux.engine.engine as e, platform; "
+            "assert e.__file__.startswith(%r), e.__file__; print(platform.system())" % str(site))
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                         env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    cli = subprocess.run([sys.executable, "-m", "loramux.cli", "plan", "--config", str(ROOT / "tests" / "data" /
+                          "llama2-7b-config.json"), "--dtype", "bf16", "--context-len", "1024", "--batch-size", "2", "--memory", "24GiB"], cwd=tmp_path, capture_output=True, text=True,
+                         env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"})
+    assert cli.returncode == 0 and "fits" in cli.stdout, cli.stderr

@@ -1,0 +1,137 @@
+"""Scheduler and block manager, without torch: a simulated engine drives them."""
+from __future__ import annotations
+
+import random
+import sys
+
+import pytest
+
+from loramux.engine.block_manager import BlockManager, OutOfBlocksError
+from loramux.engine.sampling_params import SamplingParams
+from loramux.engine.scheduler import Scheduler
+from loramux.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+def seq(rid: str, prompt_len: int, priority: int = 0, arrival: float = 0.0, max_tokens: int = 100) -> Sequence:
+    return Sequence(rid, list(range(prompt_len)), SamplingParams(max_tokens=max_tokens), priority=priority,
+                    arrival=arrival)
+
+
+def advance(batch) -> None:
+    """What the engine does after the model ran: count computed tokens, append sampled ones."""
+    for s, n in batch.prefills:
+        s.num_computed_tokens += n
+        if s.num_computed_tokens == s.num_tokens:
+            s.output_token_ids.append(7)
+    for s in batch.decodes:
+        s.num_computed_tokens += 1
+        s.output_token_ids.append(7)
+
+
+def test_scheduler_module_is_torch_free():
+    assert "loramux.engine.scheduler" in sys.modules
+    import loramux.engine.block_manager as bm
+    import loramux.engine.scheduler as sch
+    for module in (sch, bm):
+        assert "torch" not in module.__dict__
+    src = open(sch.__file__).read() + open(bm.__file__).read()
+    assert "import torch" not in src
+
+
+def test_long_prompt_is_chunked_and_decodes_keep_running():
+    blocks = BlockManager(200, 16)
+    s = Scheduler(blocks, max_num_seqs=8, max_num_batched_tokens=64)
+    short = seq("short", 10)
+    s.add(short)
+    advance(s.schedule())  # short is now decoding
+    long = seq("long", 1000, arrival=1.0)
+    s.add(long)
+    steps = 0
+    while long.output_token_ids == []:
+        batch = s.schedule()
+        assert short in batch.decodes, "a running decode was stalled by a long prefill"
+        assert batch.num_tokens <= 64
+        advance(batch)
+        steps += 1
+    assert steps == -(-1000 // 63)  # 63 prefill tokens per step beside the one decode
+
+
+def test_priority_orders_admission():
+    blocks = BlockManager(100, 16)
+    s = Scheduler(blocks, max_num_seqs=1, max_num_batched_tokens=64)
+    low, high = seq("low", 5, priority=0, arrival=0.0), seq("high", 5, priority=2, arrival=1.0)
+    s.add(low)
+    s.add(high)
+    assert [x for x, _ in s.schedule().prefills] == [high]
+
+
+def test_request_that_does_not_fit_waits_then_runs():
+    blocks = BlockManager(4, 4)  # 16 token slots
+    s = Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=64)
+    a, b = seq("a", 10), seq("b", 10, arrival=1.0)
+    s.add(a)
+    s.add(b)
+    batch = s.schedule()
+    assert [x for x, _ in batch.prefills] == [a] and b.status is SequenceStatus.WAITING
+    advance(batch)
+    s.finish(a, FinishReason.STOP)
+    assert [x for x, _ in s.schedule().prefills] == [b]
+
+
+def test_pool_running_dry_preempts_lowest_priority_latest():
+    blocks = BlockManager(6, 4)
+    s = Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=64)
+    vip = seq("vip", 7, priority=1, arrival=0.0)
+    old, new = seq("old", 7, arrival=1.0), seq("new", 7, arrival=2.0)
+    for x in (vip, old, new):
+        s.add(x)
+    advance(s.schedule())  # 2 blocks each: the pool is full
+    batch = s.schedule()
+    while not batch.preempted:  # decode until a third block is needed: someone must go
+        assert len(vip.output_token_ids) < 4
+        advance(batch)
+        batch = s.schedule()
+    assert batch.preempted[0] is new
+    assert new.status is SequenceStatus.WAITING and new.block_table == [] and new.num_computed_tokens == 0
+    assert vip in batch.decodes
+    blocks.check_invariants(s.running)
+
+
+def test_allocation_is_all_or_nothing():
+    blocks = BlockManager(2, 4)
+    x = seq("x", 20)
+    with pytest.raises(OutOfBlocksError):
+        blocks.allocate(x, 20)
+    assert blocks.num_free_blocks == 2 and x.block_table == []
+
+
+def test_no_block_leaks_after_1000_random_events():
+    rng = random.Random(1234)
+    blocks = BlockManager(48, 4)
+    s = Scheduler(blocks, max_num_seqs=6, max_num_batched_tokens=24)
+    live: dict[str, Sequence] = {}
+    counts = {"add": 0, "cancel": 0, "finish": 0, "step": 0, "preempted": 0}
+    for i in range(1000):
+        event = rng.choices(["add", "cancel", "finish", "step"], weights=[3, 1, 1, 5])[0]
+        if event == "add" and len(live) < 20:
+            x = seq(f"r{i}", rng.randint(1, 40), priority=rng.randint(0, 2), arrival=float(i))
+            live[x.request_id] = x
+            s.add(x)
+        elif event in ("cancel", "finish") and live:
+            x = live.pop(rng.choice(sorted(live)))
+            s.finish(x, FinishReason.CANCELLED if event == "cancel" else FinishReason.STOP)
+            assert x.block_table == []
+        elif event == "step":
+            batch = s.schedule()
+            counts["preempted"] += len(batch.preempted)
+            advance(batch)
+            for x in [x for x in live.values() if len(x.output_token_ids) >= 12]:
+                s.finish(x, FinishReason.LENGTH)
+                del live[x.request_id]
+        counts[event] += 1
+        blocks.check_invariants(s.running)
+        assert all(not x.block_table for x in s.waiting), "a waiting sequence holds blocks"
+    assert counts["preempted"] > 0 and counts["cancel"] > 50, counts  # the run exercised every path
+    for x in list(live.values()):
+        s.finish(x, FinishReason.CANCELLED)
+    assert blocks.num_free_blocks == blocks.num_blocks and not s.has_unfinished()

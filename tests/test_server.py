@@ -1,0 +1,90 @@
+"""HTTP app and async engine on a tiny random Llama."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from conftest import make_engine
+from loramux.engine.async_engine import AsyncEngine
+from loramux.engine.engine import RequestError
+from loramux.engine.sampling_params import SamplingParams
+from loramux.server.app import create_app
+
+
+@pytest.fixture
+def client(tiny_dir, tokenizer):
+    app = create_app(lambda: AsyncEngine(make_engine(tiny_dir, tokenizer)))
+    with TestClient(app) as c:
+        yield c
+
+
+def test_health_ready_stats(client):
+    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/ready").json()["status"] == "ready"
+    assert client.get("/stats").json()["kv_blocks_used"] == 0
+
+
+def test_generate_plain_and_streamed_agree(client):
+    body = {"prompt": "Hello there", "max_tokens": 8}
+    plain = client.post("/generate", json=body)
+    assert plain.status_code == 200, plain.text
+    result = plain.json()
+    assert result["usage"]["completion_tokens"] <= 8 and result["finish_reason"] in ("stop", "length")
+    assert result["timings"]["ttft_ms"] > 0
+
+    with client.stream("POST", "/generate", json={**body, "stream": True}) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    final = json.loads(events[-2])
+    chunks = "".join(json.loads(e)["text"] for e in events[:-2])
+    assert chunks == final["text"] == result["text"]
+
+
+def test_chat_messages_use_the_template(client):
+    resp = client.post("/generate", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
+    assert resp.status_code == 200
+    assert resp.json()["usage"]["prompt_tokens"] > 5  # template tokens around "Hi"
+
+
+@pytest.mark.parametrize("body,status,needle", [
+    ({"max_tokens": 3}, 422, "exactly one of"),
+    ({"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, 422, "exactly one of"),
+    ({"prompt": "x", "top_p": 0}, 422, "top_p"),
+    ({"prompt": "x", "max_tokens": 0}, 422, "max_tokens"),
+    ({"prompt": "x", "stop": [""]}, 400, "stop string"),
+    ({"prompt": "word " * 600}, 400, "prompt tokens"),
+])
+def test_bad_input_gets_a_clear_error(client, body, status, needle):
+    resp = client.post("/generate", json=body)
+    assert resp.status_code == status, resp.text
+    assert needle in resp.text
+    assert client.get("/stats").json()["kv_blocks_used"] == 0
+
+
+def test_async_stream_and_early_exit_abort(tiny_dir, tokenizer):
+    engine = AsyncEngine(make_engine(tiny_dir, tokenizer))
+
+    async def scenario():
+        params = SamplingParams(max_tokens=200, ignore_eos=True)
+        got = 0
+        async for out in engine.generate("a", "Hello", params):
+            got += 1
+            if got == 3:
+                break  # the consumer walks away: the request must be aborted
+        with pytest.raises(RequestError):
+            async for _ in engine.generate("b", [], params):
+                pass
+        outs = [o async for o in engine.generate("c", "Hi", SamplingParams(max_tokens=4, ignore_eos=True))]
+        return got, outs
+
+    try:
+        got, outs = asyncio.run(scenario())
+        assert got == 3 and outs[-1].finished and len(outs[-1].token_ids) == 4
+        # The abort is processed by the engine thread before it serves "c", so all is free by now.
+        assert engine.stats()["kv_blocks_used"] == 0 and engine.stats()["running"] == 0
+    finally:
+        engine.shutdown()
