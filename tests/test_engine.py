@@ -58,6 +58,13 @@ def test_eos_and_stop_token_ids_stop_generation(tiny_engine):
     assert out.token_ids == free.token_ids[: free.token_ids.index(stop_at) + 1]
 
 
+def test_min_tokens_suppresses_stop_tokens(tiny_engine):
+    free = run_alone(tiny_engine, "Hello", SamplingParams(max_tokens=8, ignore_eos=True))
+    stop_at = free.token_ids[1]
+    out = run_alone(tiny_engine, "Hello", SamplingParams(max_tokens=8, min_tokens=8, stop_token_ids=[stop_at]))
+    assert len(out.token_ids) == 8 and stop_at not in out.token_ids and out.finish_reason == "length"
+
+
 def test_stop_string_spanning_tokens_is_trimmed(tiny_engine, tokenizer):
     free = run_alone(tiny_engine, "The quick brown fox", SamplingParams(max_tokens=24, ignore_eos=True))
     text = free.text

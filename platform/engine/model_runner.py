@@ -67,7 +67,10 @@ class ModelRunner:
                 sampled.append(seq)
             decode_tables = self._tensor(padded)
             lens = self._tensor(context_lens)
-            decode_mask = (torch.arange(max_blocks * bs, device=self.device)[None, :] < lens[:, None])[:, None, None, :]
+            valid = torch.arange(max_blocks * bs, device=self.device)[None, :] < lens[:, None]
+            # Additive float mask built once per step (a bool mask is converted again in every layer).
+            decode_mask = torch.zeros(valid.shape, dtype=self.kv.k.dtype, device=self.device)
+            decode_mask = decode_mask.masked_fill_(~valid, float("-inf"))[:, None, None, :]
 
         meta = AttentionMetadata(self._tensor(slots), chunks, num_prefill_tokens, decode_tables, decode_mask)
         return self._tensor(tokens), self._tensor(positions), meta, sample_rows, sampled

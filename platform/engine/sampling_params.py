@@ -16,6 +16,7 @@ class SamplingParams:
     """
 
     max_tokens: int = 256
+    min_tokens: int = 0  # EOS and stop token ids are suppressed until this many tokens exist
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -47,6 +48,8 @@ class SamplingParams:
                 raise ValueError(msg)
 
         need(isinstance(self.max_tokens, int) and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        need(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+             f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
         need(0.0 <= self.temperature <= 100.0, f"temperature must be in [0, 100], got {self.temperature}")
         need(isinstance(self.top_k, int) and self.top_k >= -1, f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
         need(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")

@@ -36,7 +36,7 @@ class AttentionMetadata:
     num_prefill_tokens: int = 0
     # Decode rows [num_prefill_tokens, T): padded block tables, a validity mask over gathered keys.
     decode_block_tables: torch.Tensor | None = None  # [D, max_blocks] long
-    decode_mask: torch.Tensor | None = None  # [D, 1, 1, max_blocks * block_size] bool
+    decode_mask: torch.Tensor | None = None  # [D, 1, 1, max_blocks * block_size] additive: 0 or -inf
 
 
 class KVCache:
@@ -60,6 +60,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     flat_k.index_copy_(0, meta.slot_mapping, k)
     flat_v.index_copy_(0, meta.slot_mapping, v)
 
+    d0 = meta.num_prefill_tokens
+    if not meta.prefills:  # pure decode step: no scatter into a shared output buffer needed
+        return _decode_attention(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
     for chunk in meta.prefills:
         qs = q[chunk.start:chunk.end].transpose(0, 1)  # [H, L, D]
@@ -78,15 +81,20 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
         out[chunk.start:chunk.end] = o.transpose(0, 1)
 
-    d0 = meta.num_prefill_tokens
     if meta.decode_block_tables is not None and d0 < q.shape[0]:
-        tables = meta.decode_block_tables
-        num_seqs = tables.shape[0]
-        flat_tables = tables.view(-1)
-        # index_select on the block dim is a plain row gather, cheaper than advanced indexing on CPU.
-        ks = k_cache.index_select(0, flat_tables).view(num_seqs, -1, kv_heads, head_dim).transpose(1, 2)
-        vs = v_cache.index_select(0, flat_tables).view(num_seqs, -1, kv_heads, head_dim).transpose(1, 2)
-        qs = q[d0:].unsqueeze(2)  # [D, H, 1, Dh]
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
-        out[d0:] = o.squeeze(2)
+        out[d0:] = _decode_attention(q[d0:], k_cache, v_cache, meta, scale)
     return out
+
+
+def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """One query per sequence against its gathered blocks; q [D, H, Dh] -> [D, H, Dh]."""
+    _, _, kv_heads, head_dim = k_cache.shape
+    tables = meta.decode_block_tables
+    num_seqs = tables.shape[0]
+    flat_tables = tables.view(-1)
+    # index_select on the block dim is a plain row gather, cheaper than advanced indexing on CPU.
+    ks = k_cache.index_select(0, flat_tables).view(num_seqs, -1, kv_heads, head_dim).transpose(1, 2)
+    vs = v_cache.index_select(0, flat_tables).view(num_seqs, -1, kv_heads, head_dim).transpose(1, 2)
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, attn_mask=meta.decode_mask, scale=scale,
+                                       enable_gqa=True)
+    return o.squeeze(2)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loramux.model.attention import AttentionMetadata, KVCache, paged_attention
+from loramux.model import cpu_linear
 from loramux.model.config import ModelConfig
 from loramux.model.rope import RotaryEmbedding, apply_rope
 
@@ -21,7 +22,7 @@ class MergedLinear(nn.Module):
 
     W is stored transposed relative to nn.Linear, as [in_features, out_features]: on CPU, small-batch
     decode matmuls run about 2x faster in this layout (measured: docs/performance.md), and on GPU it
-    costs nothing.
+    costs nothing. On CPU, `pack_for_cpu` may swap W for oneDNN's packed layout (see cpu_linear).
     """
 
     def __init__(self, in_features: int, slices: tuple[tuple[str, int], ...], bias: bool = False):
@@ -31,6 +32,7 @@ class MergedLinear(nn.Module):
         self.out_features = sum(size for _, size in slices)
         self.weight = nn.Parameter(torch.empty(in_features, self.out_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(self.out_features), requires_grad=False) if bias else None
+        self.packed_weight: torch.Tensor | None = None  # oneDNN layout, when packed for CPU
 
     def slice_range(self, name: str) -> tuple[int, int]:
         """Columns [start, end) of W (and entries of b) that belong to slice `name`."""
@@ -41,7 +43,18 @@ class MergedLinear(nn.Module):
             start += size
         raise KeyError(name)
 
+    def pack_for_cpu(self, batch_hint: int) -> bool:
+        """Replace W by oneDNN's packed layout if that is faster here; W is then dropped (None)."""
+        w = self.weight
+        if w.device.type != "cpu" or not cpu_linear.packing_pays(w.shape[0], w.shape[1], w.dtype, batch_hint):
+            return False
+        self.packed_weight = cpu_linear.pack(w.data, batch_hint)
+        self.weight = None
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return cpu_linear.packed_linear(x, self.packed_weight, self.bias)
         if self.bias is None:
             return x @ self.weight
         return torch.addmm(self.bias, x, self.weight)
@@ -54,6 +67,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused op
         # float32 statistics, as HF does, so low-precision runs stay close to the reference.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -123,11 +138,19 @@ class LlamaModel(nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                                     max_positions or cfg.max_position_embeddings)
 
+    def pack_for_cpu(self, batch_hint: int = 8) -> int:
+        """Pack every linear layer whose packed matmul measures faster; returns how many were packed."""
+        if self.embed_tokens is None:
+            # The tied LM head doubles as the embedding; give the embedding its own rows before packing.
+            table = self.lm_head.weight.data.t().contiguous()
+            self.embed_tokens = nn.Embedding(table.shape[0], table.shape[1], _weight=table, _freeze=True)
+        return sum(m.pack_for_cpu(batch_hint) for m in self.modules() if isinstance(m, MergedLinear))
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         if self.embed_tokens is None:
-            x = self.lm_head.weight.index_select(1, input_ids).t()
+            x = self.lm_head.weight.index_select(1, input_ids).t()  # tied, unpacked: columns are tokens
         else:
             x = self.embed_tokens(input_ids)
         cos, sin = self.rope.cos_sin(positions)

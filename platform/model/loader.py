@@ -217,8 +217,12 @@ def torch_dtype(name: str, device: torch.device) -> torch.dtype:
     return table[name]
 
 
-def build_model(model_dir: Path, dtype: torch.dtype, device: torch.device, max_positions: int | None = None):
-    """Instantiate the model from `model_dir` (weights loaded, eval mode) and return (model, config)."""
+def build_model(model_dir: Path, dtype: torch.dtype, device: torch.device, max_positions: int | None = None,
+                pack_cpu: bool = True):
+    """Instantiate the model from `model_dir` (weights loaded, eval mode) and return (model, config).
+
+    On CPU, `pack_cpu` switches linear layers to oneDNN's packed layout where it measures faster.
+    """
     cfg, _ = read_model_config(model_dir)
     model = LlamaModel(cfg, max_positions)
     load_weights(model, model_dir)
@@ -226,4 +230,6 @@ def build_model(model_dir: Path, dtype: torch.dtype, device: torch.device, max_p
     # Cast parameters only: the RoPE sin/cos tables stay float32, as in the reference.
     for param in model.parameters():
         param.data = param.data.to(dtype)
+    if pack_cpu and torch.device(device).type == "cpu":
+        model.pack_for_cpu()
     return model.eval(), cfg
