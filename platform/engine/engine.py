@@ -157,9 +157,12 @@ class LLMEngine:
         if sampled:
             reqs = [self.requests[seq.request_id] for seq in sampled]
             rows = [self._sampling_row(req.seq) for req in reqs]
-            for i, req in enumerate(reqs):
-                if len(req.seq.output_token_ids) < req.seq.params.min_tokens and req.stop_ids:
-                    logits[i, list(req.stop_ids)] = float("-inf")  # too early to stop
+            early = [(i, list(req.stop_ids)) for i, req in enumerate(reqs)
+                     if len(req.seq.output_token_ids) < req.seq.params.min_tokens and req.stop_ids]
+            if early:
+                logits = logits.clone()  # the runner's output is an inference tensor
+                for i, ids in early:
+                    logits[i, ids] = float("-inf")  # too early to stop
             result = self.sampler(logits, rows, [req.generator for req in reqs])
             now = time.monotonic()
             for req, token, logprob in zip(reqs, result.token_ids, result.logprobs):
