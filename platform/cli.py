@@ -97,7 +97,9 @@ def cmd_serve(args) -> int:
     settings = _settings(args)
     host, port = args.host or settings.host, args.port or settings.port
     app = create_app(lambda: AsyncEngine(LLMEngine.from_settings(settings)))
-    print(f"loramux: serving {settings.model} on http://{host}:{port}  (try: curl http://{host}:{port}/health)",
+    print(f"loramux: serving {settings.model} on http://{host}:{port} once the model has loaded. Try:\n"
+          f"  curl -s http://{host}:{port}/generate -H 'Content-Type: application/json' \\\n"
+          f"    -d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}]}}'",
           file=sys.stderr)
     uvicorn.run(app, host=host, port=port, log_level="info")
     return 0
