@@ -34,6 +34,10 @@ class Settings(BaseSettings):
     max_num_batched_tokens: int = 512  # token budget per step: bounds how long a prefill chunk stalls decodes
     max_model_len: int = 4096
 
+    # LoRA adapters: device slots (distinct adapters in one batch) and the largest rank they hold.
+    max_loras: int = 8
+    max_lora_rank: int = 32
+
     # Server.
     host: str = "127.0.0.1"
     port: int = 8000

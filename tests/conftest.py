@@ -7,6 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on CPU tensors (set before import)
+
 from loramux.engine.engine import EngineConfig, LLMEngine
 from loramux.model.loader import build_model, end_of_turn_ids, resolve_model_dir
 from loramux.settings import DEFAULT_MODEL, Settings
@@ -64,3 +67,34 @@ def make_engine(model_dir: Path, tokenizer, **config) -> LLMEngine:
 @pytest.fixture
 def tiny_engine(tiny_dir, tokenizer) -> LLMEngine:
     return make_engine(tiny_dir, tokenizer)
+
+
+PROJECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+               "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+def write_peft_adapter(path: Path, model_cfg, rank: int, targets: list[str], seed: int, alpha: float | None = None,
+                       use_rslora: bool = False, b_std: float = 0.05) -> Path:
+    """Write a random PEFT LoRA adapter (B non-zero) for a model config, in PEFT's on-disk format."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from loramux.adapters.peft_format import projection_shapes
+
+    shapes = projection_shapes(model_cfg)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(model_cfg.num_layers):
+        for target in targets:
+            d_in, d_out = shapes[target]
+            prefix = f"base_model.model.model.layers.{layer}.{PROJECTIONS[target]}.{target}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, d_in, generator=g) / d_in**0.5
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(d_out, rank, generator=g) * b_std
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, path / "adapter_model.safetensors")
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha or 2 * rank,
+              "target_modules": targets, "use_rslora": use_rslora, "lora_dropout": 0.0, "bias": "none",
+              "fan_in_fan_out": False, "base_model_name_or_path": None}
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    return path

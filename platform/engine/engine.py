@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from loramux.adapters.peft_format import LoRAAdapter
+from loramux.adapters.slots import SlotTable
 from loramux.engine.block_manager import BlockManager
 from loramux.engine.detokenizer import IncrementalDetokenizer
 from loramux.engine.model_runner import ModelRunner
@@ -25,6 +27,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int = 4096
+    max_loras: int = 8  # device adapter slots; 0 disables LoRA
+    max_lora_rank: int = 32
 
 
 @dataclass
@@ -41,6 +45,7 @@ class RequestOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     timings: dict[str, Any] = field(default_factory=dict)
+    adapter: str | None = None  # adapter name as requested
 
 
 class RequestError(ValueError):
@@ -54,6 +59,7 @@ class _Request:
     generator: torch.Generator | None
     stop_ids: frozenset[int]
     stop_string_hit: bool = False
+    adapter_name: str | None = None
 
 
 class LLMEngine:
@@ -70,8 +76,18 @@ class LLMEngine:
             per_block = config.block_size * mcfg.kv_bytes_per_token(torch.finfo(dtype).bits // 8)
             num_blocks = max(1, config.kv_cache_bytes // per_block)
         self.block_manager = BlockManager(num_blocks, config.block_size)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, dtype, device)
+        self.slots = SlotTable(config.max_loras)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.slots)
+        self.slot_pool = None
+        if config.max_loras > 0:
+            from loramux.adapters.slot_pool import DeviceSlotPool
+
+            self.slot_pool = DeviceSlotPool(model, config.max_loras, config.max_lora_rank, dtype, device)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, dtype, device,
+                                  self.slot_pool.wrapper if self.slot_pool else None)
+        # Local adapter source: name -> adapter (the registry issue puts SQL and storage tiers behind this).
+        self.adapters: dict[str, LoRAAdapter] = {}
+        self._by_digest: dict[str, LoRAAdapter] = {}
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, _Request] = {}
@@ -93,10 +109,30 @@ class LLMEngine:
         config = EngineConfig(block_size=settings.block_size, kv_cache_bytes=settings.kv_cache_bytes,
                               max_num_seqs=settings.max_num_seqs,
                               max_num_batched_tokens=settings.max_num_batched_tokens,
-                              max_model_len=settings.max_model_len)
+                              max_model_len=settings.max_model_len, max_loras=settings.max_loras,
+                              max_lora_rank=settings.max_lora_rank)
         engine = cls(model, tokenizer, config, end_of_turn_ids(tokenizer, mcfg, model_dir), dtype, device)
         engine.model_name = settings.model
         return engine
+
+    # -- adapters --------------------------------------------------------------------------------
+    def register_adapter(self, adapter: LoRAAdapter) -> None:
+        """Make `adapter` servable under `adapter.name`; a new version under the same name replaces it
+        for later requests (running ones finish on the version they started with)."""
+        if self.slot_pool is None:
+            raise RequestError("LoRA is disabled on this engine (max_loras = 0)")
+        if adapter.rank > self.config.max_lora_rank:
+            raise RequestError(f"adapter {adapter.name!r} has rank {adapter.rank}; this server's maximum LoRA rank "
+                               f"is {self.config.max_lora_rank} (LORAMUX_MAX_LORA_RANK)")
+        self.adapters[adapter.name] = adapter
+        self._by_digest[adapter.digest] = adapter
+
+    def load_adapter_dir(self, path, name: str | None = None) -> LoRAAdapter:
+        from loramux.adapters.peft_format import load_adapter_dir
+
+        adapter = load_adapter_dir(path, self.model.config, name, self.config.max_lora_rank)
+        self.register_adapter(adapter)
+        return adapter
 
     # -- requests --------------------------------------------------------------------------------
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
@@ -107,11 +143,17 @@ class LLMEngine:
         return list(ids)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    priority: int = 0, arrival: float | None = None) -> Sequence:
-        """Queue a request; raise RequestError when it can never run."""
+                    priority: int = 0, arrival: float | None = None, adapter: str | None = None) -> Sequence:
+        """Queue a request (for `adapter` by name, or the base model); raise RequestError when it can
+        never run."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
+        lora = None
+        if adapter is not None:
+            lora = self.adapters.get(adapter)
+            if lora is None:
+                raise RequestError(f"unknown adapter {adapter!r}")
         ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise RequestError("the prompt is empty")
@@ -121,12 +163,12 @@ class LLMEngine:
         blocks = self.block_manager.blocks_for_tokens(len(ids) + 1)
         if blocks > self.block_manager.num_blocks:
             raise RequestError(f"the prompt needs {blocks} KV blocks but the cache has {self.block_manager.num_blocks}")
-        seq = Sequence(request_id, ids, params, priority=priority,
+        seq = Sequence(request_id, ids, params, priority=priority, adapter=lora.digest if lora else None,
                        **({"arrival": arrival} if arrival is not None else {}))
         generator = Sampler.make_generator(params.seed) if params.seed is not None else None
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
-        self.requests[request_id] = _Request(seq, detok, generator, stop_ids)
+        self.requests[request_id] = _Request(seq, detok, generator, stop_ids, adapter_name=adapter)
         self.scheduler.add(seq)
         return seq
 
@@ -149,6 +191,8 @@ class LLMEngine:
         self.num_preemptions += len(batch.preempted)
         if not batch:
             return outputs
+        for slot, digest in batch.adapter_loads:
+            self.slot_pool.load(slot, self._by_digest[digest])
         logits, sampled = self.runner.run(batch)
         for seq, n in batch.prefills:
             seq.num_computed_tokens += n
@@ -220,6 +264,7 @@ class LLMEngine:
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,
             num_prompt_tokens=len(seq.prompt_token_ids),
             timings=seq.timings.as_dict(len(seq.output_token_ids)) if finished else {},
+            adapter=req.adapter_name,
         )
 
     # -- conveniences ----------------------------------------------------------------------------
@@ -245,4 +290,6 @@ class LLMEngine:
             "kv_blocks_free": self.block_manager.num_free_blocks,
             "kv_blocks_total": self.block_manager.num_blocks,
             "preemptions": self.num_preemptions,
+            "adapter_slots_pinned": self.slots.num_pinned,
+            "adapter_slot_loads": self.slots.loads,
         }

@@ -18,12 +18,13 @@ class ModelRunner:
     """
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, lora_wrapper=None):
         cfg = model.config
         self.model = model
         self.device = device
         self.block_size = block_size
         self.kv = KVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+        self.lora_wrapper = lora_wrapper
 
     def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
@@ -37,6 +38,7 @@ class ModelRunner:
         chunks: list[PrefillChunk] = []
         sample_rows: list[int] = []
         sampled: list[Sequence] = []
+        slot_map: list[int] = []  # adapter slot per row, -1 = base model
         for seq, n in batch.prefills:
             start = seq.num_computed_tokens
             end = start + n
@@ -45,6 +47,7 @@ class ModelRunner:
             row0 = len(tokens)
             tokens.extend(all_tokens[start:end])
             positions.extend(range(start, end))
+            slot_map.extend([seq.lora_slot] * n)
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             chunks.append(PrefillChunk(row0, row0 + n, end, self._tensor(table)))
             if end == seq.num_tokens:
@@ -56,7 +59,9 @@ class ModelRunner:
         if batch.decodes:
             max_blocks = max(len(seq.block_table) for seq in batch.decodes)
             padded, context_lens = [], []
-            for seq in batch.decodes:
+            # Rows of one adapter side by side: fewer, longer LoRA segments.
+            for seq in sorted(batch.decodes, key=lambda s: s.lora_slot):
+                slot_map.append(seq.lora_slot)
                 p = seq.num_computed_tokens
                 tokens.append(seq.last_token())
                 positions.append(p)
@@ -73,6 +78,8 @@ class ModelRunner:
             decode_mask = decode_mask.masked_fill_(~valid, float("-inf"))[:, None, None, :]
 
         meta = AttentionMetadata(self._tensor(slots), chunks, num_prefill_tokens, decode_tables, decode_mask)
+        if self.lora_wrapper is not None:
+            self.lora_wrapper.set_batch(slot_map, self.device)
         return self._tensor(tokens), self._tensor(positions), meta, sample_rows, sampled
 
     @torch.inference_mode()

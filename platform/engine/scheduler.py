@@ -4,6 +4,10 @@ Each step has a token budget. Running decodes come first (one token each), then 
 continue in chunks, then waiting sequences are admitted by priority. A long prompt is therefore
 split across steps instead of stalling the decodes. When the KV pool runs dry the lowest-priority,
 most recently arrived running sequence is preempted: its blocks are freed and it is recomputed later.
+
+A sequence with an adapter is admitted only when the adapter holds or can get a device slot; it pins
+the slot while running. Waiting sequences whose adapter cannot get a slot are passed over (others,
+base-only or with resident adapters, may run) until a slot frees up.
 """
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import heapq
 import time
 from dataclasses import dataclass, field
 
+from loramux.adapters.slots import SlotTable
 from loramux.engine.block_manager import BlockManager
 from loramux.engine.sequence import FinishReason, Sequence, SequenceStatus
 
@@ -22,6 +27,7 @@ class ScheduledBatch:
     prefills: list[tuple[Sequence, int]] = field(default_factory=list)
     decodes: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    adapter_loads: list[tuple[int, str]] = field(default_factory=list)  # (slot, adapter) to copy in first
 
     @property
     def num_tokens(self) -> int:
@@ -37,12 +43,14 @@ def _rank(seq: Sequence) -> tuple:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 slots: SlotTable | None = None):
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs so every decode fits a step")
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.slots = slots if slots is not None else SlotTable(0)
         self._waiting: list[tuple[tuple, Sequence]] = []  # heap by _rank
         self.running: list[Sequence] = []
 
@@ -72,6 +80,7 @@ class Scheduler:
             self._waiting = [item for item in self._waiting if item[1] is not seq]
             heapq.heapify(self._waiting)
         self.blocks.free(seq)
+        self._unpin(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.timings.finished = now if now is not None else time.monotonic()
@@ -98,12 +107,20 @@ class Scheduler:
                 budget -= n
 
         # Admit new work only when nothing had to be preempted this step: otherwise they would thrash.
+        passed_over = []
         while self._waiting and not batch.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self._waiting[0][1]
+            if seq.adapter is not None and not self.slots.can_acquire(seq.adapter):
+                passed_over.append(heapq.heappop(self._waiting))  # its adapter waits for a slot
+                continue
             # Reserve the whole remaining prompt so an admitted prefill is not preempted halfway.
             if self.blocks.blocks_needed(seq, seq.num_uncomputed_tokens + 1) > self.blocks.num_free_blocks:
                 break
             heapq.heappop(self._waiting)
+            if seq.adapter is not None:
+                seq.lora_slot, needs_load = self.slots.acquire(seq.adapter)
+                if needs_load:
+                    batch.adapter_loads.append((seq.lora_slot, seq.adapter))
             n = min(seq.num_uncomputed_tokens, budget)
             self.blocks.allocate(seq, n)
             seq.status = SequenceStatus.RUNNING
@@ -112,7 +129,14 @@ class Scheduler:
             self.running.append(seq)
             batch.prefills.append((seq, n))
             budget -= n
+        for item in passed_over:
+            heapq.heappush(self._waiting, item)
         return batch
+
+    def _unpin(self, seq: Sequence) -> None:
+        if seq.lora_slot >= 0:
+            self.slots.release(seq.lora_slot)
+            seq.lora_slot = -1
 
     def _make_room(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
         """Preempt lower-ranked sequences until `seq` can get its blocks; False if `seq` itself was."""
@@ -129,6 +153,7 @@ class Scheduler:
             batch.decodes.remove(seq)
         batch.prefills = [(s, n) for s, n in batch.prefills if s is not seq]
         self.blocks.free(seq)
+        self._unpin(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         batch.preempted.append(seq)

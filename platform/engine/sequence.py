@@ -62,6 +62,8 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0  # higher runs first
+    adapter: str | None = None  # adapter key (its content digest), None = base model only
+    lora_slot: int = -1  # device slot pinned while running, -1 = none
     arrival: float = field(default_factory=time.monotonic)
     deadline: float | None = None  # time.monotonic() value
     seq_id: int = field(default_factory=lambda: next(_ids))

@@ -33,6 +33,9 @@ class MergedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(in_features, self.out_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(self.out_features), requires_grad=False) if bias else None
         self.packed_weight: torch.Tensor | None = None  # oneDNN layout, when packed for CPU
+        # Set by the adapter slot pool: this projection's slot buffers and the shared LoRA wrapper.
+        self.lora = None
+        self.lora_wrapper = None
 
     def slice_range(self, name: str) -> tuple[int, int]:
         """Columns [start, end) of W (and entries of b) that belong to slice `name`."""
@@ -54,10 +57,14 @@ class MergedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:
-            return cpu_linear.packed_linear(x, self.packed_weight, self.bias)
-        if self.bias is None:
-            return x @ self.weight
-        return torch.addmm(self.bias, x, self.weight)
+            y = cpu_linear.packed_linear(x, self.packed_weight, self.bias)
+        elif self.bias is None:
+            y = x @ self.weight
+        else:
+            y = torch.addmm(self.bias, x, self.weight)
+        if self.lora is not None:
+            self.lora_wrapper.apply(y, x, self.lora)
+        return y
 
 
 class RMSNorm(nn.Module):

@@ -1,0 +1,67 @@
+"""The device-side slot buffers: one `LoRALayerWeights` per merged projection of every layer."""
+from __future__ import annotations
+
+import torch
+
+from loramux.adapters.peft_format import LoRAAdapter
+from loramux.kernels.wrapper import LoRALayerWeights, LoRAWrapper
+from loramux.model.llama import LlamaModel, MergedLinear
+
+# HF / PEFT projection name -> (merged module path in a decoder layer, slice name)
+SLICE_OF = {
+    "q_proj": ("self_attn.qkv_proj", "q"), "k_proj": ("self_attn.qkv_proj", "k"),
+    "v_proj": ("self_attn.qkv_proj", "v"), "o_proj": ("self_attn.o_proj", "o"),
+    "gate_proj": ("mlp.gate_up_proj", "gate"), "up_proj": ("mlp.gate_up_proj", "up"),
+    "down_proj": ("mlp.down_proj", "down"),
+}
+MODULES = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+class DeviceSlotPool:
+    """Allocates `num_slots` x `max_rank` buffers for every LoRA-able projection and wires them into
+    the model, so each MergedLinear calls the shared LoRAWrapper with its own buffers."""
+
+    def __init__(self, model: LlamaModel, num_slots: int, max_rank: int, dtype: torch.dtype,
+                 device: torch.device | str):
+        self.num_slots, self.max_rank = num_slots, max_rank
+        self.wrapper = LoRAWrapper()
+        self.layers: list[dict[str, LoRALayerWeights]] = []
+        for layer in model.layers:
+            per_module = {}
+            for path in MODULES:
+                module: MergedLinear = layer.get_submodule(path)
+                n = len(module.slices)
+                weights = LoRALayerWeights(
+                    a=torch.zeros(num_slots, n * max_rank, module.in_features, dtype=dtype, device=device),
+                    b=[torch.zeros(num_slots, size, max_rank, dtype=dtype, device=device) for _, size in module.slices],
+                    offsets=[module.slice_range(name)[0] for name, _ in module.slices],
+                    scale=torch.zeros(num_slots, dtype=torch.float32, device=device),
+                    names=[name for name, _ in module.slices],
+                )
+                module.lora_wrapper, module.lora = self.wrapper, weights
+                per_module[path] = weights
+            self.layers.append(per_module)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.a.numel() * w.a.element_size() + sum(b.numel() * b.element_size() for b in w.b)
+                   for layer in self.layers for w in layer.values())
+
+    def load(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Copy `adapter` into `slot`, zeroing whatever the previous occupant left there."""
+        if adapter.rank > self.max_rank:
+            raise ValueError(f"adapter {adapter.name!r} has rank {adapter.rank} > slot max rank {self.max_rank}")
+        r, big = adapter.rank, self.max_rank
+        for per_module in self.layers:
+            for weights in per_module.values():
+                weights.a[slot].zero_()
+                for b in weights.b:
+                    b[slot].zero_()
+                weights.scale[slot] = adapter.scale
+        for (layer, target), (a, b) in adapter.weights.items():
+            path, slice_name = SLICE_OF[target]
+            weights = self.layers[layer][path]
+            index = weights.names.index(slice_name)
+            weights.a[slot, index * big:index * big + r].copy_(a)
+            weights.b[index][slot, :, :r].copy_(b)
+

@@ -1,0 +1,109 @@
+"""LoRA kernels: segment building, and the Triton (interpreter) and torch paths vs a float64 reference."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from loramux.kernels import LoRABatch, build_segments, lora_expand, lora_shrink
+from loramux.kernels import torch_ops
+from loramux.kernels.torch_ops import lora_expand_reference, lora_shrink_reference
+
+
+@pytest.mark.parametrize("slot_map,starts,lengths,slots", [
+    ([], (), (), ()),
+    ([-1, -1, -1], (), (), ()),
+    ([0], (0,), (1,), (0,)),
+    ([2, 2, 2], (0,), (3,), (2,)),
+    ([0, 0, 1, 1, 1, -1, 0], (0, 2, 6), (2, 3, 1), (0, 1, 0)),
+    ([-1, 3, -1, 3, 3], (1, 3), (1, 2), (3, 3)),
+    ([1, 0, 1, 0], (0, 1, 2, 3), (1, 1, 1, 1), (1, 0, 1, 0)),
+])
+def test_build_segments(slot_map, starts, lengths, slots):
+    seg = build_segments(slot_map)
+    assert (seg.starts, seg.lengths, seg.slots) == (starts, lengths, slots)
+    assert seg.num_tokens == len(slot_map)
+    assert seg.max_length == max(lengths, default=0)
+    assert seg.active_slots == tuple(dict.fromkeys(slots))
+    assert seg.has_lora == bool(slots)
+
+
+def test_build_segments_rejects_bad_slots():
+    with pytest.raises(ValueError, match="slot ids must be >= -1"):
+        build_segments([0, -2])
+
+
+def random_case(seed: int, num_tokens: int, layout: str, n_slots: int = 4):
+    rng = random.Random(seed)
+    if layout == "all_base":
+        slot_map = [-1] * num_tokens
+    elif layout == "one_adapter":
+        slot_map = [rng.randrange(n_slots)] * num_tokens
+    elif layout == "per_token":
+        slot_map = [rng.randrange(-1, n_slots) for _ in range(num_tokens)]
+    else:  # runs of random length, some base-only, some slots never used (empty segments)
+        slot_map = []
+        while len(slot_map) < num_tokens:
+            slot_map += [rng.choice([-1, 0, 2])] * rng.randint(1, 40)
+        slot_map = slot_map[:num_tokens]
+    return slot_map
+
+
+CASES = [
+    (1, 8, 16, 32, "per_token"),      # a single token
+    (7, 64, 8, 96, "per_token"),
+    (40, 48, 4, 80, "runs"),
+    (100, 130, 16, 200, "runs"),      # larger than any kernel block (16 rows, 64 columns)
+    (33, 64, 64, 64, "one_adapter"),
+    (20, 32, 8, 48, "all_base"),
+    (70, 96, 24, 150, "runs"),         # a rank that is no power of two
+]
+
+
+@pytest.mark.parametrize("impl", ["torch", "torch-loop", "torch-gather", "triton"])
+@pytest.mark.parametrize("num_tokens,d_in,rank,d_out,layout", CASES)
+def test_ops_match_float64_reference(impl, num_tokens, d_in, rank, d_out, layout, monkeypatch):
+    if impl == "torch-loop":
+        monkeypatch.setattr(torch_ops, "LOOP_MIN_AVG_SEGMENT", 0)
+    if impl == "torch-gather":
+        monkeypatch.setattr(torch_ops, "LOOP_MIN_AVG_SEGMENT", 10**9)
+    g = torch.Generator().manual_seed(num_tokens * 1000 + rank)
+    n_slots = 4
+    x = torch.randn(num_tokens, d_in, generator=g)
+    a = torch.randn(n_slots, rank, d_in, generator=g) / d_in**0.5
+    b = torch.randn(n_slots, d_out, rank, generator=g)
+    scale = torch.tensor([0.5, 2.0, 1.0, 0.25])
+    col_offset = 5
+    y = torch.randn(num_tokens, d_out + 9, generator=g)
+    slot_map = random_case(num_tokens, num_tokens, layout, n_slots)
+    batch = LoRABatch.from_slot_map(slot_map)
+    sm = torch.tensor(slot_map, dtype=torch.long)
+
+    kind = "triton" if impl == "triton" else "torch"
+    v = lora_shrink(x, a, batch, impl=kind)
+    torch.testing.assert_close(v.double(), lora_shrink_reference(x, a, sm), atol=1e-4, rtol=1e-4)
+    expected = lora_expand_reference(y, v, b, scale, sm, col_offset)
+    before = y.clone()
+    lora_expand(y, v, b, scale, batch, col_offset=col_offset, impl=kind)
+    torch.testing.assert_close(y.double(), expected, atol=1e-4, rtol=1e-4)
+    base_rows = sm < 0
+    assert torch.equal(y[base_rows], before[base_rows]), "rows without an adapter must be left untouched"
+    assert torch.equal(y[:, :col_offset], before[:, :col_offset]), "columns outside the slice were written"
+
+
+def test_bfloat16_torch_path_close_to_reference():
+    # Triton's CPU interpreter has no bfloat16 (numpy); bench/gpu_check.py checks Triton in bf16 on a GPU.
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(20, 64, generator=g).bfloat16()
+    a = (torch.randn(2, 16, 64, generator=g) / 8).bfloat16()
+    b = torch.randn(2, 96, 16, generator=g).bfloat16()
+    scale = torch.tensor([1.0, 0.5])
+    batch = LoRABatch.from_slot_map([0] * 7 + [-1] * 3 + [1] * 10)
+    v = lora_shrink(x, a, batch, impl="torch")
+    ref_v = lora_shrink_reference(x, a, batch.slot_map)
+    assert (v.double() - ref_v).abs().max() < 0.05
+    y = torch.zeros(20, 96, dtype=torch.bfloat16)
+    lora_expand(y, v, b, scale, batch, impl="torch")
+    ref_y = lora_expand_reference(torch.zeros(20, 96), v, b, scale, batch.slot_map)
+    assert (y.double() - ref_y).abs().max() < 0.1
