@@ -18,6 +18,7 @@ def _settings(args) -> Settings:
 
 
 def cmd_generate(args) -> int:
+    from loramux.adapters.peft_format import AdapterFormatError
     from loramux.engine.engine import LLMEngine, RequestError
     from loramux.engine.sampling_params import SamplingParams
 
@@ -28,11 +29,22 @@ def cmd_generate(args) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    engine = LLMEngine.from_settings(_settings(args))
+    settings = _settings(args)
+    if args.adapter:
+        # Size the slot pool for this one adapter instead of the server default.
+        settings = settings.model_copy(update={"max_loras": 1, "max_lora_rank": _adapter_rank(args.adapter)})
+    engine = LLMEngine.from_settings(settings)
+    adapter = None
+    if args.adapter:
+        try:
+            adapter = engine.load_adapter_dir(args.adapter).name
+        except (AdapterFormatError, RequestError) as exc:
+            print(f"error: adapter {args.adapter}: {exc}", file=sys.stderr)
+            return 2
     load_s = time.perf_counter() - t0
     prompt = engine.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     try:
-        engine.add_request("cli", prompt, params)
+        engine.add_request("cli", prompt, params, adapter=adapter)
     except RequestError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -49,6 +61,16 @@ def cmd_generate(args) -> int:
           f"ttft {t['ttft_ms']:.0f} ms, decode {t['decode_tokens_per_s'] or 0:.1f} tok/s, "
           f"total {t['total_ms']:.0f} ms]", file=sys.stderr)
     return 0
+
+
+def _adapter_rank(path: str) -> int:
+    from loramux.adapters.peft_format import AdapterFormatError, parse_config
+
+    config_file = Path(path) / "adapter_config.json"
+    try:
+        return parse_config(config_file.read_bytes())["r"]
+    except (OSError, AdapterFormatError):
+        return 1  # the full load below reports the real problem
 
 
 def cmd_plan(args) -> int:
@@ -118,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     model_opts(g)
     g.add_argument("prompt")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--adapter", help="a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors)")
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=None)
     g.add_argument("--top-p", type=float, default=1.0)

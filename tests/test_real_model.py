@@ -93,3 +93,19 @@ def test_cli_generate_answers_paris():
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
     assert "tokens" in proc.stderr and "Paris" not in proc.stderr  # stats on stderr, text on stdout
+
+
+def test_cli_generate_with_adapter(tmp_path, smol_dir):
+    from conftest import write_peft_adapter
+    from loramux.model.loader import read_model_config
+
+    cfg, _ = read_model_config(smol_dir)
+    adapter = write_peft_adapter(tmp_path / "strong", cfg, 8, ["q_proj", "v_proj", "down_proj"], seed=5, b_std=0.5)
+    cmd = [sys.executable, "-m", "loramux.cli", "generate", "--max-tokens", "12", "--chat", "What is the capital of France?"]
+    base = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    tuned = subprocess.run(cmd[:4] + ["--adapter", str(adapter)] + cmd[4:], capture_output=True, text=True, timeout=300)
+    assert base.returncode == 0 and tuned.returncode == 0, tuned.stderr
+    assert tuned.stdout != base.stdout  # the adapter changes the answer
+    bad = subprocess.run(cmd[:4] + ["--adapter", str(tmp_path / "missing")] + cmd[4:], capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode == 2 and "adapter_config.json not found" in bad.stderr
