@@ -26,6 +26,8 @@ class DeviceSlotPool:
         self.num_slots, self.max_rank = num_slots, max_rank
         self.wrapper = LoRAWrapper()
         self.layers: list[dict[str, LoRALayerWeights]] = []
+        # One scale per slot (alpha / r), shared by every projection.
+        self.scale = torch.zeros(num_slots, dtype=torch.float32, device=device)
         for layer in model.layers:
             per_module = {}
             for path in MODULES:
@@ -33,9 +35,12 @@ class DeviceSlotPool:
                 n = len(module.slices)
                 weights = LoRALayerWeights(
                     a=torch.zeros(num_slots, n * max_rank, module.in_features, dtype=dtype, device=device),
-                    b=[torch.zeros(num_slots, size, max_rank, dtype=dtype, device=device) for _, size in module.slices],
+                    # B lives as [slots, R, d_out] (so slots 0..k stack into one GEMM operand without a copy)
+                    # and is handed to the kernels as the [slots, d_out, R] view their semantics name.
+                    b=[torch.zeros(num_slots, max_rank, size, dtype=dtype, device=device).transpose(1, 2)
+                       for _, size in module.slices],
                     offsets=[module.slice_range(name)[0] for name, _ in module.slices],
-                    scale=torch.zeros(num_slots, dtype=torch.float32, device=device),
+                    scale=self.scale,
                     names=[name for name, _ in module.slices],
                 )
                 module.lora_wrapper, module.lora = self.wrapper, weights
@@ -57,7 +62,7 @@ class DeviceSlotPool:
                 weights.a[slot].zero_()
                 for b in weights.b:
                     b[slot].zero_()
-                weights.scale[slot] = adapter.scale
+        self.scale[slot] = adapter.scale
         for (layer, target), (a, b) in adapter.weights.items():
             path, slice_name = SLICE_OF[target]
             weights = self.layers[layer][path]

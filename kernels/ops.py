@@ -6,12 +6,13 @@ per step and shared by every layer.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
 
 from loramux.kernels.segments import Segments, build_segments
+from loramux.kernels import torch_ops
 from loramux.kernels.torch_ops import lora_expand_torch, lora_shrink_torch
 
 
@@ -20,6 +21,16 @@ class LoRABatch:
     segments: Segments
     slot_map: torch.Tensor  # [T] long, -1 = base model only
     seg_tensors: tuple | None = None  # (starts, lengths, slots) int32 on the device, for Triton
+    _row_weights: dict = field(default_factory=dict)
+
+    def row_weights(self, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[T, max_slot + 1]: scale[slot] at each row's own slot, zero elsewhere (built once per step)."""
+        key = (id(scale), dtype)
+        if key not in self._row_weights:
+            k = self.segments.max_slot + 1
+            onehot = self.slot_map.unsqueeze(1) == torch.arange(k, device=self.slot_map.device)
+            self._row_weights[key] = (onehot * scale[:k]).to(dtype)
+        return self._row_weights[key]
 
     @classmethod
     def from_slot_map(cls, slot_map: list[int], device: torch.device | str = "cpu") -> "LoRABatch":
@@ -67,3 +78,17 @@ def lora_expand(y: torch.Tensor, v: torch.Tensor, b: torch.Tensor, scale: torch.
         lora_expand_triton(y, v, b, scale, batch.segments, col_offset, batch.seg_tensors)
         return
     lora_expand_torch(y, v, b, scale, batch.segments, batch.slot_map, col_offset)
+
+
+def lora_shrink_expand(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor],
+                       offsets: list[int], scale: torch.Tensor, batch: LoRABatch, impl: str | None = None) -> None:
+    """Stacked slices: one shrink against A = [n_slots, n_slices * R, d_in], then one expand per slice
+    (B_i [n_slots, d_out_i, R] into columns offsets[i]...). Same result as lora_shrink + lora_expand;
+    on CPU with many short segments it fuses them (see torch_ops.shrink_expand_dense)."""
+    if not _use_triton(x, impl) and torch_ops.pick_strategy(batch.segments) == "dense":
+        torch_ops.shrink_expand_dense(y, x, a, bs, offsets, batch.row_weights(scale, x.dtype), batch.segments)
+        return
+    v = lora_shrink(x, a, batch, impl)
+    rank = bs[0].shape[2]
+    for i, (b, offset) in enumerate(zip(bs, offsets)):
+        lora_expand(y, v[:, i * rank:(i + 1) * rank], b, scale, batch, col_offset=offset, impl=impl)

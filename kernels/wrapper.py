@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loramux.kernels.ops import LoRABatch, lora_expand, lora_shrink
+from loramux.kernels.ops import LoRABatch, lora_shrink_expand
 
 
 @dataclass
@@ -47,8 +47,5 @@ class LoRAWrapper:
         """Add the LoRA deltas of this step's adapters to y = base(x), in place; returns y."""
         if self.batch is None or weights is None:
             return y
-        v = lora_shrink(x, weights.a, self.batch)
-        rank = weights.rank
-        for i, (b, offset) in enumerate(zip(weights.b, weights.offsets)):
-            lora_expand(y, v[:, i * rank:(i + 1) * rank], b, weights.scale, self.batch, col_offset=offset)
+        lora_shrink_expand(y, x, weights.a, weights.b, weights.offsets, weights.scale, self.batch)
         return y

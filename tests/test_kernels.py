@@ -40,6 +40,8 @@ def random_case(seed: int, num_tokens: int, layout: str, n_slots: int = 4):
         slot_map = [-1] * num_tokens
     elif layout == "one_adapter":
         slot_map = [rng.randrange(n_slots)] * num_tokens
+    elif layout == "per_token_all":
+        slot_map = [rng.randrange(n_slots) for _ in range(num_tokens)]
     elif layout == "per_token":
         slot_map = [rng.randrange(-1, n_slots) for _ in range(num_tokens)]
     else:  # runs of random length, some base-only, some slots never used (empty segments)
@@ -58,21 +60,21 @@ CASES = [
     (33, 64, 64, 64, "one_adapter"),
     (20, 32, 8, 48, "all_base"),
     (70, 96, 24, 150, "runs"),         # a rank that is no power of two
+    (12, 40, 8, 24, "per_token_all"),
 ]
 
 
-@pytest.mark.parametrize("impl", ["torch", "torch-loop", "torch-gather", "triton"])
+@pytest.mark.parametrize("impl", ["torch", "torch-loop", "torch-dense", "torch-gather", "triton"])
 @pytest.mark.parametrize("num_tokens,d_in,rank,d_out,layout", CASES)
 def test_ops_match_float64_reference(impl, num_tokens, d_in, rank, d_out, layout, monkeypatch):
-    if impl == "torch-loop":
-        monkeypatch.setattr(torch_ops, "LOOP_MIN_AVG_SEGMENT", 0)
-    if impl == "torch-gather":
-        monkeypatch.setattr(torch_ops, "LOOP_MIN_AVG_SEGMENT", 10**9)
+    if impl.startswith("torch-"):
+        monkeypatch.setattr(torch_ops, "pick_strategy", lambda seg, forced=impl[6:]: forced)
     g = torch.Generator().manual_seed(num_tokens * 1000 + rank)
     n_slots = 4
     x = torch.randn(num_tokens, d_in, generator=g)
     a = torch.randn(n_slots, rank, d_in, generator=g) / d_in**0.5
-    b = torch.randn(n_slots, d_out, rank, generator=g)
+    # The slot pool's layout: B stored as [slots, R, d_out] and handed over transposed (a strided view).
+    b = torch.randn(n_slots, rank, d_out, generator=g).transpose(1, 2)
     scale = torch.tensor([0.5, 2.0, 1.0, 0.25])
     col_offset = 5
     y = torch.randn(num_tokens, d_out + 9, generator=g)
@@ -107,3 +109,26 @@ def test_bfloat16_torch_path_close_to_reference():
     lora_expand(y, v, b, scale, batch, impl="torch")
     ref_y = lora_expand_reference(torch.zeros(20, 96), v, b, scale, batch.slot_map)
     assert (y.double() - ref_y).abs().max() < 0.1
+
+
+@pytest.mark.parametrize("strategy", ["loop", "dense", "gather"])
+@pytest.mark.parametrize("slot_map", [[0, 1, 2, 3, 1, -1, 2, 0], [3] * 5 + [-1] * 2, [2, -1, 0]])
+def test_stacked_slices_match_per_slice_reference(strategy, slot_map, monkeypatch):
+    from loramux.kernels.ops import lora_shrink_expand
+
+    monkeypatch.setattr(torch_ops, "pick_strategy", lambda seg: strategy)
+    g = torch.Generator().manual_seed(len(slot_map))
+    n_slots, rank, d_in, outs = 4, 8, 24, [16, 8, 8]
+    x = torch.randn(len(slot_map), d_in, generator=g)
+    a = torch.randn(n_slots, len(outs) * rank, d_in, generator=g)
+    bs = [torch.randn(n_slots, rank, o, generator=g).transpose(1, 2) for o in outs]
+    offsets = [0, 16, 24]
+    scale = torch.tensor([1.0, 0.5, 2.0, 0.25])
+    y = torch.randn(len(slot_map), sum(outs), generator=g)
+    sm = torch.tensor(slot_map)
+    expected = y.double().clone()
+    for i, (b, off) in enumerate(zip(bs, offsets)):
+        v_i = lora_shrink_reference(x, a[:, i * rank:(i + 1) * rank], sm)
+        expected = lora_expand_reference(expected, v_i, b, scale, sm, off)
+    lora_shrink_expand(y, x, a, bs, offsets, scale, LoRABatch.from_slot_map(slot_map), impl="torch")
+    torch.testing.assert_close(y.double(), expected, atol=1e-4, rtol=1e-4)

@@ -1,0 +1,188 @@
+"""Mixed-adapter batches: loramux vs PEFT on SmolLM2, r=16 on all 7 projections, 64 new tokens.
+
+Side by side in one process, same prompts and weights (float32), same threads, one warm-up per
+configuration, exactly `--new-tokens` tokens per request on every side (EOS suppressed: min_tokens /
+min_new_tokens), rounds alternating between configurations, medians reported.
+
+Configurations per batch size B (8 and 16):
+  loramux base-only; loramux with U = 1, 2, 4, 8, B distinct adapters (rows spread round-robin);
+  PEFT mixed-batch generate (`adapter_names=`, U = B); PEFT single-adapter batch (U = 1).
+First, a kernel micro-benchmark: LoRA op time / base matmul time per decoder layer at SmolLM2 shapes.
+Ends with FIGURE mixed_vs_peft_b8 (U=B=8, loramux / PEFT mixed) and FIGURE mixed_vs_base_b8
+(U=B=8, loramux / loramux base-only).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def best_of(fn, reps: int = 20) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def kernel_microbench(cfg, num_slots: int = 8, rank: int = 16, rows: int = 8) -> None:
+    """One decoder layer's four projections: base matmuls vs the LoRA ops of each strategy."""
+    from loramux.kernels import LoRABatch
+    from loramux.kernels import torch_ops
+    from loramux.kernels.wrapper import LoRAWrapper, LoRALayerWeights
+
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    modules = {"qkv": (h, [cfg.q_size, cfg.kv_size, cfg.kv_size]), "o": (cfg.q_size, [h]),
+               "gate_up": (h, [i, i]), "down": (i, [h])}
+    # Distinct weights per layer so the timing streams weights like a real step (30 layers' worth).
+    layers = 30
+    base = [{n: torch.randn(d_in, sum(outs)) for n, (d_in, outs) in modules.items()} for _ in range(layers)]
+    lora = [{n: LoRALayerWeights(a=torch.randn(num_slots, len(outs) * rank, d_in) * 0.01,
+                                 b=[torch.randn(num_slots, rank, o).transpose(1, 2) for o in outs],
+                                 offsets=[sum(outs[:j]) for j in range(len(outs))],
+                                 scale=torch.ones(num_slots), names=[str(j) for j in range(len(outs))])
+             for n, (d_in, outs) in modules.items()} for _ in range(layers)]
+    xs = {d: torch.randn(rows, d) for d in {h, i, cfg.q_size}}
+    print(f"kernel micro-benchmark: {layers} layers x 4 projections, {rows} decode rows, {num_slots} slots, r={rank}")
+
+    def run_base():
+        return [xs[w.shape[0]] @ w for layer in base for w in layer.values()]
+
+    base_s = best_of(run_base, 10)
+    print(f"  base matmuls                      {base_s * 1e3:7.2f} ms")
+    for layout_name, slot_map in (("U=8 (one adapter per row)", list(range(rows))),
+                                  ("U=1 (all rows one adapter)", [0] * rows)):
+        for strategy in ("loop", "dense", "gather"):
+            wrapper = LoRAWrapper()
+            wrapper.batch = LoRABatch.from_slot_map(slot_map)
+            original = torch_ops.pick_strategy
+            torch_ops.pick_strategy = lambda seg, s=strategy: s
+            ys = run_base()
+
+            def run_lora():
+                k = 0
+                for layer in lora:
+                    for name, weights in layer.items():
+                        wrapper.apply(ys[k], xs[weights.a.shape[2]], weights)
+                        k += 1
+
+            lora_s = best_of(run_lora, 10)
+            torch_ops.pick_strategy = original
+            chosen = original(wrapper.batch.segments)
+            print(f"  LoRA {layout_name:28s} {strategy:6s} {lora_s * 1e3:7.2f} ms  = {lora_s / base_s:5.2f} x base"
+                  f"{'   <- chosen' if strategy == chosen else ''}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="8,16")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--skip-peft", action="store_true")
+    args = ap.parse_args()
+
+    from conftest import write_peft_adapter
+    from engine_throughput import PROMPTS
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from loramux.engine.engine import LLMEngine
+    from loramux.engine.sampling_params import SamplingParams
+    from loramux.settings import Settings
+
+    batches = [int(b) for b in args.batches.split(",")]
+    engine = LLMEngine.from_settings(Settings(dtype="float32", device="cpu", max_loras=max(batches),
+                                              max_lora_rank=args.rank))
+    cfg = engine.model.config
+    print(f"SmolLM2-135M-Instruct float32, threads={torch.get_num_threads()}, r={args.rank} on all 7 projections, "
+          f"{args.new_tokens} new tokens, rounds={args.rounds} (median), {time.strftime('%Y-%m-%d')}")
+    kernel_microbench(cfg, rank=args.rank)
+
+    tmp = Path(tempfile.mkdtemp(prefix="loramux-bench-"))
+    names = [f"ad{i}" for i in range(max(batches))]
+    for i, name in enumerate(names):
+        engine.load_adapter_dir(write_peft_adapter(tmp / name, cfg, args.rank, ALL, seed=i, b_std=0.02), name)
+    tok = engine.tokenizer
+    peft = None
+    if not args.skip_peft:
+        hf = AutoModelForCausalLM.from_pretrained(tok.name_or_path, dtype=torch.float32).eval()
+        peft = PeftModel.from_pretrained(hf, tmp / names[0], adapter_name=names[0])
+        for name in names[1:]:
+            peft.load_adapter(tmp / name, adapter_name=name)
+        peft.eval()
+    tok.padding_side = "left"
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else sorted(engine.eos_token_ids)[0]
+    params = SamplingParams(max_tokens=args.new_tokens, min_tokens=args.new_tokens)
+
+    figures = {}
+    for batch in batches:
+        chats = [engine.encode_chat([{"role": "user", "content": p}]) for p in (PROMPTS * 4)[:batch]]
+        padded = tok.pad({"input_ids": chats}, return_tensors="pt")
+
+        def loramux_run(u: int | None):
+            def run() -> int:
+                ids = [f"r{time.monotonic_ns()}-{j}" for j in range(batch)]
+                for j, (rid, prompt) in enumerate(zip(ids, chats)):
+                    engine.add_request(rid, prompt, params, adapter=None if u is None else names[j % u])
+                total = 0
+                while engine.has_unfinished():
+                    total += sum(len(o.new_token_ids) for o in engine.step())
+                return total
+            return run
+
+        def peft_run(adapter_names: list[str]):
+            def run() -> int:
+                with torch.inference_mode():
+                    if len(set(adapter_names)) == 1:
+                        peft.set_adapter(adapter_names[0])
+                        out = peft.generate(**padded, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                                            do_sample=False, pad_token_id=pad_id)
+                    else:
+                        out = peft.generate(**padded, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                                            do_sample=False, pad_token_id=pad_id, adapter_names=adapter_names)
+                return (out.shape[1] - padded["input_ids"].shape[1]) * batch
+            return run
+
+        configs = {"loramux base-only": loramux_run(None)}
+        for u in sorted({1, 2, 4, 8, batch}):
+            configs[f"loramux U={u}"] = loramux_run(u)
+        if peft is not None:
+            configs[f"PEFT mixed U={batch}"] = peft_run([names[j] for j in range(batch)])
+            configs["PEFT single adapter"] = peft_run([names[0]] * batch)
+        for fn in configs.values():
+            fn()  # warm-up
+        tps: dict[str, list[float]] = {k: [] for k in configs}
+        for _ in range(args.rounds):
+            for name, fn in configs.items():
+                t0 = time.perf_counter()
+                n = fn()
+                tps[name].append(n / (time.perf_counter() - t0))
+        med = {k: statistics.median(v) for k, v in tps.items()}
+        base = med["loramux base-only"]
+        print(f"batch {batch}:")
+        for name, value in med.items():
+            print(f"  {name:22s} {value:7.1f} tok/s   {value / base:5.2f} x loramux base-only")
+        mixed = med[f"loramux U={batch}"]
+        figures[f"mixed_vs_base_b{batch}"] = mixed / base
+        if peft is not None:
+            figures[f"mixed_vs_peft_b{batch}"] = mixed / med[f"PEFT mixed U={batch}"]
+    for name in sorted(figures, key=lambda n: (not n.endswith("_b8"), "base" in n, n)):
+        print(f"FIGURE {name} {figures[name]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
