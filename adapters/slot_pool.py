@@ -17,6 +17,15 @@ SLICE_OF = {
 MODULES = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
+def _a_buffer(num_slots: int, rows: int, d_in: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros for A as the kernels see it, [slots, rows, d_in]. On CPU it lives as [d_in, slots, rows] so
+    that slots 0..k form one [d_in, k*rows] GEMM operand in the layout CPU BLAS reads fastest at small
+    batch (see MergedLinear); on GPU it lives as is (contiguous rows for the Triton tiles)."""
+    if device.type == "cpu":
+        return torch.zeros(d_in, num_slots, rows, dtype=dtype, device=device).permute(1, 2, 0)
+    return torch.zeros(num_slots, rows, d_in, dtype=dtype, device=device)
+
+
 class DeviceSlotPool:
     """Allocates `num_slots` x `max_rank` buffers for every LoRA-able projection and wires them into
     the model, so each MergedLinear calls the shared LoRAWrapper with its own buffers."""
@@ -34,7 +43,7 @@ class DeviceSlotPool:
                 module: MergedLinear = layer.get_submodule(path)
                 n = len(module.slices)
                 weights = LoRALayerWeights(
-                    a=torch.zeros(num_slots, n * max_rank, module.in_features, dtype=dtype, device=device),
+                    a=_a_buffer(num_slots, n * max_rank, module.in_features, dtype, torch.device(device)),
                     # B lives as [slots, R, d_out] (so slots 0..k stack into one GEMM operand without a copy)
                     # and is handed to the kernels as the [slots, d_out, R] view their semantics name.
                     b=[torch.zeros(num_slots, max_rank, size, dtype=dtype, device=device).transpose(1, 2)

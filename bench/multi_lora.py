@@ -50,7 +50,8 @@ def kernel_microbench(cfg, num_slots: int = 8, rank: int = 16, rows: int = 8) ->
     # Distinct weights per layer so the timing streams weights like a real step (30 layers' worth).
     layers = 30
     base = [{n: torch.randn(d_in, sum(outs)) for n, (d_in, outs) in modules.items()} for _ in range(layers)]
-    lora = [{n: LoRALayerWeights(a=torch.randn(num_slots, len(outs) * rank, d_in) * 0.01,
+    # The slot pool's CPU layouts: A as [d_in, slots, rows] and B as [slots, R, d_out], seen as the kernels' views.
+    lora = [{n: LoRALayerWeights(a=(torch.randn(d_in, num_slots, len(outs) * rank) * 0.01).permute(1, 2, 0),
                                  b=[torch.randn(num_slots, rank, o).transpose(1, 2) for o in outs],
                                  offsets=[sum(outs[:j]) for j in range(len(outs))],
                                  scale=torch.ones(num_slots), names=[str(j) for j in range(len(outs))])

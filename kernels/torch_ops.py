@@ -37,6 +37,12 @@ def pick_strategy(seg: Segments) -> str:
     return "gather"
 
 
+def _stacked_t(a: torch.Tensor, k: int) -> torch.Tensor:
+    """A of slots 0..k-1 as one [d_in, k * rows] operand: a view for the slot pool's CPU layout
+    ([d_in, slots, rows] seen through a permute), a copy otherwise."""
+    return a[:k].permute(2, 0, 1).reshape(a.shape[2], k * a.shape[1])
+
+
 def _row_mask(slot_map: torch.Tensor, num_slots: int, dtype) -> torch.Tensor:
     """[T, num_slots] one-hot of each row's slot (all zero for base-only rows)."""
     return (slot_map.unsqueeze(1) == torch.arange(num_slots, device=slot_map.device)).to(dtype)
@@ -56,7 +62,7 @@ def lora_shrink_torch(x: torch.Tensor, a: torch.Tensor, seg: Segments, slot_map:
         return v
     if strategy == "dense":
         k = seg.max_slot + 1
-        v_all = (x @ a[:k].reshape(k * rank, -1).t()).view(num_tokens, k, rank)
+        v_all = (x @ _stacked_t(a, k)).view(num_tokens, k, rank)
         return (v_all * _row_mask(slot_map, k, x.dtype).unsqueeze(2)).sum(1)
     rows = slot_map.clamp(min=0)
     v = torch.bmm(a.index_select(0, rows), x.unsqueeze(2)).squeeze(2)  # [T, R]
@@ -98,7 +104,7 @@ def shrink_expand_dense(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: l
     num_tokens = x.shape[0]
     rank = bs[0].shape[2]
     n_slices = len(bs)
-    v_all = (x @ a[:k].reshape(k * n_slices * rank, -1).t()).view(num_tokens, k, n_slices, rank)
+    v_all = (x @ _stacked_t(a, k)).view(num_tokens, k, n_slices, rank)
     v_all.mul_(row_weights.unsqueeze(2).unsqueeze(3))
     for i, (b, offset) in enumerate(zip(bs, offsets)):
         d_out = b.shape[1]

@@ -72,7 +72,11 @@ def test_ops_match_float64_reference(impl, num_tokens, d_in, rank, d_out, layout
     g = torch.Generator().manual_seed(num_tokens * 1000 + rank)
     n_slots = 4
     x = torch.randn(num_tokens, d_in, generator=g)
-    a = torch.randn(n_slots, rank, d_in, generator=g) / d_in**0.5
+    # Alternate between a contiguous A and the slot pool's CPU layout ([d_in, slots, R] seen permuted).
+    if num_tokens % 2:
+        a = torch.randn(n_slots, rank, d_in, generator=g) / d_in**0.5
+    else:
+        a = (torch.randn(d_in, n_slots, rank, generator=g) / d_in**0.5).permute(1, 2, 0)
     # The slot pool's layout: B stored as [slots, R, d_out] and handed over transposed (a strided view).
     b = torch.randn(n_slots, rank, d_out, generator=g).transpose(1, 2)
     scale = torch.tensor([0.5, 2.0, 1.0, 0.25])
