@@ -132,13 +132,22 @@ def build_adapter(name: str, config_raw: bytes | str, weights_raw: bytes, cfg: M
         if tuple(tensor.shape) != expected:
             raise AdapterFormatError(f"tensor {tensor_name!r} has shape {tuple(tensor.shape)}, expected {expected} "
                                      f"for r={rank} on this base model")
-        found.setdefault((layer, target), {})[kind] = tensor
+        pair = found.setdefault((layer, target), {})
+        if kind in pair:
+            raise AdapterFormatError(f"layer {layer} {target} has lora_{kind} twice (e.g. with and without "
+                                     "an adapter-name suffix)")
+        pair[kind] = tensor
     if not found:
         raise AdapterFormatError("adapter_model.safetensors holds no LoRA weights")
     targets = sorted({t for _, t in found}, key=TARGETS.index)
-    if isinstance(declared, set) and not set(targets) <= declared:
-        raise AdapterFormatError(f"weights target {targets} but adapter_config.json declares "
-                                 f"{sorted(declared)}")
+    if isinstance(declared, set):
+        declared_here = declared & set(TARGETS)
+        if set(targets) != declared_here or declared - set(TARGETS):
+            raise AdapterFormatError(f"weights target {targets} but adapter_config.json declares "
+                                     f"{sorted(declared)}; they must be the same projections")
+    elif not all(re.fullmatch(declared, t) or re.search(declared, t) for t in targets):
+        raise AdapterFormatError(f"weights target {targets}, which the target_modules pattern {declared!r} "
+                                 "does not match")
     weights = {}
     for key in [(layer, t) for layer in range(cfg.num_layers) for t in targets]:
         pair = found.get(key, {})

@@ -111,10 +111,10 @@ def decode_timing(cfg_dict, device, dtype, tiny: bool) -> None:
     cfg = ModelConfig.from_hf(cfg_dict)
     batch, rank, steps, prompt_len = (32, 16, 32, 128) if not tiny else (4, 4, 4, 8)
     with torch.device(device):
-        model = LlamaModel(cfg, max_positions=1024).to(dtype)
+        model = LlamaModel(cfg, max_positions=1024)
     with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.02)
+        for p in model.parameters():  # parameters only: the RoPE tables stay float32
+            p.data = p.data.to(dtype).normal_(0, 0.02)
     model.eval()
     block_size = 16
     num_blocks = batch * (prompt_len + steps + 2 * block_size) // block_size
@@ -124,7 +124,8 @@ def decode_timing(cfg_dict, device, dtype, tiny: bool) -> None:
               "gate_proj": (cfg.hidden_size, cfg.intermediate_size), "up_proj": (cfg.hidden_size, cfg.intermediate_size),
               "down_proj": (cfg.intermediate_size, cfg.hidden_size)}
     for slot in range(batch):
-        weights = {(layer, t): (torch.randn(rank, d_in) * 0.01, torch.randn(d_out, rank) * 0.01)
+        weights = {(layer, t): (torch.randn(rank, d_in, device=device) * 0.01,
+                                torch.randn(d_out, rank, device=device) * 0.01)
                    for layer in range(cfg.num_layers) for t, (d_in, d_out) in shapes.items()}
         pool.load(slot, LoRAAdapter(f"a{slot}", rank, 2.0 * rank, False, tuple(shapes), weights, f"d{slot}"))
     results = {}

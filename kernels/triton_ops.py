@@ -18,7 +18,7 @@ BLOCK_M = 16
 @triton.jit
 def _shrink_kernel(x_ptr, a_ptr, v_ptr, starts_ptr, lengths_ptr, slots_ptr, d_in, rank,
                    stride_xm, stride_xk, stride_as, stride_ar, stride_ak, stride_vm, stride_vr,
-                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     seg = tl.program_id(0)
     block = tl.program_id(1)
     start = tl.load(starts_ptr + seg)
@@ -36,7 +36,10 @@ def _shrink_kernel(x_ptr, a_ptr, v_ptr, starts_ptr, lengths_ptr, slots_ptr, d_in
                     mask=m_mask[:, None] & (k[None, :] < d_in), other=0.0)
         a = tl.load(a_ptr + slot * stride_as + offs_r[None, :] * stride_ar + k[:, None] * stride_ak,
                     mask=(offs_r[None, :] < rank) & (k[:, None] < d_in), other=0.0)  # A^T tile [K, R]
-        acc += tl.dot(x, a)
+        if IEEE:  # float32 inputs: true fp32 products (the default would round them to TF32)
+            acc += tl.dot(x, a, input_precision="ieee")
+        else:
+            acc += tl.dot(x, a)
     tl.store(v_ptr + rows[:, None] * stride_vm + offs_r[None, :] * stride_vr, acc.to(v_ptr.dtype.element_ty),
              mask=m_mask[:, None] & (offs_r[None, :] < rank))
 
@@ -44,7 +47,7 @@ def _shrink_kernel(x_ptr, a_ptr, v_ptr, starts_ptr, lengths_ptr, slots_ptr, d_in
 @triton.jit
 def _expand_kernel(v_ptr, b_ptr, scale_ptr, y_ptr, starts_ptr, lengths_ptr, slots_ptr, d_out, rank, col_offset,
                    stride_vm, stride_vr, stride_bs, stride_bn, stride_br, stride_ym, stride_yn,
-                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     seg = tl.program_id(0)
     block = tl.program_id(1)
     col_block = tl.program_id(2)
@@ -62,7 +65,10 @@ def _expand_kernel(v_ptr, b_ptr, scale_ptr, y_ptr, starts_ptr, lengths_ptr, slot
                 mask=m_mask[:, None] & (offs_r[None, :] < rank), other=0.0)
     b = tl.load(b_ptr + slot * stride_bs + offs_r[:, None] * stride_br + offs_n[None, :] * stride_bn,
                 mask=(offs_r[:, None] < rank) & n_mask[None, :], other=0.0)  # B^T tile [R, N]
-    delta = tl.dot(v, b) * scale
+    if IEEE:
+        delta = tl.dot(v, b, input_precision="ieee") * scale
+    else:
+        delta = tl.dot(v, b) * scale
     y_ptrs = y_ptr + rows[:, None] * stride_ym + (col_offset + offs_n)[None, :] * stride_yn
     mask = m_mask[:, None] & n_mask[None, :]
     y = tl.load(y_ptrs, mask=mask, other=0.0)
@@ -87,7 +93,7 @@ def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, seg: Segments, seg_tens
     grid = (seg.num_segments, triton.cdiv(seg.max_length, BLOCK_M))
     _shrink_kernel[grid](x, a, v, starts, lengths, slots, d_in, rank, x.stride(0), x.stride(1), a.stride(0),
                          a.stride(1), a.stride(2), v.stride(0), v.stride(1), BLOCK_M=BLOCK_M,
-                         BLOCK_R=_block_r(rank), BLOCK_K=64)
+                         BLOCK_R=_block_r(rank), BLOCK_K=64, IEEE=x.dtype == torch.float32)
     return v
 
 
@@ -100,4 +106,4 @@ def lora_expand_triton(y: torch.Tensor, v: torch.Tensor, b: torch.Tensor, scale:
     grid = (seg.num_segments, triton.cdiv(seg.max_length, BLOCK_M), triton.cdiv(d_out, block_n))
     _expand_kernel[grid](v, b, scale, y, starts, lengths, slots, d_out, rank, col_offset, v.stride(0), v.stride(1),
                          b.stride(0), b.stride(1), b.stride(2), y.stride(0), y.stride(1), BLOCK_M=BLOCK_M,
-                         BLOCK_R=_block_r(rank), BLOCK_N=block_n)
+                         BLOCK_R=_block_r(rank), BLOCK_N=block_n, IEEE=v.dtype == torch.float32)

@@ -37,6 +37,18 @@ class Settings(BaseSettings):
     # LoRA adapters: device slots (distinct adapters in one batch) and the largest rank they hold.
     max_loras: int = 8
     max_lora_rank: int = 32
+    # Adapters to load at start, "name=dir,name2=dir2" (a local source until the SQL registry lands).
+    adapters: str = ""
+
+    def adapter_dirs(self) -> dict[str, str]:
+        """Parse `adapters` into {name: directory}; raise ValueError naming the bad entry."""
+        result = {}
+        for entry in filter(None, (e.strip() for e in self.adapters.split(","))):
+            name, sep, path = entry.partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise ValueError(f"LORAMUX_ADAPTERS entry {entry!r} must look like name=/path/to/adapter")
+            result[name.strip()] = path.strip()
+        return result
 
     # Server.
     host: str = "127.0.0.1"

@@ -165,3 +165,36 @@ def test_bad_adapter_weights_are_refused(tiny_cfg, tmp_path):
     (path / "adapter_model.bin").write_bytes(b"pickle")
     with pytest.raises(AdapterFormatError, match="pickle weights"):
         load_adapter_dir(path, tiny_cfg)
+
+
+def test_failed_adapter_load_does_not_leave_the_slot_marked(tiny_dir, tokenizer, tiny_cfg, tmp_path, monkeypatch):
+    engine = lora_engine(tiny_dir, tokenizer, slots=2)
+    engine.load_adapter_dir(write_peft_adapter(tmp_path / "a", tiny_cfg, 4, ["q_proj"], seed=0, b_std=1.0), "a")
+    good = run(engine, "Hello", "a")
+    engine.slots.evict(engine.adapters["a"].digest)
+    original = engine.slot_pool.load
+    monkeypatch.setattr(engine.slot_pool, "load", lambda slot, adapter: (_ for _ in ()).throw(RuntimeError("dma")))
+    engine.add_request("x", "Hello", SamplingParams(max_tokens=3), adapter="a")
+    with pytest.raises(RuntimeError, match="dma"):
+        engine.step()
+    assert engine.adapters["a"].digest not in engine.slots.key_of
+    engine.abort_request("x")
+    monkeypatch.setattr(engine.slot_pool, "load", original)
+    assert run(engine, "Hello", "a") == good  # reloaded properly on the next request
+
+
+def test_config_declaring_more_targets_than_the_weights_is_refused(tiny_cfg, tmp_path):
+    path = write_peft_adapter(tmp_path / "a", tiny_cfg, 4, ["q_proj"], seed=0)
+    _mutate(path, {"target_modules": ["q_proj", "v_proj"]})
+    with pytest.raises(AdapterFormatError, match="must be the same projections"):
+        load_adapter_dir(path, tiny_cfg)
+
+
+def test_reregistering_a_name_drops_the_old_version(tiny_dir, tokenizer, tiny_cfg, tmp_path):
+    engine = lora_engine(tiny_dir, tokenizer, slots=2)
+    v1 = engine.load_adapter_dir(write_peft_adapter(tmp_path / "v1", tiny_cfg, 4, ["q_proj"], seed=1, b_std=1.0), "a")
+    out1 = run(engine, "Hello", "a")
+    v2 = engine.load_adapter_dir(write_peft_adapter(tmp_path / "v2", tiny_cfg, 4, ["q_proj"], seed=2, b_std=1.0), "a")
+    assert v1.digest != v2.digest and v1.digest not in engine._by_digest
+    assert v1.digest not in engine.slots.key_of
+    assert run(engine, "Hello", "a") != out1

@@ -149,3 +149,22 @@ def test_context_length_limit_finishes_with_length(tiny_dir, tokenizer):
     engine = make_engine(tiny_dir, tokenizer, max_model_len=20)
     out = engine.generate([list(range(5, 15))], SamplingParams(max_tokens=100, ignore_eos=True))[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 10
+
+
+def test_a_sequence_never_outgrows_the_kv_pool(tiny_dir, tokenizer):
+    # 4 blocks of 4 tokens: max_model_len shrinks to 16 so one sequence always fits the pool alone.
+    engine = make_engine(tiny_dir, tokenizer, num_blocks=4, block_size=4, max_num_batched_tokens=32)
+    assert engine.max_model_len == 16
+    out = engine.generate([list(range(5, 15))], SamplingParams(max_tokens=100, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 6
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_bad_token_ids_are_refused(tiny_engine):
+    with pytest.raises(RequestError, match="token ids must be in"):
+        tiny_engine.add_request("big", [10**9], SamplingParams())
+    with pytest.raises(RequestError, match="token ids must be in"):
+        tiny_engine.add_request("stop", [5], SamplingParams(stop_token_ids=[10**9]))
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=[-1])
+    assert not tiny_engine.has_unfinished()

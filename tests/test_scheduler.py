@@ -135,3 +135,19 @@ def test_no_block_leaks_after_1000_random_events():
     for x in list(live.values()):
         s.finish(x, FinishReason.CANCELLED)
     assert blocks.num_free_blocks == blocks.num_blocks and not s.has_unfinished()
+
+
+def test_admission_allocates_the_whole_prompt_at_once():
+    blocks = BlockManager(20, 4)
+    s = Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=8)
+    long = seq("long", 40)
+    s.add(long)
+    batch = s.schedule()
+    assert batch.prefills == [(long, 8)] and len(long.block_table) == 10  # 40 tokens, not just the chunk
+    advance(batch)
+    other = seq("other", 30, arrival=1.0)  # needs 8 of the 10 free blocks: must wait, not steal long's
+    s.add(other)
+    while long.output_token_ids == []:
+        batch = s.schedule()
+        assert not batch.preempted
+        advance(batch)

@@ -88,3 +88,36 @@ def test_async_stream_and_early_exit_abort(tiny_dir, tokenizer):
         assert engine.stats()["kv_blocks_used"] == 0 and engine.stats()["running"] == 0
     finally:
         engine.shutdown()
+
+
+def test_generate_with_adapter_over_http(tiny_dir, tokenizer, tmp_path):
+    from conftest import write_peft_adapter
+    from loramux.model.loader import read_model_config
+
+    cfg, _ = read_model_config(tiny_dir)
+    path = write_peft_adapter(tmp_path / "a", cfg, 4, ["q_proj", "v_proj", "down_proj"], seed=1, b_std=1.0)
+
+    def factory():
+        engine = make_engine(tiny_dir, tokenizer, max_loras=2, max_lora_rank=8)
+        engine.load_adapter_dir(path, "tuned")
+        return AsyncEngine(engine)
+
+    with TestClient(create_app(factory)) as client:
+        listed = client.get("/adapters").json()["adapters"]
+        assert [a["name"] for a in listed] == ["tuned"] and listed[0]["rank"] == 4
+        body = {"prompt": "Hello there", "max_tokens": 8}
+        base = client.post("/generate", json=body).json()
+        tuned = client.post("/generate", json={**body, "adapter": "tuned"}).json()
+        assert tuned["adapter"] == "tuned" and base["adapter"] is None
+        assert tuned["text"] != base["text"]
+        missing = client.post("/generate", json={**body, "adapter": "nope"})
+        assert missing.status_code == 404 and "unknown adapter 'nope'" in missing.text
+        assert client.get("/stats").json()["adapter_slots_pinned"] == 0
+
+
+def test_adapters_setting_parses_and_rejects_bad_entries():
+    from loramux.settings import Settings
+
+    assert Settings(adapters="a=/x, b = /y ").adapter_dirs() == {"a": "/x", "b": "/y"}
+    with pytest.raises(ValueError, match="name=/path/to/adapter"):
+        Settings(adapters="oops").adapter_dirs()

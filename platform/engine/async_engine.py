@@ -29,6 +29,7 @@ class _Add:
     prompt: str | list[int]
     params: SamplingParams
     priority: int
+    adapter: str | None
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     accepted: asyncio.Future
@@ -46,17 +47,17 @@ class AsyncEngine:
 
     # -- caller side (event loop) ----------------------------------------------------------------
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, adapter: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs step by step; leaving the loop early aborts the request."""
         if self._stopped:
             raise EngineDeadError("the engine has stopped")
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         accepted = loop.create_future()
-        self._post(_Add(request_id, prompt, params, priority, loop, queue, accepted))
-        await accepted  # raises RequestError for a request the engine refuses
+        self._post(_Add(request_id, prompt, params, priority, adapter, loop, queue, accepted))
         finished = False
         try:
+            await accepted  # raises RequestError for a request the engine refuses
             while True:
                 out = await queue.get()
                 if isinstance(out, BaseException):
@@ -89,35 +90,46 @@ class AsyncEngine:
 
     # -- engine thread ---------------------------------------------------------------------------
     def _run(self) -> None:
-        while True:
+        try:
+            while True:
+                with self._wake:
+                    while not self._inbox and not self.engine.has_unfinished() and not self._stopped:
+                        self._wake.wait()
+                    if self._stopped:
+                        break
+                    items = list(self._inbox)
+                    self._inbox.clear()
+                try:
+                    for item in items:
+                        self._handle(item)
+                    outputs = self.engine.step()
+                except Exception as exc:  # a bug must not hang every client: fail in-flight requests
+                    log.exception("engine step failed; failing in-flight requests")
+                    self._fail_all(exc)
+                    continue
+                for out in outputs:
+                    self._deliver(out)
+        finally:
             with self._wake:
-                while not self._inbox and not self.engine.has_unfinished() and not self._stopped:
-                    self._wake.wait()
-                if self._stopped:
-                    break
-                items = list(self._inbox)
+                self._stopped = True
+                pending = list(self._inbox)
                 self._inbox.clear()
-            for item in items:
-                self._handle(item)
-            try:
-                outputs = self.engine.step()
-            except Exception as exc:  # a bug must not hang every client: fail in-flight requests
-                log.exception("engine step failed; failing in-flight requests")
-                self._fail_all(exc)
-                continue
-            for out in outputs:
-                self._deliver(out)
-        self._fail_all(EngineDeadError("the engine is shutting down"))
+            dead = EngineDeadError("the engine has stopped")
+            for item in pending:
+                if isinstance(item, _Add):
+                    _post_to(item.loop, _settle, item.accepted, dead)
+            self._fail_all(dead)
 
     def _handle(self, item) -> None:
         if isinstance(item, _Add):
             try:
-                self.engine.add_request(item.request_id, item.prompt, item.params, item.priority)
+                self.engine.add_request(item.request_id, item.prompt, item.params, item.priority,
+                                        adapter=item.adapter)
             except Exception as exc:
-                item.loop.call_soon_threadsafe(_settle, item.accepted, exc)
+                _post_to(item.loop, _settle, item.accepted, exc)
                 return
             self._streams[item.request_id] = (item.loop, item.queue)
-            item.loop.call_soon_threadsafe(_settle, item.accepted, None)
+            _post_to(item.loop, _settle, item.accepted, None)
         else:
             _, request_id = item
             out = self.engine.abort_request(request_id)
@@ -131,17 +143,21 @@ class AsyncEngine:
         if out.finished:
             del self._streams[out.request_id]
         loop, queue = target
-        loop.call_soon_threadsafe(queue.put_nowait, out)
+        _post_to(loop, queue.put_nowait, out)
 
     def _fail_all(self, exc: BaseException) -> None:
         for request_id in list(self.engine.requests):
             self.engine.abort_request(request_id)
         for loop, queue in self._streams.values():
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, exc)
-            except RuntimeError:  # that caller's event loop is already closed
-                pass
+            _post_to(loop, queue.put_nowait, exc)
         self._streams.clear()
+
+
+def _post_to(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # that caller's event loop is closed: nobody is listening any more
+        pass
 
 
 def _settle(future: asyncio.Future, exc: BaseException | None) -> None:

@@ -170,6 +170,8 @@ class IncrementalDetokenizer:
         new_tokens = self._tokenizer.convert_ids_to_tokens(
             [token_id], skip_special_tokens=self._skip_special_tokens
         )
+        # Ids past the tokenizer's vocabulary (models pad their embedding) have no text: skip them.
+        new_tokens = [t for t in new_tokens if t is not None]
         if not new_tokens:
             return  # a skipped special token contributes no text
         self._tokens.extend(new_tokens)

@@ -70,11 +70,12 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.config = config
         mcfg = model.config
-        self.max_model_len = min(config.max_model_len, mcfg.max_position_embeddings)
         num_blocks = config.num_blocks
         if num_blocks is None:
             per_block = config.block_size * mcfg.kv_bytes_per_token(torch.finfo(dtype).bits // 8)
             num_blocks = max(1, config.kv_cache_bytes // per_block)
+        # A sequence must fit the whole KV pool on its own, or it could be preempted forever.
+        self.max_model_len = min(config.max_model_len, mcfg.max_position_embeddings, num_blocks * config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.slots = SlotTable(config.max_loras)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.slots)
@@ -113,6 +114,8 @@ class LLMEngine:
                               max_lora_rank=settings.max_lora_rank)
         engine = cls(model, tokenizer, config, end_of_turn_ids(tokenizer, mcfg, model_dir), dtype, device)
         engine.model_name = settings.model
+        for name, path in settings.adapter_dirs().items():
+            engine.load_adapter_dir(path, name)
         return engine
 
     # -- adapters --------------------------------------------------------------------------------
@@ -124,8 +127,20 @@ class LLMEngine:
         if adapter.rank > self.config.max_lora_rank:
             raise RequestError(f"adapter {adapter.name!r} has rank {adapter.rank}; this server's maximum LoRA rank "
                                f"is {self.config.max_lora_rank} (LORAMUX_MAX_LORA_RANK)")
+        old = self.adapters.get(adapter.name)
         self.adapters[adapter.name] = adapter
         self._by_digest[adapter.digest] = adapter
+        if old is not None and old.digest != adapter.digest:
+            self._drop_if_unused(old.digest)
+
+    def _drop_if_unused(self, digest: str) -> None:
+        """Forget an adapter version no name and no live request refers to (host copy and slot)."""
+        if any(a.digest == digest for a in self.adapters.values()):
+            return
+        if any(r.seq.adapter == digest for r in self.requests.values()):
+            return
+        self._by_digest.pop(digest, None)
+        self.slots.evict(digest)
 
     def load_adapter_dir(self, path, name: str | None = None) -> LoRAAdapter:
         from loramux.adapters.peft_format import load_adapter_dir
@@ -154,9 +169,13 @@ class LLMEngine:
             lora = self.adapters.get(adapter)
             if lora is None:
                 raise RequestError(f"unknown adapter {adapter!r}")
-        ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
+        # Raw text gets the tokenizer's own special tokens (e.g. BOS for Llama), as HF's tokenizer(text) does.
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise RequestError("the prompt is empty")
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in ids) or any(t >= vocab for t in params.stop_token_ids):
+            raise RequestError(f"token ids must be in [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise RequestError(f"the prompt has {len(ids)} tokens; this model accepts at most "
                                f"{self.max_model_len - 1} prompt tokens")
@@ -192,7 +211,11 @@ class LLMEngine:
         if not batch:
             return outputs
         for slot, digest in batch.adapter_loads:
-            self.slot_pool.load(slot, self._by_digest[digest])
+            try:
+                self.slot_pool.load(slot, self._by_digest[digest])
+            except Exception:
+                self.slots.key_of[slot] = None  # never leave a half-copied adapter marked resident
+                raise
         logits, sampled = self.runner.run(batch)
         for seq, n in batch.prefills:
             seq.num_computed_tokens += n
@@ -273,8 +296,13 @@ class LLMEngine:
         """Run `prompts` to completion as one continuous batch; outputs in prompt order."""
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
-        for rid, prompt, p in zip(ids, prompts, params_list):
-            self.add_request(rid, prompt, p)
+        try:
+            for rid, prompt, p in zip(ids, prompts, params_list):
+                self.add_request(rid, prompt, p)
+        except RequestError:
+            for rid in ids:
+                self.abort_request(rid)
+            raise
         final: dict[str, RequestOutput] = {}
         while self.has_unfinished():
             for out in self.step():

@@ -16,7 +16,7 @@ class SamplingParams:
     """
 
     max_tokens: int = 256
-    min_tokens: int = 0  # EOS and stop token ids are suppressed until this many tokens exist
+    min_tokens: int = 0  # EOS and stop token ids (not stop strings) are suppressed until this many exist
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -58,6 +58,8 @@ class SamplingParams:
         need(-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         need(-2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         need(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63), f"seed must be an integer in [0, 2^63), got {self.seed!r}")
+        need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+             "stop_token_ids must be non-negative token ids")
         need(len(self.stop) <= 16, f"at most 16 stop strings, got {len(self.stop)}")
         need(all(isinstance(s, str) and 0 < len(s) <= 256 for s in self.stop), "each stop string must be a non-empty string of at most 256 characters")
         need(self.timeout_s is None or self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")

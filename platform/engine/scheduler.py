@@ -113,7 +113,8 @@ class Scheduler:
             if seq.adapter is not None and not self.slots.can_acquire(seq.adapter):
                 passed_over.append(heapq.heappop(self._waiting))  # its adapter waits for a slot
                 continue
-            # Reserve the whole remaining prompt so an admitted prefill is not preempted halfway.
+            # The whole remaining prompt (+ the first decode) must fit, and it is allocated at once, so
+            # an admitted prefill is never preempted halfway by the admissions after it.
             if self.blocks.blocks_needed(seq, seq.num_uncomputed_tokens + 1) > self.blocks.num_free_blocks:
                 break
             heapq.heappop(self._waiting)
@@ -122,7 +123,7 @@ class Scheduler:
                 if needs_load:
                     batch.adapter_loads.append((seq.lora_slot, seq.adapter))
             n = min(seq.num_uncomputed_tokens, budget)
-            self.blocks.allocate(seq, n)
+            self.blocks.allocate(seq, seq.num_uncomputed_tokens)  # the whole prompt, not just this chunk
             seq.status = SequenceStatus.RUNNING
             if seq.timings.first_scheduled is None:
                 seq.timings.first_scheduled = now

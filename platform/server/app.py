@@ -13,7 +13,7 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field, model_validator
 
-from loramux.engine.async_engine import AsyncEngine
+from loramux.engine.async_engine import AsyncEngine, EngineDeadError
 from loramux.engine.engine import RequestError, RequestOutput
 from loramux.engine.sampling_params import SamplingParams
 
@@ -24,9 +24,11 @@ class Message(BaseModel):
 
 
 class GenerateRequest(BaseModel):
-    """Either `prompt` (raw text, no template) or `messages` (chat template applied)."""
+    """Either `prompt` (raw text, no template) or `messages` (chat template applied); `adapter` names a
+    loaded LoRA adapter (omit it for the base model)."""
 
     prompt: str | None = None
+    adapter: str | None = None
     messages: list[Message] | None = None
     max_tokens: int = Field(default=256, ge=1)
     temperature: float = Field(default=0.0, ge=0.0, le=100.0)
@@ -65,6 +67,7 @@ def _final_body(request_id: str, out: RequestOutput) -> dict:
         "usage": {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": len(out.token_ids),
                   "total_tokens": out.num_prompt_tokens + len(out.token_ids)},
         "timings": out.timings,
+        "adapter": out.adapter,
     }
 
 
@@ -100,20 +103,32 @@ def create_app(engine_factory) -> FastAPI:
     async def stats(engine: EngineDep) -> dict:
         return engine.stats()
 
+    @app.get("/adapters")
+    async def adapters(engine: EngineDep) -> dict:
+        return {"adapters": [{"name": a.name, "rank": a.rank, "targets": list(a.target_modules), "digest": a.digest}
+                             for a in engine.engine.adapters.values()]}
+
     @app.post("/generate")
     async def generate(body: GenerateRequest, engine: EngineDep):
         try:
             params = body.sampling_params()
         except ValueError as exc:
             raise HTTPException(status_code=400, detail=str(exc)) from exc
-        prompt = body.prompt if body.prompt is not None else engine.engine.encode_chat(
-            [m.model_dump() for m in body.messages])
+        try:
+            prompt = body.prompt if body.prompt is not None else engine.engine.encode_chat(
+                [m.model_dump() for m in body.messages])
+        except Exception as exc:  # jinja TemplateError and friends: the messages do not fit the template
+            raise HTTPException(status_code=400, detail=f"messages do not fit the model's chat template: {exc}")
         request_id = f"gen-{uuid.uuid4().hex}"
-        stream = engine.generate(request_id, prompt, params)
+        if body.adapter is not None and body.adapter not in engine.engine.adapters:
+            raise HTTPException(status_code=404, detail=f"unknown adapter {body.adapter!r}; GET /adapters lists them")
+        stream = engine.generate(request_id, prompt, params, adapter=body.adapter)
         try:
             first = await anext(stream)
         except RequestError as exc:
             raise HTTPException(status_code=400, detail=str(exc)) from exc
+        except EngineDeadError as exc:
+            raise HTTPException(status_code=503, detail=str(exc), headers={"Retry-After": "5"}) from exc
 
         if not body.stream:
             out = first
@@ -132,6 +147,8 @@ def create_app(engine_factory) -> FastAPI:
                         yield "data: [DONE]\n\n"
                         return
                     out = await anext(stream)
+            except Exception as exc:  # the headers are sent: report the failure as a final event
+                yield f"data: {json.dumps({'id': request_id, 'error': str(exc) or type(exc).__name__})}\n\n"
             finally:
                 await stream.aclose()  # a client that went away aborts the request
 
