@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -21,6 +20,8 @@ if "--tiny" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from loramux.kernels import LoRABatch, lora_expand, lora_shrink  # noqa: E402
 from loramux.kernels.torch_ops import lora_expand_reference, lora_shrink_reference  # noqa: E402
@@ -39,15 +40,9 @@ def timer(device):
 
         return lambda fn: do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
 
-    def cpu(fn, reps=3):
-        fn()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-    return cpu
+    from timing import median_seconds
+
+    return lambda fn: median_seconds(fn, reps=3)
 
 
 def check_kernels(cfg, device, dtype, tiny: bool) -> None:

@@ -25,17 +25,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from timing import median_seconds  # noqa: E402
+
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def best_of(fn, reps: int = 20) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def kernel_microbench(cfg, num_slots: int = 8, rank: int = 16, rows: int = 8) -> None:
@@ -62,7 +54,7 @@ def kernel_microbench(cfg, num_slots: int = 8, rank: int = 16, rows: int = 8) ->
     def run_base():
         return [xs[w.shape[0]] @ w for layer in base for w in layer.values()]
 
-    base_s = best_of(run_base, 10)
+    base_s = median_seconds(run_base, 10)
     print(f"  base matmuls                      {base_s * 1e3:7.2f} ms")
     for layout_name, slot_map in (("U=8 (one adapter per row)", list(range(rows))),
                                   ("U=1 (all rows one adapter)", [0] * rows)):
@@ -80,7 +72,7 @@ def kernel_microbench(cfg, num_slots: int = 8, rank: int = 16, rows: int = 8) ->
                         wrapper.apply(ys[k], xs[weights.a.shape[2]], weights)
                         k += 1
 
-            lora_s = best_of(run_lora, 10)
+            lora_s = median_seconds(run_lora, 10)
             torch_ops.pick_strategy = original
             chosen = original(wrapper.batch.segments)
             print(f"  LoRA {layout_name:28s} {strategy:6s} {lora_s * 1e3:7.2f} ms  = {lora_s / base_s:5.2f} x base"
