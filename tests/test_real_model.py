@@ -109,3 +109,20 @@ def test_cli_generate_with_adapter(tmp_path, smol_dir):
     bad = subprocess.run(cmd[:4] + ["--adapter", str(tmp_path / "missing")] + cmd[4:], capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode == 2 and "adapter_config.json not found" in bad.stderr
+
+
+def test_gguf_conversion_writes_a_loadable_model(tmp_path, smol_dir):
+    from loramux.model.loader import embedded_gguf_path, ensure_converted, read_model_config
+
+    target = ensure_converted(embedded_gguf_path(), tmp_path / "models" / "smol")
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in target.iterdir()}
+    assert not [p for p in (tmp_path / "models").iterdir() if p.name.startswith(".convert-")]  # no leftovers
+    cfg, _ = read_model_config(target)
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, cfg.tie_word_embeddings) == (30, 576, 3, True)
+    fresh, _ = build_model(target, torch.float32, torch.device("cpu"))
+    cached, _ = build_model(smol_dir, torch.float32, torch.device("cpu"))
+    ids = list(range(100, 120))
+    a, *_ = run_chunks(fresh, ids, 32, 16)
+    b, *_ = run_chunks(cached, ids, 32, 16)
+    assert torch.equal(a, b)
+    assert ensure_converted(embedded_gguf_path(), target) == target  # second call: nothing to do
