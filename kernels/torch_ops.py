@@ -113,19 +113,21 @@ def shrink_expand_dense(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: l
 
 
 def lora_shrink_reference(x, a, slot_map):
-    """Row-by-row float64 reference of lora_shrink (tests only)."""
+    """Float64 reference of lora_shrink, one row at a time (tests and bench/gpu_check.py)."""
+    x64, a64 = x.double().cpu(), a.double().cpu()
     v = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float64)
     for t, slot in enumerate(slot_map.tolist()):
         if slot >= 0:
-            v[t] = x[t].double() @ a[slot].double().t()
+            v[t] = x64[t] @ a64[slot].t()
     return v
 
 
 def lora_expand_reference(y, v, b, scale, slot_map, col_offset=0):
-    """Row-by-row float64 reference of lora_expand (tests only); returns a new tensor."""
-    out = y.double().clone()
+    """Float64 reference of lora_expand, one row at a time; returns a new tensor."""
+    out = y.double().cpu().clone()
+    v64, b64, scale64 = v.double().cpu(), b.double().cpu(), scale.double().cpu()
     d_out = b.shape[1]
     for t, slot in enumerate(slot_map.tolist()):
         if slot >= 0:
-            out[t, col_offset:col_offset + d_out] += (v[t].double() @ b[slot].double().t()) * float(scale[slot])
+            out[t, col_offset:col_offset + d_out] += (v64[t] @ b64[slot].t()) * scale64[slot]
     return out
