@@ -198,3 +198,15 @@ def test_reregistering_a_name_drops_the_old_version(tiny_dir, tokenizer, tiny_cf
     assert v1.digest != v2.digest and v1.digest not in engine._by_digest
     assert v1.digest not in engine.slots.key_of
     assert run(engine, "Hello", "a") != out1
+
+
+def test_old_version_in_use_is_dropped_when_its_last_request_ends(tiny_dir, tokenizer, tiny_cfg, tmp_path):
+    engine = lora_engine(tiny_dir, tokenizer, slots=2)
+    v1 = engine.load_adapter_dir(write_peft_adapter(tmp_path / "v1", tiny_cfg, 4, ["q_proj"], seed=1), "a")
+    engine.add_request("old", "Hello", SamplingParams(max_tokens=5, ignore_eos=True), adapter="a")
+    engine.step()
+    engine.load_adapter_dir(write_peft_adapter(tmp_path / "v2", tiny_cfg, 4, ["q_proj"], seed=2), "a")
+    assert v1.digest in engine._by_digest  # still serving the running request
+    while engine.has_unfinished():
+        engine.step()
+    assert v1.digest not in engine._by_digest and v1.digest not in engine.slots.key_of

@@ -193,10 +193,11 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Cancel a request: its KV blocks are freed at once. Unknown ids are ignored."""
-        req = self.requests.pop(request_id, None)
+        req = self.requests.get(request_id)
         if req is None:
             return None
         self.scheduler.finish(req.seq, FinishReason.CANCELLED)
+        self._forget(req)
         return self._output(req, "", [])
 
     def has_unfinished(self) -> bool:
@@ -265,14 +266,20 @@ class LLMEngine:
         if reason is None:
             return self._output(req, update_delta, [token])
         self.scheduler.finish(seq, reason, now)
-        del self.requests[seq.request_id]
+        self._forget(req)
         return self._output(req, update_delta, [token])
+
+    def _forget(self, req: _Request) -> None:
+        """Drop a finished request; a replaced adapter version goes with its last request."""
+        del self.requests[req.seq.request_id]
+        if req.seq.adapter is not None:
+            self._drop_if_unused(req.seq.adapter)
 
     def _expire(self, now: float) -> list[RequestOutput]:
         outputs = []
         for req in [r for r in self.requests.values() if r.seq.deadline is not None and r.seq.deadline <= now]:
             self.scheduler.finish(req.seq, FinishReason.TIMEOUT, now)
-            del self.requests[req.seq.request_id]
+            self._forget(req)
             outputs.append(self._output(req, "", []))
         return outputs
 
