@@ -116,7 +116,11 @@ def cmd_serve(args) -> int:
     from loramux.engine.engine import LLMEngine
     from loramux.server.app import create_app
 
+    from loramux.model.loader import read_model_config, resolve_model_dir
+
     settings = _settings(args)
+    settings.adapter_dirs()  # a malformed LORAMUX_ADAPTERS fails here, before the server starts
+    read_model_config(resolve_model_dir(settings.model, Path(settings.cache_dir)))  # same for a bad model
     host, port = args.host or settings.host, args.port or settings.port
     app = create_app(lambda: AsyncEngine(LLMEngine.from_settings(settings)))
     print(f"loramux: serving {settings.model} on http://{host}:{port} once the model has loaded. Try:\n"
@@ -170,7 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    from loramux.model.config import UnsupportedModelError
+    from loramux.model.loader import ModelNotFoundError
+
+    try:
+        return args.func(args)
+    except (ModelNotFoundError, UnsupportedModelError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -38,3 +38,11 @@ def test_plan_cli_says_whether_it_fits(capsys):
                                         ("1.5g", 1_500_000_000)])
 def test_parse_bytes(text, value):
     assert parse_bytes(text) == value
+
+
+def test_bad_model_and_settings_give_a_clear_error(capsys, monkeypatch, tmp_path):
+    assert main(["generate", "--model", str(tmp_path / "nope"), "hi"]) == 2
+    assert "neither" in capsys.readouterr().err
+    monkeypatch.setenv("LORAMUX_ADAPTERS", "oops")
+    assert main(["serve", "--model", str(tmp_path / "nope")]) == 2
+    assert "name=/path/to/adapter" in capsys.readouterr().err

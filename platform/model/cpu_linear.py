@@ -24,7 +24,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 @lru_cache(maxsize=None)
-def packing_pays(in_features: int, out_features: int, dtype: torch.dtype, batch_hint: int) -> bool:
+def can_pack(in_features: int, out_features: int, dtype: torch.dtype, batch_hint: int) -> bool:
     """Whether to pack this shape: oneDNN is present and its packed matmul agrees with the plain one.
 
     A per-shape timing at load was tried first; on a shared VM its verdicts flipped from run to run

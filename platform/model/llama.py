@@ -47,9 +47,9 @@ class MergedLinear(nn.Module):
         raise KeyError(name)
 
     def pack_for_cpu(self, batch_hint: int) -> bool:
-        """Replace W by oneDNN's packed layout if that is faster here; W is then dropped (None)."""
+        """Replace W by oneDNN's packed layout where oneDNN is usable; W is then dropped (None)."""
         w = self.weight
-        if w.device.type != "cpu" or not cpu_linear.packing_pays(w.shape[0], w.shape[1], w.dtype, batch_hint):
+        if w.device.type != "cpu" or not cpu_linear.can_pack(w.shape[0], w.shape[1], w.dtype, batch_hint):
             return False
         self.packed_weight = cpu_linear.pack(w.data, batch_hint)
         self.weight = None
@@ -146,7 +146,7 @@ class LlamaModel(nn.Module):
                                     max_positions or cfg.max_position_embeddings)
 
     def pack_for_cpu(self, batch_hint: int = 8) -> int:
-        """Pack every linear layer whose packed matmul measures faster; returns how many were packed."""
+        """Pack every linear layer oneDNN can take (see cpu_linear); returns how many were packed."""
         if self.embed_tokens is None:
             # The tied LM head doubles as the embedding; give the embedding its own rows before packing.
             table = self.lm_head.weight.data.t().contiguous()

@@ -221,7 +221,7 @@ def build_model(model_dir: Path, dtype: torch.dtype, device: torch.device, max_p
                 pack_cpu: bool = True):
     """Instantiate the model from `model_dir` (weights loaded, eval mode) and return (model, config).
 
-    On CPU, `pack_cpu` switches linear layers to oneDNN's packed layout where it measures faster.
+    On CPU, `pack_cpu` switches linear layers to oneDNN's packed layout (see model/cpu_linear.py).
     """
     cfg, _ = read_model_config(model_dir)
     model = LlamaModel(cfg, max_positions)
