@@ -1,4 +1,4 @@
-"""`loramux` command line: generate, plan, serve."""
+"""`loramux` command line: generate, plan, serve, db."""
 from __future__ import annotations
 
 import argparse
@@ -112,22 +112,39 @@ def cmd_plan(args) -> int:
 def cmd_serve(args) -> int:
     import uvicorn
 
-    from loramux.engine.async_engine import AsyncEngine
-    from loramux.engine.engine import LLMEngine
-    from loramux.server.app import create_app
-
     from loramux.model.loader import read_model_config, resolve_model_dir
+    from loramux.server.app import create_app
+    from loramux.services import Services
 
     settings = _settings(args)
     settings.adapter_dirs()  # a malformed LORAMUX_ADAPTERS fails here, before the server starts
     read_model_config(resolve_model_dir(settings.model, Path(settings.cache_dir)))  # same for a bad model
     host, port = args.host or settings.host, args.port or settings.port
-    app = create_app(lambda: AsyncEngine(LLMEngine.from_settings(settings)))
+    app = create_app(lambda: Services.from_settings(settings))
     print(f"loramux: serving {settings.model} on http://{host}:{port} once the model has loaded. Try:\n"
           f"  curl -s http://{host}:{port}/generate -H 'Content-Type: application/json' \\\n"
           f"    -d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}]}}'",
           file=sys.stderr)
     uvicorn.run(app, host=host, port=port, log_level="info")
+    return 0
+
+
+def cmd_db(args) -> int:
+    from loramux.db import Database
+
+    settings = Settings()
+    db = Database(args.url or settings.resolved_database_url())
+    try:
+        if args.db_command == "upgrade":
+            db.upgrade(args.revision)
+            print(f"database at revision {db.current_revision()}")
+        elif args.db_command == "downgrade":
+            db.downgrade(args.revision)
+            print(f"database at revision {db.current_revision() or 'base (empty)'}")
+        else:
+            print(db.current_revision() or "base (no migrations applied)")
+    finally:
+        db.dispose()
     return 0
 
 
@@ -168,6 +185,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host")
     s.add_argument("--port", type=int)
     s.set_defaults(func=cmd_serve)
+
+    d = sub.add_parser("db", help="database migrations (LORAMUX_DATABASE_URL; default SQLite in the data dir)")
+    dsub = d.add_subparsers(dest="db_command", required=True)
+    up = dsub.add_parser("upgrade", help="apply migrations (default: all)")
+    up.add_argument("revision", nargs="?", default="head")
+    down = dsub.add_parser("downgrade", help="revert migrations (default: all)")
+    down.add_argument("revision", nargs="?", default="base")
+    dsub.add_parser("current", help="print the applied revision")
+    for p in (up, down, *dsub.choices.values()):
+        if not any(a.dest == "url" for a in p._actions):
+            p.add_argument("--url", help="database URL instead of LORAMUX_DATABASE_URL")
+    d.set_defaults(func=cmd_db)
     return ap
 
 

@@ -16,6 +16,11 @@ def _default_cache_dir() -> Path:
     return Path(base) / "loramux"
 
 
+def _default_data_dir() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "loramux"
+
+
 class Settings(BaseSettings):
     """Runtime configuration. Every field can be set as `LORAMUX_<FIELD>` (e.g. LORAMUX_DTYPE=bfloat16)."""
 
@@ -49,6 +54,26 @@ class Settings(BaseSettings):
                 raise ValueError(f"LORAMUX_ADAPTERS entry {entry!r} must look like name=/path/to/adapter")
             result[name.strip()] = path.strip()
         return result
+
+    # Registry and adapter storage. Defaults keep everything in `data_dir` (SQLite + a file store).
+    data_dir: Path = Field(default_factory=_default_data_dir)
+    database_url: str = ""  # "" = sqlite:///<data_dir>/loramux.db; else e.g. postgresql+psycopg://host/db
+    store_url: str = ""  # "" = file://<data_dir>/blobs; or s3://bucket/prefix
+    s3_endpoint_url: str | None = None  # MinIO / moto / other S3-compatible endpoints
+    s3_region: str | None = None
+    s3_access_key_id: str | None = None  # None: boto3's usual credential chain
+    s3_secret_access_key: str | None = None
+    s3_timeout_s: float = 10.0  # connect and read timeout of one S3 call
+    s3_max_attempts: int = 3  # tries per S3 call (1 = no retry)
+    disk_cache_bytes: int = 4 * 1024**3  # local disk cache of adapter blobs
+    host_cache_bytes: int = 2 * 1024**3  # adapters held in host RAM (unpinned ones evicted LRU)
+    max_upload_bytes: int = 512 * 1024**2  # largest adapter_model.safetensors accepted
+
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{Path(self.data_dir) / 'loramux.db'}"
+
+    def resolved_store_url(self) -> str:
+        return self.store_url or f"file://{Path(self.data_dir) / 'blobs'}"
 
     # Server.
     host: str = "127.0.0.1"

@@ -98,3 +98,117 @@ def write_peft_adapter(path: Path, model_cfg, rank: int, targets: list[str], see
               "fan_in_fan_out": False, "base_model_name_or_path": None}
     (path / "adapter_config.json").write_text(json.dumps(config))
     return path
+
+
+# --- S3 (moto server) ------------------------------------------------------------------------------
+# Self-contained: moto and boto3 are imported inside the fixtures. The environment is left alone;
+# the dummy credentials go to each client explicitly.
+
+MOTO_CREDENTIALS = {"access_key_id": "testing", "secret_access_key": "testing"}
+MOTO_REGION = "us-east-1"
+
+
+def stop_moto_server(server) -> None:
+    """Stop a ThreadedMotoServer and close its listening socket (`stop()` only ends serve_forever,
+    which leaves the port accepting connections that nobody answers)."""
+    server.stop()
+    if getattr(server, "_server", None) is not None:
+        server._server.server_close()
+
+
+@pytest.fixture(scope="session")
+def moto_server():
+    """An S3-compatible moto server on 127.0.0.1 for the whole session; yields its endpoint URL."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        stop_moto_server(server)
+
+
+def moto_create_bucket(endpoint_url: str, bucket: str) -> None:
+    import boto3
+
+    client = boto3.session.Session().client(
+        "s3", endpoint_url=endpoint_url, region_name=MOTO_REGION,
+        aws_access_key_id=MOTO_CREDENTIALS["access_key_id"],
+        aws_secret_access_key=MOTO_CREDENTIALS["secret_access_key"])
+    client.create_bucket(Bucket=bucket)
+
+
+@pytest.fixture
+def s3_store(moto_server):
+    """An S3Store on a fresh, uniquely named bucket of the session's moto server."""
+    import uuid
+
+    from loramux.adapters.store import S3Store
+
+    bucket = f"loramux-test-{uuid.uuid4().hex[:16]}"
+    moto_create_bucket(moto_server, bucket)
+    return S3Store(bucket, endpoint_url=moto_server, region=MOTO_REGION, timeout_s=5.0, **MOTO_CREDENTIALS)
+
+
+# --- SQL: every database test runs on SQLite and on PostgreSQL ------------------------------------
+POSTGRES_URL = os.environ.get("LORAMUX_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+
+
+@pytest.fixture(scope="session")
+def postgres_server_url():
+    """A scratch PostgreSQL database for this test session (created from the `test` database, dropped at
+    the end), so parallel sessions and leftovers never collide."""
+    import uuid
+
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    admin = create_engine(POSTGRES_URL, isolation_level="AUTOCOMMIT")
+    name = f"loramux_test_{uuid.uuid4().hex[:12]}"
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+    except Exception as exc:  # noqa: BLE001
+        pytest.fail(f"PostgreSQL at {POSTGRES_URL} is needed for the SQL tests: {exc}")
+    url = make_url(POSTGRES_URL).set(database=name).render_as_string(hide_password=False)
+    yield url
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request, tmp_path):
+    """An empty database (no tables), on SQLite and on PostgreSQL."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'loramux.db'}"
+        return
+    from sqlalchemy import create_engine, text
+
+    url = request.getfixturevalue("postgres_server_url")
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(text("DROP SCHEMA public CASCADE"))
+        conn.execute(text("CREATE SCHEMA public"))
+    engine.dispose()
+    yield url
+
+
+@pytest.fixture
+def database(database_url):
+    """A migrated `loramux.db.Database`, on SQLite and on PostgreSQL."""
+    from loramux.db import Database
+
+    db = Database(database_url)
+    db.upgrade()
+    yield db
+    db.dispose()
+
+
+def make_services(tmp_path: Path, engine: LLMEngine, **settings):
+    """Services (SQLite registry + file store in tmp_path unless overridden) around a given engine."""
+    from loramux.services import Services
+
+    return Services.from_settings(Settings(data_dir=tmp_path / "data", **settings), engine=engine)

@@ -7,7 +7,7 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from conftest import make_engine
+from conftest import make_engine, make_services
 from loramux.engine.async_engine import AsyncEngine
 from loramux.engine.engine import RequestError
 from loramux.engine.sampling_params import SamplingParams
@@ -15,8 +15,8 @@ from loramux.server.app import create_app
 
 
 @pytest.fixture
-def client(tiny_dir, tokenizer):
-    app = create_app(lambda: AsyncEngine(make_engine(tiny_dir, tokenizer)))
+def client(tiny_dir, tokenizer, tmp_path):
+    app = create_app(lambda: make_services(tmp_path, make_engine(tiny_dir, tokenizer)))
     with TestClient(app) as c:
         yield c
 
@@ -99,8 +99,7 @@ def test_generate_with_adapter_over_http(tiny_dir, tokenizer, tmp_path):
 
     def factory():
         engine = make_engine(tiny_dir, tokenizer, max_loras=2, max_lora_rank=8)
-        engine.load_adapter_dir(path, "tuned")
-        return AsyncEngine(engine)
+        return make_services(tmp_path, engine, adapters=f"tuned={path}")
 
     with TestClient(create_app(factory)) as client:
         listed = client.get("/adapters").json()["adapters"]
@@ -109,10 +108,14 @@ def test_generate_with_adapter_over_http(tiny_dir, tokenizer, tmp_path):
         base = client.post("/generate", json=body).json()
         tuned = client.post("/generate", json={**body, "adapter": "tuned"}).json()
         assert tuned["adapter"] == "tuned" and base["adapter"] is None
+        assert (tuned["adapter_version"], tuned["adapter_tier"]) == (1, "store")  # first use: from the store
         assert tuned["text"] != base["text"]
+        again = client.post("/generate", json={**body, "adapter": f"{listed[0]['id']}@1"}).json()
+        assert again["text"] == tuned["text"] and again["adapter_tier"] == "ram"
         missing = client.post("/generate", json={**body, "adapter": "nope"})
-        assert missing.status_code == 404 and "unknown adapter 'nope'" in missing.text
-        assert client.get("/stats").json()["adapter_slots_pinned"] == 0
+        assert missing.status_code == 404 and "adapter 'nope' not found" in missing.text
+        stats = client.get("/stats").json()
+        assert stats["adapter_slots_pinned"] == 0 and stats["adapter_cache"]["hits"] == {"store": 1, "ram": 1}
 
 
 def test_adapters_setting_parses_and_rejects_bad_entries():

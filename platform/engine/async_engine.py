@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from loramux.adapters.peft_format import LoRAAdapter
 from loramux.engine.engine import LLMEngine, RequestOutput
 from loramux.engine.sampling_params import SamplingParams
 
@@ -29,7 +30,7 @@ class _Add:
     prompt: str | list[int]
     params: SamplingParams
     priority: int
-    adapter: str | None
+    adapter: "str | LoRAAdapter | None"
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     accepted: asyncio.Future
@@ -47,7 +48,8 @@ class AsyncEngine:
 
     # -- caller side (event loop) ----------------------------------------------------------------
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       priority: int = 0, adapter: str | None = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, adapter: "str | LoRAAdapter | None" = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs step by step; leaving the loop early aborts the request."""
         if self._stopped:
             raise EngineDeadError("the engine has stopped")
@@ -73,6 +75,10 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Cancel a request; its KV blocks are freed at the engine's next step boundary."""
         self._post(("abort", request_id))
+
+    def evict_adapter(self, digest: str) -> None:
+        """An adapter version was deleted: its device slot is freed after its running requests."""
+        self._post(("evict", digest))
 
     def stats(self) -> dict[str, int]:
         return self.engine.stats()
@@ -130,6 +136,8 @@ class AsyncEngine:
                 return
             self._streams[item.request_id] = (item.loop, item.queue)
             _post_to(item.loop, _settle, item.accepted, None)
+        elif item[0] == "evict":
+            self.engine.evict_adapter(item[1])
         else:
             _, request_id = item
             out = self.engine.abort_request(request_id)

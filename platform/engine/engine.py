@@ -89,6 +89,7 @@ class LLMEngine:
         # Local adapter source: name -> adapter (the registry issue puts SQL and storage tiers behind this).
         self.adapters: dict[str, LoRAAdapter] = {}
         self._by_digest: dict[str, LoRAAdapter] = {}
+        self._evicting: set[str] = set()  # replaced or deleted versions: slot freed after their last request
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, _Request] = {}
@@ -96,7 +97,9 @@ class LLMEngine:
 
     # -- construction from settings --------------------------------------------------------------
     @classmethod
-    def from_settings(cls, settings) -> "LLMEngine":
+    def from_settings(cls, settings, load_adapters: bool = True) -> "LLMEngine":
+        """The engine for `settings`; `load_adapters`: also load LORAMUX_ADAPTERS directly (without the
+        registry, as the CLI does)."""
         from transformers import AutoTokenizer
 
         from loramux.model.loader import build_model, end_of_turn_ids, resolve_model_dir, torch_dtype
@@ -114,7 +117,7 @@ class LLMEngine:
                               max_lora_rank=settings.max_lora_rank)
         engine = cls(model, tokenizer, config, end_of_turn_ids(tokenizer, mcfg, model_dir), dtype, device)
         engine.model_name = settings.model
-        for name, path in settings.adapter_dirs().items():
+        for name, path in (settings.adapter_dirs() if load_adapters else {}).items():
             engine.load_adapter_dir(path, name)
         return engine
 
@@ -122,25 +125,37 @@ class LLMEngine:
     def register_adapter(self, adapter: LoRAAdapter) -> None:
         """Make `adapter` servable under `adapter.name`; a new version under the same name replaces it
         for later requests (running ones finish on the version they started with)."""
+        self._check_servable(adapter)
+        old = self.adapters.get(adapter.name)
+        self.adapters[adapter.name] = adapter
+        self._by_digest[adapter.digest] = adapter
+        if old is not None and old.digest != adapter.digest:
+            self.evict_adapter(old.digest)
+
+    def _check_servable(self, adapter: LoRAAdapter) -> LoRAAdapter:
         if self.slot_pool is None:
             raise RequestError("LoRA is disabled on this engine (max_loras = 0)")
         if adapter.rank > self.config.max_lora_rank:
             raise RequestError(f"adapter {adapter.name!r} has rank {adapter.rank}; this server's maximum LoRA rank "
                                f"is {self.config.max_lora_rank} (LORAMUX_MAX_LORA_RANK)")
-        old = self.adapters.get(adapter.name)
-        self.adapters[adapter.name] = adapter
-        self._by_digest[adapter.digest] = adapter
-        if old is not None and old.digest != adapter.digest:
-            self._drop_if_unused(old.digest)
+        return adapter
+
+    def evict_adapter(self, digest: str) -> None:
+        """A version was replaced or deleted: free its device slot once no running request uses it."""
+        self._evicting.add(digest)
+        self._drop_if_unused(digest)
 
     def _drop_if_unused(self, digest: str) -> None:
-        """Forget an adapter version no name and no live request refers to (host copy and slot)."""
+        """Drop the engine's reference to a version no name and no live request uses. Its slot keeps the
+        weights for the next request (slots are keyed by content digest) unless the version is evicted."""
         if any(a.digest == digest for a in self.adapters.values()):
             return
         if any(r.seq.adapter == digest for r in self.requests.values()):
             return
         self._by_digest.pop(digest, None)
-        self.slots.evict(digest)
+        if digest in self._evicting:
+            self._evicting.discard(digest)
+            self.slots.evict(digest)
 
     def load_adapter_dir(self, path, name: str | None = None) -> LoRAAdapter:
         from loramux.adapters.peft_format import load_adapter_dir
@@ -158,14 +173,18 @@ class LLMEngine:
         return list(ids)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    priority: int = 0, arrival: float | None = None, adapter: str | None = None) -> Sequence:
-        """Queue a request (for `adapter` by name, or the base model); raise RequestError when it can
-        never run."""
+                    priority: int = 0, arrival: float | None = None,
+                    adapter: str | LoRAAdapter | None = None) -> Sequence:
+        """Queue a request for the base model or an adapter: a registered name, or an adapter object the
+        caller holds in host RAM until the request finishes. Raise RequestError when it can never run."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         lora = None
-        if adapter is not None:
+        if isinstance(adapter, LoRAAdapter):
+            lora = self._check_servable(adapter)
+            adapter = adapter.name
+        elif adapter is not None:
             lora = self.adapters.get(adapter)
             if lora is None:
                 raise RequestError(f"unknown adapter {adapter!r}")
@@ -182,6 +201,8 @@ class LLMEngine:
         blocks = self.block_manager.blocks_for_tokens(len(ids) + 1)
         if blocks > self.block_manager.num_blocks:
             raise RequestError(f"the prompt needs {blocks} KV blocks but the cache has {self.block_manager.num_blocks}")
+        if lora is not None:
+            self._by_digest.setdefault(lora.digest, lora)
         seq = Sequence(request_id, ids, params, priority=priority, adapter=lora.digest if lora else None,
                        **({"arrival": arrival} if arrival is not None else {}))
         generator = Sampler.make_generator(params.seed) if params.seed is not None else None

@@ -1,6 +1,8 @@
 """HTTP front end: health, readiness, engine stats and a native `POST /generate` (plain or SSE stream).
 
-The OpenAI-compatible tenant API builds on this app (see the tenant API issue).
+Adapters are resolved in the registry and brought into host RAM (store -> disk -> RAM) before the
+request enters the engine queue; the load runs on the adapter cache's threads, so other requests keep
+being served. The OpenAI-compatible tenant API builds on this app (see the tenant API issue).
 """
 from __future__ import annotations
 
@@ -10,12 +12,17 @@ from contextlib import asynccontextmanager
 from typing import Annotated
 
 from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field, model_validator
 
-from loramux.engine.async_engine import AsyncEngine, EngineDeadError
+from loramux.adapters.registry import AdapterNotFoundError
+from loramux.adapters.tiers import Acquired, AdapterLoadError
+from loramux.engine.async_engine import EngineDeadError
 from loramux.engine.engine import RequestError, RequestOutput
 from loramux.engine.sampling_params import SamplingParams
+from loramux.adapters.registry import BASE_MODEL_ALIAS
+from loramux.services import Services
 
 
 class Message(BaseModel):
@@ -25,7 +32,8 @@ class Message(BaseModel):
 
 class GenerateRequest(BaseModel):
     """Either `prompt` (raw text, no template) or `messages` (chat template applied); `adapter` names a
-    loaded LoRA adapter (omit it for the base model)."""
+    registered LoRA adapter: its name, `ad_<id>`, or `owner/name`, optionally `@<version>` (omit it, or
+    give "base", for the base model)."""
 
     prompt: str | None = None
     adapter: str | None = None
@@ -71,23 +79,31 @@ def _final_body(request_id: str, out: RequestOutput) -> dict:
     }
 
 
-def get_engine(request: Request) -> AsyncEngine:
-    return request.app.state.engine
+def _adapter_fields(lease: Acquired | None, version) -> dict:
+    if version is None:
+        return {}
+    return {"adapter_id": version.adapter_id, "adapter_version": version.version,
+            "adapter_tier": lease.tier if lease else None, "adapter_load_ms": round(lease.load_ms, 1) if lease else None}
 
 
-EngineDep = Annotated[AsyncEngine, Depends(get_engine)]
+def get_services(request: Request) -> Services:
+    return request.app.state.services
 
 
-def create_app(engine_factory) -> FastAPI:
-    """`engine_factory()` returns the AsyncEngine; it is called once at startup."""
+ServicesDep = Annotated[Services, Depends(get_services)]
+DEFAULT_ADAPTER_TIMEOUT_S = 60.0
+
+
+def create_app(services_factory) -> FastAPI:
+    """`services_factory()` returns the Services (engine, registry, adapter cache); called once at startup."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        app.state.engine = engine_factory()
+        app.state.services = services_factory()
         try:
             yield
         finally:
-            app.state.engine.shutdown()
+            app.state.services.shutdown()
 
     app = FastAPI(title="loramux", version="0.1.0", lifespan=lifespan)
 
@@ -96,20 +112,28 @@ def create_app(engine_factory) -> FastAPI:
         return {"status": "ok"}
 
     @app.get("/ready")
-    async def ready(engine: EngineDep) -> dict:
-        return {"status": "ready", "model": getattr(engine.engine, "model_name", "custom")}
+    async def ready(services: ServicesDep):
+        try:
+            await run_in_threadpool(services.db.check)
+        except Exception as exc:
+            return JSONResponse({"status": "not ready", "reason": f"database unreachable: {type(exc).__name__}"},
+                                status_code=503)
+        return {"status": "ready", "model": getattr(services.engine.engine, "model_name", "custom")}
 
     @app.get("/stats")
-    async def stats(engine: EngineDep) -> dict:
-        return engine.stats()
+    async def stats(services: ServicesDep) -> dict:
+        return {**services.engine.stats(), "adapter_cache": services.adapter_cache.stats()}
 
     @app.get("/adapters")
-    async def adapters(engine: EngineDep) -> dict:
-        return {"adapters": [{"name": a.name, "rank": a.rank, "targets": list(a.target_modules), "digest": a.digest}
-                             for a in engine.engine.adapters.values()]}
+    async def adapters(services: ServicesDep) -> dict:
+        tenant_id = await run_in_threadpool(services.local_tenant_id)
+        listed = await run_in_threadpool(services.registry.list, tenant_id)
+        return {"adapters": [{"id": v.adapter_id, "name": v.name, "version": v.version, "rank": v.rank,
+                              "targets": list(v.target_modules), "digest": v.digest} for v in listed]}
 
     @app.post("/generate")
-    async def generate(body: GenerateRequest, engine: EngineDep):
+    async def generate(body: GenerateRequest, services: ServicesDep):
+        engine = services.engine
         try:
             params = body.sampling_params()
         except ValueError as exc:
@@ -120,21 +144,47 @@ def create_app(engine_factory) -> FastAPI:
         except Exception as exc:  # jinja TemplateError and friends: the messages do not fit the template
             raise HTTPException(status_code=400, detail=f"messages do not fit the model's chat template: {exc}")
         request_id = f"gen-{uuid.uuid4().hex}"
-        if body.adapter is not None and body.adapter not in engine.engine.adapters:
-            raise HTTPException(status_code=404, detail=f"unknown adapter {body.adapter!r}; GET /adapters lists them")
-        stream = engine.generate(request_id, prompt, params, adapter=body.adapter)
+        version = lease = None
+        if body.adapter not in (None, BASE_MODEL_ALIAS):
+            try:
+                tenant_id = await run_in_threadpool(services.local_tenant_id)
+                version = await run_in_threadpool(services.registry.resolve, tenant_id, body.adapter)
+                lease = await services.adapter_cache.acquire(version, body.timeout_s or DEFAULT_ADAPTER_TIMEOUT_S)
+            except AdapterNotFoundError as exc:
+                raise HTTPException(status_code=404, detail=f"{exc}; GET /adapters lists them") from exc
+            except (AdapterLoadError, TimeoutError) as exc:
+                raise HTTPException(status_code=503, detail=f"adapter {body.adapter!r} could not be loaded: {exc}",
+                                    headers={"Retry-After": "5"}) from exc
+        released = False
+
+        def release():
+            nonlocal released
+            if lease is not None and not released:
+                released = True
+                services.adapter_cache.release(lease.adapter.digest)
+
         try:
+            stream = engine.generate(request_id, prompt, params, adapter=lease.adapter if lease else None)
             first = await anext(stream)
         except RequestError as exc:
+            release()
             raise HTTPException(status_code=400, detail=str(exc)) from exc
         except EngineDeadError as exc:
+            release()
             raise HTTPException(status_code=503, detail=str(exc), headers={"Retry-After": "5"}) from exc
+        except BaseException:
+            release()
+            raise
+        extra = _adapter_fields(lease, version)
 
         if not body.stream:
-            out = first
-            async for out in stream:
-                pass
-            return JSONResponse(_final_body(request_id, out), headers={"X-Request-Id": request_id})
+            try:
+                out = first
+                async for out in stream:
+                    pass
+            finally:
+                release()
+            return JSONResponse({**_final_body(request_id, out), **extra}, headers={"X-Request-Id": request_id})
 
         async def events():
             out = first
@@ -143,7 +193,7 @@ def create_app(engine_factory) -> FastAPI:
                     if out.delta_text:
                         yield f"data: {json.dumps({'id': request_id, 'text': out.delta_text})}\n\n"
                     if out.finished:
-                        yield f"data: {json.dumps(_final_body(request_id, out))}\n\n"
+                        yield f"data: {json.dumps({**_final_body(request_id, out), **extra})}\n\n"
                         yield "data: [DONE]\n\n"
                         return
                     out = await anext(stream)
@@ -151,6 +201,7 @@ def create_app(engine_factory) -> FastAPI:
                 yield f"data: {json.dumps({'id': request_id, 'error': str(exc) or type(exc).__name__})}\n\n"
             finally:
                 await stream.aclose()  # a client that went away aborts the request
+                release()
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"X-Request-Id": request_id})
 

@@ -1,0 +1,74 @@
+"""The stored form of one adapter version: a single canonical safetensors blob, addressed by its sha256.
+
+Tensors are named `layers.<i>.<target>.lora_A|B` and keep their uploaded dtype; the normalised LoRA
+config (r, lora_alpha, use_rslora, target_modules) rides in the safetensors metadata. Every download is
+checked against the digest before it is parsed, so a corrupt or substituted object is never served.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch
+from safetensors.torch import load as load_safetensors_bytes
+
+from loramux.adapters.peft_format import TARGETS, AdapterFormatError, LoRAAdapter
+
+FORMAT = "loramux-lora/1"
+
+
+class DigestMismatchError(AdapterFormatError):
+    """The bytes do not hash to the digest they were stored under (corrupt or substituted object)."""
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def pack(rank: int, alpha: float, use_rslora: bool, target_modules, tensors) -> tuple[bytes, str]:
+    """Serialise validated weights {(layer, target): (A, B)}; returns (blob, sha256 hex digest)."""
+    config = {"r": int(rank), "lora_alpha": float(alpha), "use_rslora": bool(use_rslora),
+              "target_modules": [t for t in TARGETS if t in set(target_modules)]}
+    header: dict = {"__metadata__": {"config": json.dumps(config, sort_keys=True), "format": FORMAT}}
+    chunks, offset = [], 0
+    for (layer, target), (a, b) in sorted(tensors.items(), key=lambda kv: (kv[0][0], TARGETS.index(kv[0][1]))):
+        for kind, tensor in (("A", a), ("B", b)):
+            data = tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+            header[f"layers.{layer}.{target}.lora_{kind}"] = {
+                "dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape),
+                "data_offsets": [offset, offset + len(data)]}
+            chunks.append(data)
+            offset += len(data)
+    # Written by hand, not with safetensors.save: its header order is not stable across processes, and
+    # the digest must be a function of the content alone.
+    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    blob = len(text).to_bytes(8, "little") + text + b"".join(chunks)
+    return blob, sha256_hex(blob)
+
+
+_DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+def unpack(blob: bytes, name: str, digest: str | None = None) -> LoRAAdapter:
+    """Parse a blob written by `pack` into a float32 LoRAAdapter; verify `digest` first when given."""
+    if digest is not None:
+        actual = sha256_hex(blob)
+        if actual != digest:
+            raise DigestMismatchError(f"the stored bytes hash to {actual[:12]}…, expected {digest[:12]}… "
+                                      "(corrupt object in the store)")
+    header_len = int.from_bytes(blob[:8], "little")
+    metadata = json.loads(blob[8:8 + header_len]).get("__metadata__", {})
+    if metadata.get("format") != FORMAT:
+        raise AdapterFormatError(f"adapter {name!r}: not a {FORMAT} blob")
+    config = json.loads(metadata["config"])
+    tensors = load_safetensors_bytes(blob)
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    for key in tensors:
+        if key.endswith(".lora_A"):
+            _, layer, target, _ = key.split(".")
+            b = tensors[key[:-1] + "B"]
+            weights[(int(layer), target)] = (tensors[key].float().contiguous(), b.float().contiguous())
+    return LoRAAdapter(name=name, rank=config["r"], alpha=config["lora_alpha"], use_rslora=config["use_rslora"],
+                       target_modules=tuple(config["target_modules"]), weights=weights,
+                       digest=digest or sha256_hex(blob))

@@ -1,0 +1,314 @@
+"""Adapter weights on their way to the engine: object store -> local disk cache -> host RAM cache.
+
+`AdapterCache.acquire(version)` returns the adapter in host RAM, pinned until `release`. Loads run on a
+small thread pool, never on the caller's event loop or the engine thread, and there is one load per
+version at a time however many requests wait for it ("single flight"). A failed load is not
+remembered: the next request tries again, so a store that recovers serves again at once. Every byte
+read from the store or the disk cache is checked against the version's digest before it is parsed.
+Device slots (the fourth tier) belong to the engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+from loramux.adapters.blob import DigestMismatchError, sha256_hex, unpack
+from loramux.adapters.peft_format import LoRAAdapter
+from loramux.adapters.registry import AdapterVersionInfo
+from loramux.adapters.store import BlobNotFoundError, ObjectStore, StoreError
+
+log = logging.getLogger(__name__)
+
+
+class AdapterLoadError(RuntimeError):
+    """An adapter version could not be brought into host RAM; the message names it and says why."""
+
+    def __init__(self, message: str, version: AdapterVersionInfo, retryable: bool = True):
+        super().__init__(message)
+        self.version = version
+        self.retryable = retryable
+
+
+class DiskCache:
+    """Blobs on local disk under their digest, within a byte budget (least recently used evicted)."""
+
+    def __init__(self, root: Path, budget_bytes: int):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.budget = budget_bytes
+        self._lock = threading.Lock()
+        self._sizes: OrderedDict[str, int] = OrderedDict()  # digest -> bytes, oldest use first
+        entries = []
+        for path in self.root.glob("*.blob"):
+            stat = path.stat()
+            entries.append((stat.st_mtime, path.stem, stat.st_size))
+        for _, digest, size in sorted(entries):
+            self._sizes[digest] = size
+        for leftover in self.root.glob("*.tmp*"):  # a crash mid-write
+            leftover.unlink(missing_ok=True)
+
+    def _path(self, digest: str) -> Path:
+        return self.root / f"{digest}.blob"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self._sizes.values())
+
+    def __contains__(self, digest: str) -> bool:
+        return digest in self._sizes
+
+    def get(self, digest: str) -> bytes | None:
+        """The verified blob, or None (a file that fails verification is removed)."""
+        with self._lock:
+            if digest not in self._sizes:
+                return None
+            self._sizes.move_to_end(digest)
+        try:
+            data = self._path(digest).read_bytes()
+        except FileNotFoundError:
+            self.discard(digest)
+            return None
+        if sha256_hex(data) != digest:
+            log.warning("disk cache entry %s… is corrupt; removed", digest[:12])
+            self.discard(digest)
+            return None
+        os.utime(self._path(digest))
+        return data
+
+    def put(self, digest: str, data: bytes) -> None:
+        if len(data) > self.budget:
+            return
+        path = self._path(digest)
+        tmp = path.with_suffix(f".tmp{threading.get_ident()}")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+        with self._lock:
+            self._sizes[digest] = len(data)
+            self._sizes.move_to_end(digest)
+            while self.nbytes > self.budget:
+                victim, _ = self._sizes.popitem(last=False)
+                self._path(victim).unlink(missing_ok=True)
+
+    def discard(self, digest: str) -> None:
+        with self._lock:
+            self._sizes.pop(digest, None)
+        self._path(digest).unlink(missing_ok=True)
+
+
+@dataclass
+class _Entry:
+    adapter: LoRAAdapter
+    pins: int = 0
+    doomed: bool = False  # deleted while pinned: dropped at the last release
+
+
+class HostCache:
+    """Adapters in host RAM within a byte budget. Pinned entries (queued or running requests) are never
+    evicted, so the cache can exceed its budget only by what is pinned."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget = budget_bytes
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.adapter.nbytes for e in self._entries.values())
+
+    def __contains__(self, digest: str) -> bool:
+        return digest in self._entries
+
+    def pin(self, digest: str) -> LoRAAdapter | None:
+        entry = self._entries.get(digest)
+        if entry is None:
+            return None
+        entry.pins += 1
+        self._entries.move_to_end(digest)
+        return entry.adapter
+
+    def insert_pinned(self, adapter: LoRAAdapter) -> LoRAAdapter:
+        entry = self._entries.get(adapter.digest)
+        if entry is None:
+            self._make_room(adapter.nbytes)
+            entry = self._entries[adapter.digest] = _Entry(adapter)
+        entry.pins += 1
+        self._entries.move_to_end(adapter.digest)
+        return entry.adapter
+
+    def release(self, digest: str) -> None:
+        entry = self._entries.get(digest)
+        if entry is None or entry.pins <= 0:
+            raise RuntimeError(f"adapter {digest[:12]}… released more often than acquired")
+        entry.pins -= 1
+        if entry.pins == 0 and entry.doomed:
+            del self._entries[digest]
+        elif self.nbytes > self.budget:
+            self._make_room(0)
+
+    def discard(self, digest: str) -> None:
+        entry = self._entries.get(digest)
+        if entry is None:
+            return
+        if entry.pins:
+            entry.doomed = True
+        else:
+            del self._entries[digest]
+
+    def _make_room(self, incoming: int) -> None:
+        for digest in [d for d, e in self._entries.items() if e.pins == 0]:
+            if self.nbytes + incoming <= self.budget:
+                return
+            del self._entries[digest]
+
+
+@dataclass(frozen=True)
+class Acquired:
+    adapter: LoRAAdapter
+    tier: str  # where it came from: "ram", "disk" or "store"
+    load_ms: float
+
+
+class AdapterCache:
+    """The engine-facing side of the tiers: acquire / prefetch / release adapter versions."""
+
+    def __init__(self, store: ObjectStore, disk: DiskCache, host: HostCache, max_workers: int = 4):
+        self.store = store
+        self.disk = disk
+        self.host = host
+        self._lock = threading.Lock()
+        self._inflight: dict[str, concurrent.futures.Future] = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="loramux-adapter-load")
+        self.hits: Counter[str] = Counter()  # by tier: ram, disk, store
+        self.failures = 0
+        self.downloads = 0
+
+    # -- loading (worker threads) ----------------------------------------------------------------
+    def _load(self, version: AdapterVersionInfo) -> tuple[LoRAAdapter, str]:
+        tier = "disk"
+        data = self.disk.get(version.digest)
+        if data is None:
+            tier = "store"
+            try:
+                with self._lock:
+                    self.downloads += 1
+                data = self.store.get(version.storage_key)
+            except BlobNotFoundError:
+                raise AdapterLoadError(f"adapter {version.label}: its weights are missing from the object store",
+                                       version, retryable=False) from None
+            except StoreError as exc:
+                raise AdapterLoadError(f"adapter {version.label}: the object store is unavailable ({exc})",
+                                       version) from None
+        try:
+            adapter = unpack(data, version.name, version.digest)
+        except DigestMismatchError as exc:
+            raise AdapterLoadError(f"adapter {version.label}: {exc}", version) from None
+        if tier == "store":
+            try:
+                self.disk.put(version.digest, data)
+            except OSError as exc:  # a full disk slows later loads down but must not fail this one
+                log.warning("could not cache adapter %s on disk: %s", version.label, exc)
+        return adapter, tier
+
+    def _start(self, version: AdapterVersionInfo) -> concurrent.futures.Future:
+        """The in-flight load of `version`, starting one if none runs (caller holds the lock)."""
+        future = self._inflight.get(version.digest)
+        if future is None:
+            future = self._pool.submit(self._timed_load, version)
+            self._inflight[version.digest] = future
+            future.add_done_callback(lambda f, d=version.digest: self._done(d, f))
+        return future
+
+    def _timed_load(self, version: AdapterVersionInfo):
+        start = time.perf_counter()
+        adapter, tier = self._load(version)
+        return adapter, tier, (time.perf_counter() - start) * 1000
+
+    def _done(self, digest: str, future: concurrent.futures.Future) -> None:
+        with self._lock:
+            if self._inflight.get(digest) is future:
+                del self._inflight[digest]
+            if future.exception() is not None:
+                self.failures += 1
+                return
+            adapter, _, _ = future.result()
+            # Keep it warm for the waiters (they pin it themselves); a prefetch with no waiter leaves it unpinned.
+            if adapter.digest not in self.host:
+                self.host.insert_pinned(adapter)
+                self.host.release(adapter.digest)
+
+    # -- public API --------------------------------------------------------------------------------
+    def prefetch(self, version: AdapterVersionInfo) -> concurrent.futures.Future | None:
+        """Start bringing `version` into host RAM without pinning it; None if it is already there."""
+        with self._lock:
+            if version.digest in self.host:
+                return None
+            return self._start(version)
+
+    async def acquire(self, version: AdapterVersionInfo, timeout: float | None = None) -> Acquired:
+        """The adapter in host RAM, pinned; raise AdapterLoadError (or TimeoutError after `timeout`
+        seconds: the shared load goes on for the other waiters)."""
+        with self._lock:
+            adapter = self.host.pin(version.digest)
+            if adapter is not None:
+                self.hits["ram"] += 1
+                return Acquired(adapter, "ram", 0.0)
+            future = self._start(version)
+        wrapped = asyncio.shield(asyncio.wrap_future(future))
+        if timeout is not None:
+            try:
+                adapter, tier, load_ms = await asyncio.wait_for(wrapped, timeout)
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"adapter {version.label} did not load within {timeout:.1f} s") from None
+        else:
+            adapter, tier, load_ms = await wrapped
+        with self._lock:
+            adapter = self.host.insert_pinned(adapter)  # re-inserted if evicted since the load ended
+            self.hits[tier] += 1
+        return Acquired(adapter, tier, load_ms)
+
+    def acquire_blocking(self, version: AdapterVersionInfo, timeout: float | None = None) -> Acquired:
+        """`acquire` for synchronous callers (CLI, scripts); never call it on an event loop thread."""
+        with self._lock:
+            adapter = self.host.pin(version.digest)
+            if adapter is not None:
+                self.hits["ram"] += 1
+                return Acquired(adapter, "ram", 0.0)
+            future = self._start(version)
+        try:
+            adapter, tier, load_ms = future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"adapter {version.label} did not load within {timeout:.1f} s") from None
+        with self._lock:
+            adapter = self.host.insert_pinned(adapter)
+            self.hits[tier] += 1
+        return Acquired(adapter, tier, load_ms)
+
+    def release(self, digest: str) -> None:
+        with self._lock:
+            self.host.release(digest)
+
+    def evict(self, digest: str) -> None:
+        """Forget a version everywhere (its adapter was deleted); pinned RAM copies go at their last release."""
+        with self._lock:
+            self.host.discard(digest)
+        self.disk.discard(digest)
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait until no load is in flight (tests, shutdown)."""
+        with self._lock:
+            futures = list(self._inflight.values())
+        concurrent.futures.wait(futures, timeout)
+
+    def stats(self) -> dict:
+        return {"host_bytes": self.host.nbytes, "host_budget_bytes": self.host.budget,
+                "disk_bytes": self.disk.nbytes, "disk_budget_bytes": self.disk.budget,
+                "hits": dict(self.hits), "downloads": self.downloads, "load_failures": self.failures}
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,97 @@
+"""ORM models. Every schema change here comes with a migration in migrations/versions/.
+
+Public ids are short prefixed strings (`tn_…`, `ad_…`) so they can be shown to users and never reveal
+row counts. Timestamps are stored in UTC.
+"""
+from __future__ import annotations
+
+import secrets
+from datetime import datetime, timezone
+
+from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, String,
+                        UniqueConstraint, text)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.types import TypeDecorator
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(8)}"
+
+
+class UTCDateTime(TypeDecorator):
+    """A timezone-aware UTC datetime on every backend (SQLite hands back naive values otherwise)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value, dialect):
+        if value is not None and value.tzinfo is None:
+            raise ValueError("store timezone-aware datetimes only")
+        return value.astimezone(timezone.utc) if value is not None else None
+
+    def process_result_value(self, value, dialect):
+        if value is not None and value.tzinfo is None:
+            value = value.replace(tzinfo=timezone.utc)
+        return value
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("tn"))
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    tier: Mapped[str] = mapped_column(String(32), default="standard")
+    status: Mapped[str] = mapped_column(String(16), default="active")  # active | suspended
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class Adapter(Base):
+    """A named adapter of one tenant; its weights are in versions. Deleting is soft (deleted_at)."""
+
+    __tablename__ = "adapters"
+    __table_args__ = (
+        # Names are unique among a tenant's live adapters; a deleted name can be used again.
+        Index("uq_adapters_tenant_live_name", "tenant_id", "name", unique=True,
+              postgresql_where=text("deleted_at IS NULL"), sqlite_where=text("deleted_at IS NULL")),
+    )
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("ad"))
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    name: Mapped[str] = mapped_column(String(128))
+    visibility: Mapped[str] = mapped_column(String(16), default="private")  # private | public
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True, default=None)
+
+    tenant: Mapped[Tenant] = relationship()
+    versions: Mapped[list["AdapterVersion"]] = relationship(back_populates="adapter", order_by="AdapterVersion.version")
+
+
+class AdapterVersion(Base):
+    """One uploaded set of weights. The blob (server-made key from the digest) is immutable."""
+
+    __tablename__ = "adapter_versions"
+    __table_args__ = (UniqueConstraint("adapter_id", "version", name="uq_adapter_versions_adapter_version"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    adapter_id: Mapped[str] = mapped_column(ForeignKey("adapters.id"), index=True)
+    version: Mapped[int] = mapped_column(Integer)
+    digest: Mapped[str] = mapped_column(String(64), index=True)  # sha256 of the stored blob
+    storage_key: Mapped[str] = mapped_column(String(200))
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    rank: Mapped[int] = mapped_column(Integer)
+    alpha: Mapped[float] = mapped_column(Float)
+    use_rslora: Mapped[bool] = mapped_column(Boolean, default=False)
+    target_modules: Mapped[list] = mapped_column(JSON)
+    base_model: Mapped[str] = mapped_column(String(200))
+    status: Mapped[str] = mapped_column(String(16), default="ready")  # ready | deleted
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+    adapter: Mapped[Adapter] = relationship(back_populates="versions")

@@ -1,0 +1,88 @@
+"""Wiring: build the database, object store, registry, adapter cache tiers and engine from Settings.
+
+One `Services` object is what the server (and scripts) hold; its parts stay independent of each other
+and of HTTP.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from loramux.adapters.registry import AdapterRegistry, TenantNotFoundError
+from loramux.adapters.store import ObjectStore, open_store
+from loramux.adapters.tiers import AdapterCache, DiskCache, HostCache
+from loramux.adapters.validation import UploadLimits
+from loramux.db import Database
+from loramux.settings import Settings
+
+log = logging.getLogger(__name__)
+
+LOCAL_TENANT = "local"  # owns the adapters named in LORAMUX_ADAPTERS
+
+
+@dataclass
+class Services:
+    settings: Settings
+    db: Database
+    store: ObjectStore
+    registry: AdapterRegistry
+    adapter_cache: AdapterCache
+    engine: object  # AsyncEngine (kept untyped so importing this module does not import torch)
+
+    @classmethod
+    def from_settings(cls, settings: Settings, engine=None, migrate: bool = True) -> "Services":
+        """Everything the server needs. `engine`: an LLMEngine to use instead of building one."""
+        from loramux.engine.async_engine import AsyncEngine
+        from loramux.engine.engine import LLMEngine
+
+        db = Database(settings.resolved_database_url())
+        if migrate:
+            db.upgrade()
+        store = open_store(settings.resolved_store_url(), endpoint_url=settings.s3_endpoint_url,
+                           region=settings.s3_region, access_key_id=settings.s3_access_key_id,
+                           secret_access_key=settings.s3_secret_access_key, timeout_s=settings.s3_timeout_s,
+                           max_attempts=settings.s3_max_attempts)
+        llm = engine if engine is not None else LLMEngine.from_settings(settings, load_adapters=False)
+        limits = UploadLimits(max_total_bytes=settings.max_upload_bytes, max_rank=settings.max_lora_rank)
+        registry = AdapterRegistry(db, store, llm.model.config, base_model_id(settings.model), limits)
+        cache = AdapterCache(store, DiskCache(Path(settings.data_dir) / "adapter-cache", settings.disk_cache_bytes),
+                             HostCache(settings.host_cache_bytes))
+        async_engine = AsyncEngine(llm)
+        registry.on_blob_deleted(cache.evict)
+        registry.on_blob_deleted(async_engine.evict_adapter)
+        services = cls(settings, db, store, registry, cache, async_engine)
+        services.register_local_adapters()
+        return services
+
+    def local_tenant_id(self) -> str:
+        try:
+            return self.registry.tenant_by_name(LOCAL_TENANT).id
+        except TenantNotFoundError:
+            return self.registry.create_tenant(LOCAL_TENANT, tier="standard").id
+
+    def register_local_adapters(self) -> None:
+        """Upload the adapter directories of LORAMUX_ADAPTERS into the registry (as tenant `local`)."""
+        dirs = self.settings.adapter_dirs()
+        if not dirs:
+            return
+        tenant_id = self.local_tenant_id()
+        for name, path in dirs.items():
+            path = Path(path)
+            files = {f: path / f for f in ("adapter_config.json", "adapter_model.safetensors")}
+            missing = [f for f, p in files.items() if not p.is_file()]
+            if missing:
+                raise ValueError(f"LORAMUX_ADAPTERS {name}={path}: {', '.join(missing)} not found")
+            version = self.registry.register(tenant_id, name, files, visibility="public")
+            log.info("adapter %s (%s) registered from %s", version.label, version.adapter_id, path)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+        self.adapter_cache.shutdown()
+        self.db.dispose()
+
+
+def base_model_id(model: str) -> str:
+    """The base model's short name as adapters record it: the last path component, without .gguf."""
+    name = Path(str(model).rstrip("/")).name
+    return name[:-5] if name.endswith(".gguf") else name
