@@ -380,3 +380,25 @@ def test_validation_error_keeps_its_code_across_pickling(monkeypatch):
     monkeypatch.undo()  # lift no_unpickling for this trusted round trip of our own object
     copy = pickle.loads(pickle.dumps(error))
     assert copy.code == "non_finite" and str(copy) == str(error) and type(copy) is AdapterValidationError
+
+
+def test_every_hostile_upload_leaves_nothing_in_sql_or_the_store(adapter, database, tmp_path):
+    """The whole corpus through the registry, on SQLite and PostgreSQL: refused, no rows, no blobs."""
+    from sqlalchemy import func, select
+
+    from loramux.adapters.registry import AdapterRegistry
+    from loramux.adapters.store import FileStore
+    from loramux.db import Adapter, AdapterVersion, Tenant
+
+    store = FileStore(tmp_path / "blobs")
+    tenant = AdapterRegistry(database, store, BASE, "base").create_tenant("acme")
+    for name, (build, code, _, limits, base_model_id) in CASES.items():
+        marker = tmp_path / f"pwned-{name}"
+        registry = AdapterRegistry(database, store, BASE, base_model_id or "any-base", limits or UploadLimits())
+        with pytest.raises(AdapterValidationError) as info:
+            registry.register(tenant.id, "bot", build(adapter, marker))
+        assert info.value.code == code, name
+        assert not marker.exists(), name
+    with database.session() as s:
+        counts = [s.scalar(select(func.count()).select_from(t)) for t in (Tenant, Adapter, AdapterVersion)]
+    assert counts == [1, 0, 0] and store.list_keys() == []

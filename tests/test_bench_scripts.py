@@ -1,10 +1,12 @@
-"""The GPU check script stays runnable: its --tiny mode runs every path on CPU (Triton interpreter)."""
+"""Benchmark scripts stay runnable: gpu_check --tiny (Triton interpreter) and a one-round adapter_tiers."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,3 +20,11 @@ def test_gpu_check_tiny_runs_and_passes():
     assert "kernel checks: all ok" in out, out
     assert "BAD" not in out
     assert "decode ratio" in out and "tok/s" in out
+
+
+@pytest.mark.real_model
+def test_adapter_tiers_bench_runs_end_to_end():
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "adapter_tiers.py"), "--rounds", "1", "--tokens", "12"],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "FIGURE cold_load_itl_p99_ratio" in proc.stdout and "FIGURE cold_s3_ttft_ms" in proc.stdout

@@ -49,6 +49,8 @@ class GenerateRequest(BaseModel):
     seed: int | None = Field(default=None, ge=0)
     stop: list[str] | str | None = None
     timeout_s: float | None = Field(default=None, gt=0)
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
     stream: bool = False
 
     @model_validator(mode="after")
@@ -64,7 +66,8 @@ class GenerateRequest(BaseModel):
         return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                              seed=self.seed, stop=stop, timeout_s=self.timeout_s)
+                              seed=self.seed, stop=stop, timeout_s=self.timeout_s, min_tokens=self.min_tokens,
+                              ignore_eos=self.ignore_eos)
 
 
 def _final_body(request_id: str, out: RequestOutput) -> dict:
