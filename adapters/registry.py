@@ -110,8 +110,9 @@ def check_name(name: str, what: str = "adapter") -> str:
 
 class AdapterRegistry:
     def __init__(self, db: Database, store: ObjectStore, base_config: ModelConfig, base_model_id: str,
-                 limits: UploadLimits = UploadLimits()):
+                 limits: UploadLimits = UploadLimits(), shared_tenant: str | None = None):
         self.db = db
+        self.shared_tenant = shared_tenant  # its public adapters resolve by bare name for every tenant
         self.store = store
         self.base_config = base_config
         self.base_model_id = base_model_id
@@ -199,8 +200,9 @@ class AdapterRegistry:
         raise AssertionError("unreachable")
 
     def resolve(self, tenant_id: str, ref: str) -> AdapterVersionInfo:
-        """The version a request for `ref` uses: `name` (the tenant's own), `ad_<id>`, `owner/name` (a
-        public adapter of another tenant), each optionally `@<version>`; latest ready version by default."""
+        """The version a request for `ref` uses: `name` (the tenant's own, else a public adapter of the
+        shared tenant), `ad_<id>`, `owner/name` (a public adapter of another tenant), each optionally
+        `@<version>`; the latest ready version by default."""
         with self.db.session() as s:
             adapter, version = self._find(s, tenant_id, ref)
             stmt = select(AdapterVersion).where(AdapterVersion.adapter_id == adapter.id,
@@ -231,6 +233,10 @@ class AdapterRegistry:
                                .where(Tenant.name == owner, Adapter.name == name))
         else:
             adapter = s.scalar(live.where(Adapter.tenant_id == tenant_id, Adapter.name == base_ref))
+            if adapter is None and self.shared_tenant:  # the operator's public adapters go by bare name too
+                adapter = s.scalar(live.join(Tenant, Tenant.id == Adapter.tenant_id)
+                                   .where(Tenant.name == self.shared_tenant, Adapter.name == base_ref,
+                                          Adapter.visibility == "public"))
         if adapter is None or (adapter.tenant_id != tenant_id and adapter.visibility != "public"):
             raise not_found
         return adapter, version

@@ -15,6 +15,7 @@ from loramux.adapters.tiers import AdapterCache, DiskCache, HostCache
 from loramux.adapters.validation import UploadLimits
 from loramux.db import Database
 from loramux.settings import Settings
+from loramux.tenancy import Tenancy
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,7 @@ class Services:
     registry: AdapterRegistry
     adapter_cache: AdapterCache
     engine: object  # AsyncEngine (kept untyped so importing this module does not import torch)
+    tenancy: Tenancy
 
     @classmethod
     def from_settings(cls, settings: Settings, engine=None, migrate: bool = True) -> "Services":
@@ -45,13 +47,14 @@ class Services:
                            max_attempts=settings.s3_max_attempts)
         llm = engine if engine is not None else LLMEngine.from_settings(settings, load_adapters=False)
         limits = UploadLimits(max_total_bytes=settings.max_upload_bytes, max_rank=settings.max_lora_rank)
-        registry = AdapterRegistry(db, store, llm.model.config, base_model_id(settings.model), limits)
+        registry = AdapterRegistry(db, store, llm.model.config, base_model_id(settings.model), limits,
+                                   shared_tenant=LOCAL_TENANT)
         cache = AdapterCache(store, DiskCache(Path(settings.data_dir) / "adapter-cache", settings.disk_cache_bytes),
                              HostCache(settings.host_cache_bytes))
         async_engine = AsyncEngine(llm)
         registry.on_blob_deleted(cache.evict)
         registry.on_blob_deleted(async_engine.evict_adapter)
-        services = cls(settings, db, store, registry, cache, async_engine)
+        services = cls(settings, db, store, registry, cache, async_engine, Tenancy(db))
         services.register_local_adapters()
         return services
 

@@ -212,3 +212,14 @@ def make_services(tmp_path: Path, engine: LLMEngine, **settings):
     from loramux.services import Services
 
     return Services.from_settings(Settings(data_dir=tmp_path / "data", **settings), engine=engine)
+
+
+def new_tenant_key(services, name: str = "acme", tier: str = "standard") -> str:
+    """Create a tenant (if new) and a fresh API key for it; returns the raw key."""
+    from loramux.adapters.registry import TenantNotFoundError
+
+    try:
+        services.registry.tenant_by_name(name)
+    except TenantNotFoundError:
+        services.registry.create_tenant(name, tier=tier)
+    return services.tenancy.create_key(name)[1]

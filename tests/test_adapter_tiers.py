@@ -188,7 +188,7 @@ def test_over_http_a_hanging_store_fails_one_request_while_others_are_served(pro
 
     from fastapi.testclient import TestClient
 
-    from conftest import make_engine, make_services
+    from conftest import make_engine, make_services, new_tenant_key
     from loramux.server.app import create_app
 
     bucket = f"http-{uuid.uuid4().hex[:12]}"
@@ -202,6 +202,7 @@ def test_over_http_a_hanging_store_fails_one_request_while_others_are_served(pro
                                            **settings))
     body = {"prompt": "Once upon a time", "max_tokens": 6}
     with TestClient(app) as client:
+        client.headers["Authorization"] = f"Bearer {new_tenant_key(app.state.services)}"
         assert client.post("/generate", json={**body, "adapter": "warm"}).json()["adapter_tier"] == "store"
         proxy.set_mode("blackhole")
         cold_result = {}
@@ -221,7 +222,7 @@ def test_over_http_a_hanging_store_fails_one_request_while_others_are_served(pro
         assert served[0].json()["adapter_tier"] == "ram"
         assert finished_others < cold_result["end"]  # served while the cold load hung
         resp = cold_result["resp"]
-        assert resp.status_code == 503 and "'cold' could not be loaded" in resp.json()["detail"]
+        assert resp.status_code == 503 and "adapter cold@1 could not be loaded" in resp.json()["error"]["message"]
         assert resp.headers["retry-after"] and cold_result["elapsed"] < 3.0
         proxy.set_mode("pass")  # the store recovers (the hung connection drops): the next attempt succeeds
         app.state.services.adapter_cache.drain(timeout=10)

@@ -108,7 +108,7 @@ def test_cli_generate_with_adapter(tmp_path, smol_dir):
     assert tuned.stdout != base.stdout  # the adapter changes the answer
     bad = subprocess.run(cmd[:4] + ["--adapter", str(tmp_path / "missing")] + cmd[4:], capture_output=True, text=True,
                          timeout=300)
-    assert bad.returncode == 2 and "adapter_config.json not found" in bad.stderr
+    assert bad.returncode == 2 and "adapter_config.json is missing" in bad.stderr
 
 
 def test_gguf_conversion_writes_a_loadable_model(tmp_path, smol_dir):

@@ -7,7 +7,7 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from conftest import make_engine, make_services
+from conftest import make_engine, make_services, new_tenant_key
 from loramux.engine.async_engine import AsyncEngine
 from loramux.engine.engine import RequestError
 from loramux.engine.sampling_params import SamplingParams
@@ -18,6 +18,7 @@ from loramux.server.app import create_app
 def client(tiny_dir, tokenizer, tmp_path):
     app = create_app(lambda: make_services(tmp_path, make_engine(tiny_dir, tokenizer)))
     with TestClient(app) as c:
+        c.headers["Authorization"] = f"Bearer {new_tenant_key(app.state.services)}"
         yield c
 
 
@@ -25,6 +26,16 @@ def test_health_ready_stats(client):
     assert client.get("/health").json() == {"status": "ok"}
     assert client.get("/ready").json()["status"] == "ready"
     assert client.get("/stats").json()["kv_blocks_used"] == 0
+    assert "loramux_requests_total" in client.get("/metrics").text
+
+
+def test_tenant_routes_need_a_valid_key(client):
+    for headers in ({"Authorization": ""}, {"Authorization": "Bearer lmx-not-a-real-key"},
+                    {"Authorization": "Basic abc"}):
+        resp = client.post("/generate", json={"prompt": "hi", "max_tokens": 2}, headers=headers)
+        assert resp.status_code == 401, resp.text
+        assert resp.json()["error"]["type"] == "authentication_error"
+    assert client.get("/health", headers={"Authorization": ""}).status_code == 200
 
 
 def test_generate_plain_and_streamed_agree(client):
@@ -102,18 +113,19 @@ def test_generate_with_adapter_over_http(tiny_dir, tokenizer, tmp_path):
         return make_services(tmp_path, engine, adapters=f"tuned={path}")
 
     with TestClient(create_app(factory)) as client:
+        client.headers["Authorization"] = f"Bearer {new_tenant_key(client.app.state.services)}"
         listed = client.get("/adapters").json()["adapters"]
         assert [a["name"] for a in listed] == ["tuned"] and listed[0]["rank"] == 4
         body = {"prompt": "Hello there", "max_tokens": 8}
         base = client.post("/generate", json=body).json()
         tuned = client.post("/generate", json={**body, "adapter": "tuned"}).json()
-        assert tuned["adapter"] == "tuned" and base["adapter"] is None
+        assert tuned.get("adapter") == "tuned" and base["adapter"] is None, tuned
         assert (tuned["adapter_version"], tuned["adapter_tier"]) == (1, "store")  # first use: from the store
         assert tuned["text"] != base["text"]
         again = client.post("/generate", json={**body, "adapter": f"{listed[0]['id']}@1"}).json()
         assert again["text"] == tuned["text"] and again["adapter_tier"] == "ram"
         missing = client.post("/generate", json={**body, "adapter": "nope"})
-        assert missing.status_code == 404 and "adapter 'nope' not found" in missing.text
+        assert missing.status_code == 404 and "model 'nope' not found" in missing.text
         stats = client.get("/stats").json()
         assert stats["adapter_slots_pinned"] == 0 and stats["adapter_cache"]["hits"] == {"store": 1, "ram": 1}
 

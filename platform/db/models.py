@@ -43,6 +43,20 @@ class Base(DeclarativeBase):
     pass
 
 
+class Tier(Base):
+    """A service tier: queue priority, rate limits and timeouts (prices live with billing). 0 = unlimited."""
+
+    __tablename__ = "tiers"
+
+    name: Mapped[str] = mapped_column(String(32), primary_key=True)
+    priority: Mapped[int] = mapped_column(Integer)  # higher is scheduled first
+    requests_per_min: Mapped[int] = mapped_column(Integer, default=0)
+    tokens_per_min: Mapped[int] = mapped_column(Integer, default=0)
+    max_concurrent: Mapped[int] = mapped_column(Integer, default=0)
+    default_timeout_s: Mapped[float] = mapped_column(Float)
+    max_timeout_s: Mapped[float] = mapped_column(Float)
+
+
 class Tenant(Base):
     __tablename__ = "tenants"
 
@@ -50,7 +64,23 @@ class Tenant(Base):
     name: Mapped[str] = mapped_column(String(128), unique=True)
     tier: Mapped[str] = mapped_column(String(32), default="standard")
     status: Mapped[str] = mapped_column(String(16), default="active")  # active | suspended
+    # When a requested adapter cannot be loaded: "none" (503), "base", or an adapter reference to serve instead.
+    fallback: Mapped[str] = mapped_column(String(200), default="none", server_default="none")
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class ApiKey(Base):
+    """A tenant's API key. Only its sha256 is stored (keys are 256-bit random, so no salt is needed);
+    `prefix` is the short visible part used to tell keys apart in lists and logs."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("key"))
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    prefix: Mapped[str] = mapped_column(String(16))
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True, default=None)
 
 
 class Adapter(Base):

@@ -30,7 +30,8 @@ class _Add:
     prompt: str | list[int]
     params: SamplingParams
     priority: int
-    adapter: "str | LoRAAdapter | None"
+    adapter: str | LoRAAdapter | None
+    arrival: float | None
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     accepted: asyncio.Future
@@ -48,15 +49,17 @@ class AsyncEngine:
 
     # -- caller side (event loop) ----------------------------------------------------------------
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       priority: int = 0, adapter: "str | LoRAAdapter | None" = None
-                       ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs step by step; leaving the loop early aborts the request."""
+                       priority: int = 0, adapter: str | LoRAAdapter | None = None,
+                       arrival: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs step by step; leaving the loop early aborts the request.
+        `arrival` (time.monotonic()) is when the request reached the server: queue time, TTFT and the
+        deadline count from it."""
         if self._stopped:
             raise EngineDeadError("the engine has stopped")
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         accepted = loop.create_future()
-        self._post(_Add(request_id, prompt, params, priority, adapter, loop, queue, accepted))
+        self._post(_Add(request_id, prompt, params, priority, adapter, arrival, loop, queue, accepted))
         finished = False
         try:
             await accepted  # raises RequestError for a request the engine refuses
@@ -82,6 +85,10 @@ class AsyncEngine:
 
     def stats(self) -> dict[str, int]:
         return self.engine.stats()
+
+    def estimated_queue_wait_s(self) -> float:
+        """See LLMEngine.estimated_queue_wait_s; requests still in the inbox count as waiting."""
+        return self.engine.estimated_queue_wait_s(extra_waiting=len(self._inbox))
 
     def shutdown(self) -> None:
         with self._wake:
@@ -130,7 +137,7 @@ class AsyncEngine:
         if isinstance(item, _Add):
             try:
                 self.engine.add_request(item.request_id, item.prompt, item.params, item.priority,
-                                        adapter=item.adapter)
+                                        arrival=item.arrival, adapter=item.adapter)
             except Exception as exc:
                 _post_to(item.loop, _settle, item.accepted, exc)
                 return

@@ -29,6 +29,7 @@ class EngineConfig:
     max_model_len: int = 4096
     max_loras: int = 8  # device adapter slots; 0 disables LoRA
     max_lora_rank: int = 32
+    priority_aging_s: float = 10.0  # waiting this long is worth one priority level
 
 
 @dataclass
@@ -78,7 +79,8 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len, mcfg.max_position_embeddings, num_blocks * config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.slots = SlotTable(config.max_loras)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.slots)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.slots,
+                                   aging_s=config.priority_aging_s)
         self.slot_pool = None
         if config.max_loras > 0:
             from loramux.adapters.slot_pool import DeviceSlotPool
@@ -94,6 +96,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, _Request] = {}
         self.num_preemptions = 0
+        self._service_s_ewma: float | None = None  # how long a request runs once scheduled
 
     # -- construction from settings --------------------------------------------------------------
     @classmethod
@@ -114,7 +117,7 @@ class LLMEngine:
                               max_num_seqs=settings.max_num_seqs,
                               max_num_batched_tokens=settings.max_num_batched_tokens,
                               max_model_len=settings.max_model_len, max_loras=settings.max_loras,
-                              max_lora_rank=settings.max_lora_rank)
+                              max_lora_rank=settings.max_lora_rank, priority_aging_s=settings.priority_aging_s)
         engine = cls(model, tokenizer, config, end_of_turn_ids(tokenizer, mcfg, model_dir), dtype, device)
         engine.model_name = settings.model
         for name, path in (settings.adapter_dirs() if load_adapters else {}).items():
@@ -293,6 +296,10 @@ class LLMEngine:
     def _forget(self, req: _Request) -> None:
         """Drop a finished request; a replaced adapter version goes with its last request."""
         del self.requests[req.seq.request_id]
+        t = req.seq.timings
+        if req.seq.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and t.first_scheduled and t.finished:
+            service = t.finished - t.first_scheduled
+            self._service_s_ewma = service if self._service_s_ewma is None else 0.8 * self._service_s_ewma + 0.2 * service
         if req.seq.adapter is not None:
             self._drop_if_unused(req.seq.adapter)
 
@@ -337,6 +344,15 @@ class LLMEngine:
                 if out.finished:
                     final[out.request_id] = out
         return [final[rid] for rid in ids]
+
+    def estimated_queue_wait_s(self, extra_waiting: int = 0) -> float:
+        """A rough estimate of how long a request arriving now waits before it is scheduled: zero while
+        the batch has room, else one average service time per full batch of requests ahead of it."""
+        waiting = self.scheduler.num_waiting + extra_waiting
+        if len(self.scheduler.running) + waiting < self.config.max_num_seqs or self._service_s_ewma is None:
+            return 0.0
+        batches_ahead = (waiting + self.config.max_num_seqs) // self.config.max_num_seqs
+        return batches_ahead * self._service_s_ewma
 
     def stats(self) -> dict[str, int]:
         return {

@@ -2,8 +2,8 @@
 
 Each step has a token budget. Running decodes come first (one token each), then running prefills
 continue in chunks, then waiting sequences are admitted by priority. A long prompt is therefore
-split across steps instead of stalling the decodes. When the KV pool runs dry the lowest-priority,
-most recently arrived running sequence is preempted: its blocks are freed and it is recomputed later.
+split across steps instead of stalling the decodes. When the KV pool runs dry the running sequence of
+lowest effective priority (see `rank_key`) is preempted: its blocks are freed and it is recomputed later.
 
 A sequence with an adapter is admitted only when the adapter holds or can get a device slot; it pins
 the slot while running. Waiting sequences whose adapter cannot get a slot are passed over (others,
@@ -37,22 +37,34 @@ class ScheduledBatch:
         return bool(self.prefills or self.decodes)
 
 
-def _rank(seq: Sequence) -> tuple:
-    """Sort key: higher priority first, then earlier arrival."""
-    return (-seq.priority, seq.arrival, seq.seq_id)
+def rank_key(seq: Sequence, aging_s: float) -> tuple:
+    """Sort key, smallest first: priority with aging, then estimated cost, then arrival order.
+
+    A sequence's effective priority is `priority + waited / aging_s`: every `aging_s` seconds of waiting
+    is worth one priority level, so low tiers are never starved. Since every waiting sequence ages at the
+    same rate, ordering by `arrival / aging_s - priority` is the same at every moment, and a heap keyed
+    on it stays valid without re-sorting. Ties go to the cheaper request (prompt + max new tokens).
+    """
+    return (seq.arrival / aging_s - seq.priority, len(seq.prompt_token_ids) + seq.params.max_tokens, seq.seq_id)
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 slots: SlotTable | None = None):
+                 slots: SlotTable | None = None, aging_s: float = 10.0):
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs so every decode fits a step")
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.slots = slots if slots is not None else SlotTable(0)
+        if aging_s <= 0:
+            raise ValueError("aging_s must be > 0")
+        self.aging_s = aging_s
         self._waiting: list[tuple[tuple, Sequence]] = []  # heap by _rank
         self.running: list[Sequence] = []
+
+    def _rank(self, seq: Sequence) -> tuple:
+        return rank_key(seq, self.aging_s)
 
     # -- queue ---------------------------------------------------------------------------------
     @property
@@ -65,7 +77,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        heapq.heappush(self._waiting, (_rank(seq), seq))
+        heapq.heappush(self._waiting, (self._rank(seq), seq))
 
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self.running)
@@ -90,7 +102,7 @@ class Scheduler:
         now = now if now is not None else time.monotonic()
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
-        self.running.sort(key=_rank)
+        self.running.sort(key=self._rank)
 
         for seq in [s for s in self.running if not s.is_prefill]:
             if seq.status is SequenceStatus.RUNNING and self._make_room(seq, 1, batch):
@@ -142,7 +154,7 @@ class Scheduler:
     def _make_room(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
         """Preempt lower-ranked sequences until `seq` can get its blocks; False if `seq` itself was."""
         while not self.blocks.can_allocate(seq, num_tokens):
-            victim = max(self.running, key=_rank)  # lowest priority, latest arrival
+            victim = max(self.running, key=self._rank)  # lowest effective priority
             self._preempt(victim, batch)
             if victim is seq:
                 return False

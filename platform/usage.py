@@ -1,0 +1,35 @@
+"""What one finished request hands to the ledger: who, what was served, tokens, timings, outcome."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+
+from loramux.db.models import utcnow
+
+# Outcomes a finished request can have (the engine's finish reasons, plus "error").
+OUTCOMES = ("stop", "length", "timeout", "cancelled", "error")
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    request_id: str
+    tenant_id: str
+    key_id: str
+    tier: str
+    model: str  # the base model id
+    adapter_id: str | None  # what was served (after any fallback); None = the base model
+    adapter_version: int | None
+    adapter_digest: str | None
+    requested: str  # the model / adapter reference the client asked for
+    fallback: bool  # served something other than what was requested
+    outcome: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    queue_ms: float | None
+    ttft_ms: float | None
+    total_ms: float
+    created_at: datetime = field(default_factory=utcnow)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
