@@ -125,15 +125,9 @@ class AdapterRegistry:
 
     # -- tenants ---------------------------------------------------------------------------------
     def create_tenant(self, name: str, tier: str = "standard") -> TenantInfo:
-        check_name(name, "tenant")
-        try:
-            with self.db.session() as s:
-                tenant = Tenant(name=name, tier=tier, status="active")
-                s.add(tenant)
-                s.flush()
-                return _tenant_info(tenant)
-        except IntegrityError:
-            raise TenantExistsError(f"a tenant named {name!r} already exists") from None
+        from loramux.tenancy import Tenancy
+
+        return _tenant_info(Tenancy(self.db).create_tenant(name, tier))
 
     def get_tenant(self, tenant_id: str) -> TenantInfo:
         with self.db.session() as s:

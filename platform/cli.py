@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 import time
 from pathlib import Path
@@ -114,19 +113,58 @@ def cmd_serve(args) -> int:
 
     from loramux.model.loader import read_model_config, resolve_model_dir
     from loramux.server.app import create_app
+    from loramux.server.logs import configure_logging
     from loramux.services import Services
 
     settings = _settings(args)
     settings.adapter_dirs()  # a malformed LORAMUX_ADAPTERS fails here, before the server starts
     read_model_config(resolve_model_dir(settings.model, Path(settings.cache_dir)))  # same for a bad model
     host, port = args.host or settings.host, args.port or settings.port
-    app = create_app(lambda: Services.from_settings(settings))
-    print(f"loramux: serving {settings.model} on http://{host}:{port} once the model has loaded. Try:\n"
-          f"  curl -s http://{host}:{port}/generate -H 'Content-Type: application/json' \\\n"
-          f"    -d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}]}}'",
-          file=sys.stderr)
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    configure_logging(json_logs=settings.json_logs)
+
+    def services():
+        built = Services.from_settings(settings)
+        print(first_steps(built, f"http://{host}:{port}"), file=sys.stderr, flush=True)
+        return built
+
+    uvicorn.run(create_app(services), host=host, port=port, log_config=None)
     return 0
+
+
+DEMO_TENANT = "demo"
+
+
+def first_steps(services, url: str) -> str:
+    """What to do next, printed at start. The demo tenant's first key is shown here once; later starts
+    say how to make another."""
+    from loramux.adapters.registry import TenantNotFoundError
+
+    try:
+        services.registry.tenant_by_name(DEMO_TENANT)
+        key = None
+    except TenantNotFoundError:
+        services.tenancy.create_tenant(DEMO_TENANT, tier="standard")
+        key = services.tenancy.create_key(DEMO_TENANT)[1]
+    model = services.settings.model
+    lines = ["", "=" * 78, f"loramux is serving {model} on {url}"]
+    if key:
+        lines += ["A demo tenant was created. Its API key (shown only this once):", "", f"  export LORAMUX_KEY={key}", ""]
+    else:
+        lines += ["Get an API key for the demo tenant (or any tenant: `loramux tenants create NAME`):", "",
+                  "  export LORAMUX_KEY=$(.venv/bin/loramux keys create demo)", ""]
+    lines += [
+        "Then:",
+        f"  curl -s {url}/v1/chat/completions -H \"Authorization: Bearer $LORAMUX_KEY\" \\",
+        "    -H 'Content-Type: application/json' \\",
+        f"    -d '{{\"model\": \"{model}\", \"temperature\": 0, \"max_tokens\": 64, "
+        "\"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}]}'",
+        "",
+        "  .venv/bin/python -c \"import os, openai; c = openai.OpenAI(base_url='" + url + "/v1', "
+        "api_key=os.environ['LORAMUX_KEY']); print(c.chat.completions.create(model='" + model + "', "
+        "temperature=0, max_tokens=64, messages=[{'role': 'user', 'content': 'What is the capital of France?'}])"
+        ".choices[0].message.content)\"",
+        "=" * 78, ""]
+    return "\n".join(lines)
 
 
 def cmd_db(args) -> int:
@@ -145,6 +183,67 @@ def cmd_db(args) -> int:
             print(db.current_revision() or "base (no migrations applied)")
     finally:
         db.dispose()
+    return 0
+
+
+def _tenancy():
+    from loramux.db import Database
+    from loramux.tenancy import Tenancy
+
+    db = Database(Settings().resolved_database_url())
+    db.upgrade()
+    return Tenancy(db)
+
+
+def cmd_tenants(args) -> int:
+    from loramux.adapters.registry import RegistryError
+    from loramux.tenancy import TenancyError
+
+    tenancy = _tenancy()
+    try:
+        if args.tenants_command == "create":
+            t = tenancy.create_tenant(args.name, args.tier)
+            print(f"created tenant {t.name} ({t.id}), tier {t.tier}")
+            print(f"next: loramux keys create {t.name}")
+        elif args.tenants_command == "list":
+            for t in tenancy.list_tenants():
+                print(f"{t.id}  {t.name:<24} tier={t.tier:<10} status={t.status} fallback={t.fallback}")
+        else:
+            t = tenancy.tenant(args.tenant)
+            t = tenancy.set_tenant(t.id, tier=args.tier, status=args.status, fallback=args.fallback)
+            print(f"{t.name}: tier={t.tier} status={t.status} fallback={t.fallback}")
+    except (RegistryError, TenancyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        tenancy.db.dispose()
+    return 0
+
+
+def cmd_keys(args) -> int:
+    from loramux.tenancy import TenancyError
+
+    tenancy = _tenancy()
+    try:
+        if args.keys_command == "create":
+            info, raw = tenancy.create_key(args.tenant)
+            print(raw)
+            print(f"key {info.id} ({info.prefix}...) for tenant {args.tenant}: shown once, store it now",
+                  file=sys.stderr)
+        elif args.keys_command == "list":
+            tenant = tenancy.tenant(args.tenant)
+            for k in tenancy.list_keys(tenant.id):
+                state = f"revoked {k.revoked_at:%Y-%m-%d %H:%M}" if k.revoked_at else "active"
+                print(f"{k.id}  {k.prefix}...  created {k.created_at:%Y-%m-%d %H:%M}  {state}")
+        else:
+            tenant = tenancy.tenant(args.tenant)
+            info = tenancy.revoke_key(tenant.id, args.key_id)
+            print(f"revoked {info.id} ({info.prefix}...)")
+    except TenancyError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        tenancy.db.dispose()
     return 0
 
 
@@ -197,11 +296,35 @@ def build_parser() -> argparse.ArgumentParser:
         if not any(a.dest == "url" for a in p._actions):
             p.add_argument("--url", help="database URL instead of LORAMUX_DATABASE_URL")
     d.set_defaults(func=cmd_db)
+
+    t = sub.add_parser("tenants", help="create, list and change tenants (LORAMUX_DATABASE_URL)")
+    tsub = t.add_subparsers(dest="tenants_command", required=True)
+    tc = tsub.add_parser("create", help="create a tenant")
+    tc.add_argument("name")
+    tc.add_argument("--tier", default="standard", help="free, standard (default), premium, or a tier added in SQL")
+    tsub.add_parser("list", help="list tenants")
+    ts = tsub.add_parser("set", help="change a tenant's tier, status or fallback")
+    ts.add_argument("tenant", help="tenant name or id")
+    ts.add_argument("--tier")
+    ts.add_argument("--status", choices=["active", "suspended"])
+    ts.add_argument("--fallback", help="when an adapter cannot be loaded: none (503), base, or an adapter name")
+    t.set_defaults(func=cmd_tenants)
+
+    k = sub.add_parser("keys", help="tenant API keys (only hashes are stored; a new key is printed once)")
+    ksub = k.add_subparsers(dest="keys_command", required=True)
+    ksub.add_parser("create", help="create a key and print it").add_argument("tenant", help="tenant name or id")
+    ksub.add_parser("list", help="list a tenant's keys (id and prefix)").add_argument("tenant")
+    kr = ksub.add_parser("revoke", help="revoke a key")
+    kr.add_argument("tenant")
+    kr.add_argument("key_id")
+    k.set_defaults(func=cmd_keys)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from loramux.server.logs import configure_logging
+
+    configure_logging(json_logs=False)  # `serve` switches to JSON lines (LORAMUX_JSON_LOGS)
     args = build_parser().parse_args(argv)
     from loramux.model.config import UnsupportedModelError
     from loramux.model.loader import ModelNotFoundError

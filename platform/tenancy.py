@@ -116,6 +116,26 @@ class Tenancy:
         return info
 
     # -- tenants ---------------------------------------------------------------------------------
+    def create_tenant(self, name: str, tier: str = "standard") -> Tenant:
+        from sqlalchemy.exc import IntegrityError
+
+        from loramux.adapters.registry import TenantExistsError, check_name
+
+        check_name(name, "tenant")
+        self.tier(tier)
+        try:
+            with self.db.session() as s:
+                tenant = Tenant(name=name, tier=tier, status="active", fallback="none")
+                s.add(tenant)
+                s.flush()
+                return tenant
+        except IntegrityError:
+            raise TenantExistsError(f"a tenant named {name!r} already exists") from None
+
+    def list_tenants(self) -> list[Tenant]:
+        with self.db.session() as s:
+            return list(s.scalars(select(Tenant).order_by(Tenant.created_at)))
+
     def tenant(self, ref: str) -> Tenant:
         """A tenant row by id or name (detached; read its fields)."""
         with self.db.session() as s:

@@ -20,6 +20,7 @@ from loramux.adapters.registry import BASE_MODEL_ALIAS, AdapterNotFoundError, Ad
 from loramux.adapters.tiers import Acquired, AdapterLoadError
 from loramux.engine.engine import RequestError, RequestOutput
 from loramux.engine.sampling_params import SamplingParams
+from loramux.server.logs import request_id_var
 from loramux.server.ratelimit import RateLimited, RequestTooLarge
 from loramux.tenancy import TenantContext
 from loramux.usage import RequestRecord
@@ -143,6 +144,7 @@ class Server:
     async def start(self, tenant: TenantContext, model: str | None, prompt_ids: list[int], params: SamplingParams,
                     request_id: str, arrival: float) -> Running:
         """Admit and start a request, or raise ServeError (nothing is held afterwards)."""
+        request_id_var.set(request_id)  # log lines of this request carry its id
         timeout = self._timeout(tenant, params.timeout_s)
         params.timeout_s = timeout
         try:
