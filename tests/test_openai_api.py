@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import statistics
 import time
 
@@ -236,6 +235,10 @@ def small(tiny_dir, tokenizer, tmp_path):
                                                                  max_num_batched_tokens=64)))
     with LiveServer(app) as server:
         keys = {tier: new_tenant_key(server.services, f"{tier}-co", tier) for tier in ("free", "standard", "premium")}
+        cfg, _ = read_model_config(tiny_dir)
+        path = write_peft_adapter(tmp_path / "tuned", cfg, 4, ["q_proj", "v_proj"], seed=11)
+        server.services.registry.register(server.services.registry.tenant_by_name("standard-co").id, "tuned",
+                                          {f: path / f for f in ("adapter_config.json", "adapter_model.safetensors")})
         yield server, keys
 
 
@@ -289,7 +292,7 @@ def test_timeout_returns_partial_output_streamed_or_not(small):
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_disconnects_frees_its_blocks(small, stream):
     server, keys = small
-    body = {"model": "base", "prompt": "Count:", "max_tokens": 500, "temperature": 0, "ignore_eos": True,
+    body = {"model": "tuned", "prompt": "Count:", "max_tokens": 500, "temperature": 0, "ignore_eos": True,
             "stream": stream}
     headers = {"Authorization": f"Bearer {keys['standard']}"}
     if stream:
@@ -297,6 +300,7 @@ def test_a_client_that_disconnects_frees_its_blocks(small, stream):
             lines = resp.iter_lines()
             got = [line for line, _ in zip(lines, range(3))]
             assert got and not engine_is_idle(server)  # running while we read
+            assert server.services.engine.stats()["adapter_slots_pinned"] == 1
     else:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=0.2)

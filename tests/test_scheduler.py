@@ -151,3 +151,25 @@ def test_admission_allocates_the_whole_prompt_at_once():
         batch = s.schedule()
         assert not batch.preempted
         advance(batch)
+
+
+def test_waiting_ages_into_priority_so_low_tiers_never_starve():
+    blocks = BlockManager(64, 16)
+    sched = Scheduler(blocks, max_num_seqs=1, max_num_batched_tokens=64, aging_s=10.0)
+    old_free = seq("old-free", 8, priority=0, arrival=0.0)
+    new_premium = seq("new-premium", 8, priority=2, arrival=15.0)  # 1.5 levels younger: still ahead
+    newest_premium = seq("newest-premium", 8, priority=2, arrival=25.0)  # 2.5 levels younger: behind
+    for s in (newest_premium, new_premium, old_free):
+        sched.add(s)
+    assert [s.request_id for s in sched.waiting] == ["new-premium", "old-free", "newest-premium"]
+    batch = sched.schedule(now=30.0)
+    assert [s.request_id for s, _ in batch.prefills] == ["new-premium"]
+
+
+def test_equal_effective_priority_prefers_the_cheaper_request():
+    sched = Scheduler(BlockManager(64, 16), max_num_seqs=4, max_num_batched_tokens=64)
+    big = seq("big", 40, arrival=1.0, max_tokens=200)
+    small = seq("small", 4, arrival=1.0, max_tokens=10)
+    sched.add(big)
+    sched.add(small)
+    assert [s.request_id for s in sched.waiting] == ["small", "big"]
