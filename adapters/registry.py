@@ -251,6 +251,28 @@ class AdapterRegistry:
                 .order_by(Adapter.tenant_id != tenant_id, Adapter.name)).all()
             return [_version_info(a, v) for a, v in rows]
 
+    def owner_of(self, adapter_id: str) -> str:
+        """The tenant id owning a live adapter (for operators acting on any tenant's adapters)."""
+        with self.db.session() as s:
+            adapter = s.scalar(select(Adapter).where(Adapter.id == adapter_id, Adapter.deleted_at.is_(None)))
+            if adapter is None:
+                raise AdapterNotFoundError(f"adapter {adapter_id!r} not found")
+            return adapter.tenant_id
+
+    def list_all(self, tenant_id: str | None = None) -> list[AdapterVersionInfo]:
+        """Latest version of every live adapter (of one tenant, or all): the operator's view."""
+        with self.db.session() as s:
+            latest = (select(AdapterVersion.adapter_id, func.max(AdapterVersion.version).label("v"))
+                      .where(AdapterVersion.status == "ready").group_by(AdapterVersion.adapter_id).subquery())
+            stmt = (select(Adapter, AdapterVersion)
+                    .join(latest, latest.c.adapter_id == Adapter.id)
+                    .join(AdapterVersion, (AdapterVersion.adapter_id == Adapter.id)
+                          & (AdapterVersion.version == latest.c.v))
+                    .where(Adapter.deleted_at.is_(None)).order_by(Adapter.tenant_id, Adapter.name))
+            if tenant_id is not None:
+                stmt = stmt.where(Adapter.tenant_id == tenant_id)
+            return [_version_info(a, v) for a, v in s.execute(stmt).all()]
+
     def versions(self, tenant_id: str, ref: str) -> list[AdapterVersionInfo]:
         """Every ready version of one visible adapter, oldest first."""
         with self.db.session() as s:

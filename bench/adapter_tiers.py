@@ -83,6 +83,8 @@ class Bench:
         self.services = Services.from_settings(settings)
         self.args, self.tmp = args, tmp
         self.tenant = self.services.local_tenant_id()
+        self.services.tenancy.create_tenant("bench", tier="premium")
+        self.key = self.services.tenancy.create_key("bench")[1]
         self.cfg = self.services.engine.engine.model.config
         self.port = free_port()
         server = uvicorn.Server(uvicorn.Config(create_app(lambda: self.services), host="127.0.0.1", port=self.port,
@@ -98,7 +100,7 @@ class Bench:
         self.seed += 1
         path = write_peft_adapter(self.tmp / f"src-{self.seed}", self.cfg, self.args.rank, ALL, seed=self.seed)
         files = {f: path / f for f in ("adapter_config.json", "adapter_model.safetensors")}
-        return self.services.registry.register(self.tenant, name, files)
+        return self.services.registry.register(self.tenant, name, files, visibility="public")
 
     def ttft_ms(self, adapter: str | None, max_tokens: int = 4) -> tuple[float, dict]:
         """Time to the first text event of a streamed request over HTTP, and its final event."""
@@ -109,7 +111,8 @@ class Bench:
             body["adapter"] = adapter
         start = time.perf_counter()
         first, final = None, {}
-        with httpx.stream("POST", f"http://127.0.0.1:{self.port}/generate", json=body, timeout=120) as resp:
+        with httpx.stream("POST", f"http://127.0.0.1:{self.port}/generate", json=body, timeout=120,
+                          headers={"Authorization": f"Bearer {self.key}"}) as resp:
             resp.raise_for_status()
             for line in resp.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":

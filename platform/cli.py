@@ -145,8 +145,16 @@ def first_steps(services, url: str) -> str:
     except TenantNotFoundError:
         services.tenancy.create_tenant(DEMO_TENANT, tier="standard")
         key = services.tenancy.create_key(DEMO_TENANT)[1]
+    admin_key = None
+    if not services.settings.admin_key and not services.admin_keys.list():
+        admin_key = services.admin_keys.create("first start")[1]
     model = services.settings.model
     lines = ["", "=" * 78, f"loramux is serving {model} on {url}"]
+    if admin_key:
+        lines += ["An admin key was created for /admin and `loramux admin ...` (shown only this once):", "",
+                  f"  export LORAMUX_ADMIN_KEY={admin_key}", ""]
+    else:
+        lines += ["Admin: a new admin key comes from `.venv/bin/loramux admin create-key`.", ""]
     if key:
         lines += ["A demo tenant was created. Its API key (shown only this once):", "", f"  export LORAMUX_KEY={key}", ""]
     else:
@@ -318,6 +326,10 @@ def build_parser() -> argparse.ArgumentParser:
     kr.add_argument("tenant")
     kr.add_argument("key_id")
     k.set_defaults(func=cmd_keys)
+
+    from loramux.admin.cli import add_parser as add_admin_parser
+
+    add_admin_parser(sub)
     return ap
 
 

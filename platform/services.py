@@ -31,6 +31,9 @@ class Services:
     adapter_cache: AdapterCache
     engine: object  # AsyncEngine (kept untyped so importing this module does not import torch)
     tenancy: Tenancy
+    admin_keys: object  # loramux.admin.keys.AdminKeys
+    prices: object  # loramux.admin.pricing.PriceBook
+    ledger: object  # loramux.admin.ledger.LedgerWriter: every finished request's row, written off the hot path
 
     @classmethod
     def from_settings(cls, settings: Settings, engine=None, migrate: bool = True) -> "Services":
@@ -54,7 +57,17 @@ class Services:
         async_engine = AsyncEngine(llm)
         registry.on_blob_deleted(cache.evict)
         registry.on_blob_deleted(async_engine.evict_adapter)
-        services = cls(settings, db, store, registry, cache, async_engine, Tenancy(db))
+        from loramux.admin.keys import AdminKeys
+        from loramux.admin.ledger import LedgerWriter
+        from loramux.admin.pricing import PriceBook
+
+        admin_keys = AdminKeys(db)
+        if settings.admin_key:
+            admin_keys.ensure(settings.admin_key)
+        ledger = LedgerWriter(db, Path(settings.data_dir) / "ledger-spool.jsonl")
+        ledger.start()
+        services = cls(settings, db, store, registry, cache, async_engine, Tenancy(db), admin_keys, PriceBook(db),
+                       ledger)
         services.register_local_adapters()
         return services
 
@@ -81,6 +94,7 @@ class Services:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+        self.ledger.close()  # rows still buffered are written (or spooled to disk when the database is down)
         self.adapter_cache.shutdown()
         self.db.dispose()
 

@@ -79,6 +79,7 @@ class Settings(BaseSettings):
     # Server.
     host: str = "127.0.0.1"
     port: int = 8000
+    admin_key: str | None = None  # registered as an admin key at start (`loramux admin create-key` makes one)
     json_logs: bool = True  # one JSON object per log line (with the request id); false = plain text
 
 

@@ -28,3 +28,17 @@ def test_adapter_tiers_bench_runs_end_to_end():
                           capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "FIGURE cold_load_itl_p99_ratio" in proc.stdout and "FIGURE cold_s3_ttft_ms" in proc.stdout
+
+
+@pytest.mark.real_model
+def test_serve_load_bench_quick_run_reports_figures():
+    """Smoke mode: 5 s of open-loop Poisson arrivals at 1 request/s over HTTP, 4 requests at the default seed."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "serve_load.py"), "--quick"], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "open-loop" in out.lower() and "goodput" in out and "TTFT p50" in out
+    assert "requests: sent 4, ok 4, failed 0" in out, out
+    lines = out.strip().splitlines()
+    assert lines[-2].startswith("FIGURE ttft_p50_ms ") and lines[-1].startswith("FIGURE throughput_tok_s "), out
+    assert float(lines[-2].split()[-1]) > 0 and float(lines[-1].split()[-1]) > 0

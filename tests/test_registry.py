@@ -50,11 +50,11 @@ def test_migrations_match_the_models_and_downgrade_cleanly(database):
     with database.engine.connect() as conn:
         diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata)
     assert diff == []
-    assert database.current_revision() == "0002"
+    assert database.current_revision() == "0003"
     database.downgrade("base")
     assert set(inspect(database.engine).get_table_names()) <= {"alembic_version"}
     database.upgrade()
-    assert {"tenants", "adapters", "adapter_versions", "tiers", "api_keys"} <= set(inspect(database.engine).get_table_names())
+    assert {"tenants", "adapters", "adapter_versions", "tiers", "api_keys", "admin_keys", "prices", "ledger"} <= set(inspect(database.engine).get_table_names())
 
 
 def test_register_resolve_list_versions(registry, base_cfg, tmp_path):

@@ -1,5 +1,7 @@
 """SQL storage shared by the registry, tenant API and ledger: ORM models and the database handle."""
 from loramux.db.database import Database
-from loramux.db.models import Adapter, AdapterVersion, ApiKey, Base, Tenant, Tier
+from loramux.db.models import (AdminKey, Adapter, AdapterVersion, ApiKey, Base, LedgerEntry, Money, Price, Tenant,
+                               Tier)
 
-__all__ = ["Adapter", "AdapterVersion", "ApiKey", "Base", "Database", "Tenant", "Tier"]
+__all__ = ["AdminKey", "Adapter", "AdapterVersion", "ApiKey", "Base", "Database", "LedgerEntry", "Money", "Price",
+           "Tenant", "Tier"]

@@ -8,8 +8,10 @@ from __future__ import annotations
 import secrets
 from datetime import datetime, timezone
 
-from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, String,
-                        UniqueConstraint, text)
+from decimal import Decimal
+
+from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, Numeric, String,
+                        Text, UniqueConstraint, text)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
 
@@ -37,6 +39,33 @@ class UTCDateTime(TypeDecorator):
         if value is not None and value.tzinfo is None:
             value = value.replace(tzinfo=timezone.utc)
         return value
+
+
+class Money(TypeDecorator):
+    """Exact money as `Decimal`: SQL NUMERIC(30, 12) on PostgreSQL; canonical decimal text on SQLite, whose
+    NUMERIC would silently round through a float. Sum it with `loramux.db.money.sum_money`."""
+
+    impl = Numeric(30, 12)
+    cache_ok = True
+    SCALE = Decimal("1e-12")
+
+    def load_dialect_impl(self, dialect):
+        if dialect.name == "sqlite":
+            return dialect.type_descriptor(Text())
+        return dialect.type_descriptor(Numeric(30, 12, asdecimal=True))
+
+    def process_bind_param(self, value, dialect):
+        if value is None:
+            return None
+        if not isinstance(value, Decimal):
+            raise TypeError(f"money must be a Decimal, got {type(value).__name__}")
+        value = value.quantize(self.SCALE)
+        return format(value, "f") if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value, dialect):
+        if value is None:
+            return None
+        return Decimal(value).quantize(self.SCALE)
 
 
 class Base(DeclarativeBase):
@@ -125,3 +154,67 @@ class AdapterVersion(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
     adapter: Mapped[Adapter] = relationship(back_populates="versions")
+
+
+class AdminKey(Base):
+    """An operator's key for /admin. Only its sha256 is stored, like tenant keys; never valid on tenant routes."""
+
+    __tablename__ = "admin_keys"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("adm"))
+    name: Mapped[str] = mapped_column(String(128), default="")
+    prefix: Mapped[str] = mapped_column(String(16))
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True, default=None)
+
+
+class Price(Base):
+    """USD per 1M tokens from `effective_from` on, for a base model; `adapter_id` and/or `tier` narrow it
+    (the most specific price in force when a request ran applies)."""
+
+    __tablename__ = "prices"
+    __table_args__ = (UniqueConstraint("base_model", "adapter_id", "tier", "effective_from",
+                                       name="uq_prices_scope_from"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    base_model: Mapped[str] = mapped_column(String(200))
+    adapter_id: Mapped[str | None] = mapped_column(ForeignKey("adapters.id"), nullable=True, default=None)
+    tier: Mapped[str | None] = mapped_column(String(32), nullable=True, default=None)
+    input_per_mtok: Mapped[Decimal] = mapped_column(Money)
+    cached_input_per_mtok: Mapped[Decimal] = mapped_column(Money)
+    output_per_mtok: Mapped[Decimal] = mapped_column(Money)
+    effective_from: Mapped[datetime] = mapped_column(UTCDateTime)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class LedgerEntry(Base):
+    """One finished request and what it cost. Written once (idempotent on request_id)."""
+
+    __tablename__ = "ledger"
+    __table_args__ = (Index("ix_ledger_tenant_created", "tenant_id", "created_at"),
+                      Index("ix_ledger_created", "created_at"))
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
+                                    autoincrement=True)
+    request_id: Mapped[str] = mapped_column(String(64), unique=True)
+    tenant_id: Mapped[str] = mapped_column(String(32))
+    key_id: Mapped[str] = mapped_column(String(32))
+    model: Mapped[str] = mapped_column(String(200))
+    adapter_id: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    adapter_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    tier: Mapped[str] = mapped_column(String(32))
+    outcome: Mapped[str] = mapped_column(String(16))
+    fallback: Mapped[bool] = mapped_column(Boolean, default=False)
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    cached_tokens: Mapped[int] = mapped_column(Integer)
+    completion_tokens: Mapped[int] = mapped_column(Integer)
+    queue_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
+    ttft_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
+    total_ms: Mapped[float] = mapped_column(Float)
+    price_id: Mapped[int | None] = mapped_column(Integer, nullable=True)  # None: no price was in force
+    input_per_mtok: Mapped[Decimal] = mapped_column(Money)
+    cached_input_per_mtok: Mapped[Decimal] = mapped_column(Money)
+    output_per_mtok: Mapped[Decimal] = mapped_column(Money)
+    cost: Mapped[Decimal] = mapped_column(Money)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)  # when the request arrived

@@ -9,6 +9,9 @@ Pipeline, per step:
     -> greedy rows: argmax of the penalised logits
     -> temperature -> top-k -> top-p -> min-p -> sample (exponential race)
 
+`Sampler.probs` returns the distributions that pipeline samples from, without drawing (used by
+speculative decoding to verify draft tokens).
+
 Reported logprobs are those of the model's raw distribution (log_softmax of the unmodified logits),
 as the OpenAI API reports them, not of the distribution actually sampled from.
 """
@@ -228,6 +231,41 @@ class Sampler:
 
         return self._output(raw, tokens)
 
+    def probs(
+        self, logits: torch.Tensor, rows: list[SamplingRow]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-row distributions that `__call__` samples from, and the raw log-probs.
+
+        Returns (probs, raw_logprobs), both float32 [B, V]. probs[i] is row i's processed
+        distribution (penalties, temperature, top-k, top-p, min-p; zeros where filtered); a greedy
+        row gets a one-hot at the argmax of its penalised logits, i.e. the token `__call__` picks.
+        raw_logprobs is log_softmax of the unmodified logits, the distribution logprobs are
+        reported from. Draws nothing from any generator. Speculative decoding calls it with one row
+        per verified position.
+        """
+        n_rows, vocab = logits.shape
+        device = logits.device
+        raw = logits.float()
+        raw_logprobs = torch.log_softmax(raw, dim=-1)
+        if n_rows == 0:
+            return torch.empty(0, vocab, dtype=torch.float32, device=device), raw_logprobs
+
+        greedy = [_is_greedy(r) for r in rows]
+        penalised = any(_has_penalty(r) for r in rows)
+        x = apply_penalties(raw, rows) if penalised else raw
+        out = torch.zeros(n_rows, vocab, dtype=torch.float32, device=device)
+
+        greedy_idx = [i for i, g in enumerate(greedy) if g]
+        if greedy_idx:
+            gi = torch.tensor(greedy_idx, dtype=torch.long, device=device)
+            out[gi, x.index_select(0, gi).argmax(dim=-1)] = 1.0
+
+        sample_idx = [i for i, g in enumerate(greedy) if not g]
+        if sample_idx:
+            si = torch.tensor(sample_idx, dtype=torch.long, device=device)
+            out[si] = self._filtered_probs(x, [rows[i] for i in sample_idx], si)
+        return out, raw_logprobs
+
     @staticmethod
     def _sample(
         x: torch.Tensor,
@@ -237,6 +275,14 @@ class Sampler:
         generators: list[torch.Generator | None],
     ) -> torch.Tensor:
         """Temperature, top-k, top-p, min-p and the exponential race for the non-greedy rows."""
+        probs = Sampler._filtered_probs(x, rows, si)
+        return Sampler._race(probs, sample_idx, generators)
+
+    @staticmethod
+    def _filtered_probs(
+        x: torch.Tensor, rows: list[SamplingRow], si: torch.Tensor
+    ) -> torch.Tensor:
+        """Softmax of x[si] after temperature, top-k, top-p, min-p (rows[j]: row si[j])."""
         device, vocab = x.device, x.shape[1]
         temps = torch.tensor([r.temperature for r in rows], dtype=torch.float32, device=device)
         xs = x.index_select(0, si) / temps.unsqueeze(1)  # a fresh tensor: safe to mask in place
@@ -255,7 +301,14 @@ class Sampler:
             _min_p_(sub, [rows[j].min_p for j in min_p])
             xs.index_copy_(0, t, sub)
 
-        probs = xs.softmax(dim=-1)
+        return xs.softmax(dim=-1)
+
+    @staticmethod
+    def _race(
+        probs: torch.Tensor, sample_idx: list[int], generators: list[torch.Generator | None]
+    ) -> torch.Tensor:
+        """One draw per row of `probs` (row j belongs to batch row sample_idx[j])."""
+        device, vocab = probs.device, probs.shape[1]
         # Exponential race: argmax(probs / q), q ~ Exp(1) i.i.d., is a draw from probs.
         seeded = [(j, generators[i]) for j, i in enumerate(sample_idx) if generators[i] is not None]
         if not seeded:

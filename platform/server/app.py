@@ -12,9 +12,10 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from loramux.admin import api as admin_api
 from loramux.engine.async_engine import EngineDeadError
 from loramux.server import native, openai_api
 from loramux.server.deps import ServicesDep, TenantDep
@@ -26,8 +27,8 @@ from loramux.services import base_model_id
 
 
 def create_app(services_factory, ledger_hooks: list | None = None) -> FastAPI:
-    """`services_factory()` returns the Services (engine, registry, caches, tenancy); it is called once
-    at startup. `ledger_hooks` receive a RequestRecord for every finished request."""
+    """`services_factory()` returns the Services (engine, registry, caches, tenancy, ledger); it is called
+    once at startup. Every finished request's RequestRecord goes to the ledger writer and to `ledger_hooks`."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -37,8 +38,8 @@ def create_app(services_factory, ledger_hooks: list | None = None) -> FastAPI:
         metrics.set_state_source(lambda: {**services.engine.stats(), "adapter_cache": services.adapter_cache.stats()})
         app.state.services = services
         app.state.metrics = metrics
-        app.state.server = Server(services, RateLimiter(), metrics, ledger_hooks if ledger_hooks is not None else [],
-                                  base_model_id(services.settings.model))
+        hooks = [services.ledger.submit, *(ledger_hooks or [])]
+        app.state.server = Server(services, RateLimiter(), metrics, hooks, base_model_id(services.settings.model))
         try:
             yield
         finally:
@@ -48,6 +49,7 @@ def create_app(services_factory, ledger_hooks: list | None = None) -> FastAPI:
                   description="Multi-tenant LoRA serving: OpenAI-compatible API over one base model and many adapters.")
     app.include_router(openai_api.router)
     app.include_router(native.router)
+    app.include_router(admin_api.router)
 
     @app.exception_handler(ServeError)
     async def serve_error(request: Request, exc: ServeError):
@@ -90,7 +92,7 @@ def create_app(services_factory, ledger_hooks: list | None = None) -> FastAPI:
                                 status_code=503)
         return {"status": "ready", "model": base_model_id(services.settings.model)}
 
-    @app.get("/metrics", tags=["ops"])
+    @app.get("/metrics", tags=["ops"], response_class=PlainTextResponse)
     async def metrics(request: Request):
         body, content_type = request.app.state.metrics.render()
         return Response(body, media_type=content_type)

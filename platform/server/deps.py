@@ -7,6 +7,7 @@ from fastapi import Depends, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from loramux.admin.keys import ADMIN_KEY_PREFIX
 from loramux.server.serving import Server
 from loramux.services import Services
 from loramux.tenancy import TenantContext
@@ -27,6 +28,8 @@ async def get_tenant(request: Request,
     if credentials is None:
         raise HTTPException(401, "missing API key: send `Authorization: Bearer <your key>`",
                             headers={"WWW-Authenticate": "Bearer"})
+    if credentials.credentials.startswith(ADMIN_KEY_PREFIX):
+        raise HTTPException(403, "admin keys are not accepted on tenant routes: use a tenant API key")
     services: Services = request.app.state.services
     tenant = await run_in_threadpool(services.tenancy.authenticate, credentials.credentials)
     if tenant is None:

@@ -10,22 +10,24 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import AliasChoices, BaseModel, Field, model_validator
+from pydantic import AliasChoices, Field, model_validator
 
 from loramux.engine.engine import RequestOutput
 from loramux.engine.sampling_params import SamplingParams
 from loramux.server.deps import ServerDep, ServicesDep, TenantDep
+from loramux.server.bodies import RequestBody
+from loramux.server.openai_api import STREAMED
 from loramux.server.serving import Running, ServeError, collect_or_cancel
 
 router = APIRouter(tags=["native"])
 
 
-class Message(BaseModel):
+class Message(RequestBody):
     role: str = Field(pattern="^(system|user|assistant)$")
     content: str
 
 
-class GenerateRequest(BaseModel):
+class GenerateRequest(RequestBody):
     """Either `prompt` (raw text, no template) or `messages` (chat template applied); `adapter_id` names
     an adapter the tenant may use (omit it, or give "base", for the base model)."""
 
@@ -92,7 +94,7 @@ async def adapters(services: ServicesDep, tenant: TenantDep) -> dict:
                           "own": v.tenant_id == tenant.tenant_id} for v in listed]}
 
 
-@router.post("/generate")
+@router.post("/generate", responses=STREAMED)
 async def generate(body: GenerateRequest, request: Request, services: ServicesDep, tenant: TenantDep,
                    server: ServerDep):
     arrival = time.monotonic()

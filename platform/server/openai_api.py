@@ -16,10 +16,11 @@ from typing import Literal
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, Field, field_validator
+from pydantic import Field, field_validator
 
 from loramux.engine.engine import RequestOutput
 from loramux.engine.sampling_params import SamplingParams
+from loramux.server.bodies import RequestBody
 from loramux.server.deps import ServerDep, ServicesDep, TenantDep
 from loramux.server.serving import Running, ServeError, collect_or_cancel
 
@@ -28,12 +29,17 @@ router = APIRouter(prefix="/v1", tags=["openai"])
 MAX_STOP = 16
 
 
-class TextPart(BaseModel):
+# A route that can stream documents the server-sent-event media type next to its JSON body.
+STREAMED = {200: {"description": "The result: JSON, or a stream of server-sent events with `stream: true`",
+                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+
+
+class TextPart(RequestBody):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(RequestBody):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
     name: str | None = None
@@ -42,11 +48,11 @@ class ChatMessage(BaseModel):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(RequestBody):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(RequestBody):
     """Parameters shared by chat and completions (OpenAI's, then loramux's extras)."""
 
     model: str = Field(min_length=1, max_length=300)
@@ -173,7 +179,7 @@ async def list_models(services: ServicesDep, tenant: TenantDep, server: ServerDe
     return {"object": "list", "data": data}
 
 
-@router.post("/chat/completions")
+@router.post("/chat/completions", responses=STREAMED)
 async def chat_completions(body: ChatCompletionRequest, request: Request, services: ServicesDep, tenant: TenantDep,
                            server: ServerDep):
     arrival = time.monotonic()
@@ -225,7 +231,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servic
     return StreamingResponse(_guarded(events(), running), media_type="text/event-stream", headers=running.headers())
 
 
-@router.post("/completions")
+@router.post("/completions", responses=STREAMED)
 async def completions(body: CompletionRequest, request: Request, services: ServicesDep, tenant: TenantDep,
                       server: ServerDep):
     arrival = time.monotonic()

@@ -1,0 +1,196 @@
+"""`loramux admin ...`: the admin API from the command line (HTTP, with LORAMUX_ADMIN_KEY), plus
+`create-key`, which bootstraps an admin key directly in the database."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def add_parser(sub) -> None:
+    a = sub.add_parser("admin", help="operate the platform: tenants, keys, adapters, tiers, prices, billing")
+    a.add_argument("--url", help="server URL (default http://LORAMUX_HOST:LORAMUX_PORT)")
+    a.add_argument("--key", help="admin key (default: $LORAMUX_ADMIN_KEY)")
+    asub = a.add_subparsers(dest="admin_command", required=True)
+
+    ck = asub.add_parser("create-key", help="create an admin key in the database and print it (shown once)")
+    ck.add_argument("--name", default="")
+
+    t = asub.add_parser("tenants", help="tenants").add_subparsers(dest="action", required=True)
+    t.add_parser("list")
+    tc = t.add_parser("create")
+    tc.add_argument("name")
+    tc.add_argument("--tier", default="standard")
+    ts = t.add_parser("set")
+    ts.add_argument("tenant_id")
+    ts.add_argument("--tier")
+    ts.add_argument("--status", choices=["active", "suspended"])
+    ts.add_argument("--fallback")
+
+    k = asub.add_parser("keys", help="tenant API keys").add_subparsers(dest="action", required=True)
+    for name in ("create", "list"):
+        k.add_parser(name).add_argument("tenant_id")
+    for name in ("rotate", "revoke"):
+        p = k.add_parser(name)
+        p.add_argument("tenant_id")
+        p.add_argument("key_id")
+
+    ad = asub.add_parser("adapters", help="adapters").add_subparsers(dest="action", required=True)
+    up = ad.add_parser("upload", help="upload a PEFT adapter directory (with a progress bar)")
+    up.add_argument("tenant_id")
+    up.add_argument("name")
+    up.add_argument("directory")
+    up.add_argument("--public", action="store_true")
+    al = ad.add_parser("list")
+    al.add_argument("--tenant-id")
+    for name in ("show", "delete", "warm", "pin", "unpin"):
+        ad.add_parser(name).add_argument("adapter_id")
+
+    b = asub.add_parser("billing", help="billing").add_subparsers(dest="action", required=True)
+    for name in ("summary", "export"):
+        p = b.add_parser(name)
+        p.add_argument("--tenant-id")
+        p.add_argument("--start", help="ISO 8601 date or time, inclusive")
+        p.add_argument("--end", help="ISO 8601 date or time, exclusive")
+        if name == "export":
+            p.add_argument("--format", choices=["csv", "jsonl", "parquet"], default="csv")
+            p.add_argument("--out", help="file to write (default: stdout)")
+
+    pr = asub.add_parser("prices", help="prices (USD per 1M tokens)").add_subparsers(dest="action", required=True)
+    pr.add_parser("list")
+    ps = pr.add_parser("set")
+    ps.add_argument("--input", required=True)
+    ps.add_argument("--cached-input", required=True)
+    ps.add_argument("--output", required=True)
+    ps.add_argument("--adapter-id")
+    ps.add_argument("--tier")
+    ps.add_argument("--effective-from", help="ISO 8601 with timezone (default: now)")
+    a.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from loramux.settings import Settings
+
+    settings = Settings()
+    if args.admin_command == "create-key":
+        from loramux.admin.keys import AdminKeys
+        from loramux.db import Database
+
+        db = Database(settings.resolved_database_url())
+        db.upgrade()
+        info, raw = AdminKeys(db).create(args.name)
+        db.dispose()
+        print(raw)
+        print(f"admin key {info.id} ({info.prefix}...): shown once, store it now (e.g. export LORAMUX_ADMIN_KEY=...)",
+              file=sys.stderr)
+        return 0
+    key = args.key or os.environ.get("LORAMUX_ADMIN_KEY")
+    if not key:
+        print("error: give --key or set LORAMUX_ADMIN_KEY (create one with `loramux admin create-key`)",
+              file=sys.stderr)
+        return 2
+    import httpx
+
+    url = (args.url or f"http://{settings.host}:{settings.port}").rstrip("/")
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=600) as client:
+        try:
+            return _dispatch(client, args)
+        except httpx.HTTPError as exc:
+            print(f"error: cannot reach {url}: {exc}", file=sys.stderr)
+            return 2
+
+
+def _show(resp) -> int:
+    if resp.status_code >= 400:
+        try:
+            message = resp.json()["error"]["message"]
+        except Exception:  # noqa: BLE001
+            message = resp.text
+        print(f"error ({resp.status_code}): {message}", file=sys.stderr)
+        return 1
+    print(json.dumps(resp.json(), indent=2))
+    return 0
+
+
+def _dispatch(client, args) -> int:
+    cmd, action = args.admin_command, args.action
+    if cmd == "tenants":
+        if action == "list":
+            return _show(client.get("/admin/tenants"))
+        if action == "create":
+            return _show(client.post("/admin/tenants", json={"name": args.name, "tier": args.tier}))
+        body = {k: v for k, v in {"tier": args.tier, "status": args.status, "fallback": args.fallback}.items() if v}
+        return _show(client.patch(f"/admin/tenants/{args.tenant_id}", json=body))
+    if cmd == "keys":
+        base = f"/admin/tenants/{args.tenant_id}/keys"
+        if action == "create":
+            return _show(client.post(base))
+        if action == "list":
+            return _show(client.get(base))
+        if action == "rotate":
+            return _show(client.post(f"{base}/{args.key_id}/rotate"))
+        return _show(client.delete(f"{base}/{args.key_id}"))
+    if cmd == "adapters":
+        if action == "upload":
+            return _upload(client, args)
+        if action == "list":
+            return _show(client.get("/admin/adapters", params={"tenant_id": args.tenant_id} if args.tenant_id else {}))
+        path = f"/admin/adapters/{args.adapter_id}"
+        return _show({"show": lambda: client.get(path), "delete": lambda: client.delete(path),
+                      "warm": lambda: client.post(f"{path}/warm"), "pin": lambda: client.post(f"{path}/pin"),
+                      "unpin": lambda: client.delete(f"{path}/pin")}[action]())
+    if cmd == "prices":
+        if action == "list":
+            return _show(client.get("/admin/prices"))
+        body = {"input_per_mtok": args.input, "cached_input_per_mtok": args.cached_input,
+                "output_per_mtok": args.output, "adapter_id": args.adapter_id, "tier": args.tier,
+                "effective_from": args.effective_from}
+        return _show(client.post("/admin/prices", json={k: v for k, v in body.items() if v is not None}))
+    params = {k: v for k, v in {"tenant_id": args.tenant_id, "start": args.start, "end": args.end}.items() if v}
+    if action == "summary":
+        return _show(client.get("/admin/billing/summary", params=params))
+    params["format"] = args.format
+    with client.stream("GET", "/admin/billing/export", params=params) as resp:
+        if resp.status_code >= 400:
+            resp.read()
+            return _show(resp)
+        out = open(args.out, "wb") if args.out else sys.stdout.buffer
+        try:
+            for chunk in resp.iter_bytes():
+                out.write(chunk)
+        finally:
+            if args.out:
+                out.close()
+    return 0
+
+
+def _upload(client, args) -> int:
+    from tqdm import tqdm
+
+    directory = Path(args.directory)
+    parts = {"adapter_config": directory / "adapter_config.json", "adapter_model": directory / "adapter_model.safetensors"}
+    missing = [str(p) for p in parts.values() if not p.is_file()]
+    if missing:
+        print(f"error: not found: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    import httpx
+
+    fields = {"tenant_id": args.tenant_id, "name": args.name, "visibility": "public" if args.public else "private"}
+    files = {field: (path.name, path.open("rb")) for field, path in parts.items()}
+    try:
+        request = client.build_request("POST", "/admin/adapters", data=fields, files=files)
+        body = request.stream
+        total = int(request.headers.get("content-length", 0)) or None
+        with tqdm(total=total, unit="B", unit_scale=True, desc=f"uploading {args.name}", file=sys.stderr) as bar:
+            def chunks():
+                for chunk in body:
+                    bar.update(len(chunk))
+                    yield chunk
+
+            request = httpx.Request("POST", request.url, headers=request.headers, content=chunks())
+            resp = client.send(request)
+    finally:
+        for _, handle in files.values():
+            handle.close()
+    return _show(resp)

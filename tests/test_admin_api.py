@@ -1,0 +1,259 @@
+"""The admin API over real HTTP: the auth matrix over every route, tenants and keys, adapter uploads
+(and upload abuse), tiers, prices, and that raw keys are stored and logged nowhere."""
+from __future__ import annotations
+
+import io
+import json
+import logging
+import pickle
+import re
+import tempfile
+from pathlib import Path
+
+import httpx
+import pytest
+from sqlalchemy import MetaData, select
+
+from conftest import make_engine, make_services, new_tenant_key, write_peft_adapter
+from live_server import LiveServer
+from loramux.db import Adapter, AdapterVersion
+from loramux.model.loader import read_model_config
+from loramux.server.app import create_app
+
+ADMIN_KEY = "lmxa-test-admin-key-0123456789abcdefghijklmnop"
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_dir, tokenizer, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("admin-api")
+    app = create_app(lambda: make_services(tmp, make_engine(tiny_dir, tokenizer, max_loras=2, max_lora_rank=8),
+                                           admin_key=ADMIN_KEY, max_upload_bytes=256 * 1024))
+    with LiveServer(app) as server:
+        tenant_key = new_tenant_key(server.services, "acme", "standard")
+        cfg, _ = read_model_config(tiny_dir)
+        yield server, tenant_key, cfg, tmp
+
+
+def admin(stack) -> httpx.Client:
+    server = stack[0]
+    return httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=60)
+
+
+def adapter_dir(stack, name: str, seed: int, rank: int = 4) -> Path:
+    _, _, cfg, tmp = stack
+    return write_peft_adapter(tmp / f"{name}-{seed}", cfg, rank, ["q_proj", "v_proj"], seed=seed)
+
+
+def upload(stack, tenant_id: str, name: str, directory: Path, **fields):
+    files = {"adapter_config": ("adapter_config.json", (directory / "adapter_config.json").read_bytes()),
+             "adapter_model": ("adapter_model.safetensors", (directory / "adapter_model.safetensors").read_bytes())}
+    return admin(stack).post("/admin/adapters", data={"tenant_id": tenant_id, "name": name, **fields}, files=files)
+
+
+def fill(path: str) -> str:
+    return re.sub(r"\{[^}]+\}", "x_does_not_exist", path)
+
+
+def test_auth_matrix_over_every_route(stack):
+    server, tenant_key, _, _ = stack
+    # Every operation the server documents (the OpenAPI schema is the route table).
+    routes = [(path, method.upper()) for path, ops in server.app.openapi()["paths"].items() for method in ops]
+    open_paths = {"/health", "/ready", "/metrics"}
+    checked = 0
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        for route_path, method in routes:
+            path = fill(route_path)
+            if route_path in open_paths:
+                assert c.request(method, path).status_code == 200
+                continue
+            no_key = c.request(method, path)
+            assert no_key.status_code == 401, (method, route_path, no_key.text)
+            if route_path.startswith("/admin"):
+                as_tenant = c.request(method, path, headers={"Authorization": f"Bearer {tenant_key}"})
+                assert as_tenant.status_code == 403, (method, route_path)
+                assert "tenant API keys are not accepted" in as_tenant.text
+                as_admin = c.request(method, path, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+                assert as_admin.status_code not in (401, 403), (method, route_path, as_admin.text)
+            else:
+                as_admin = c.request(method, path, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+                assert as_admin.status_code == 403, (method, route_path)
+                assert "admin keys are not accepted" in as_admin.text
+                as_tenant = c.request(method, path, headers={"Authorization": f"Bearer {tenant_key}"})
+                assert as_tenant.status_code not in (401, 403), (method, route_path, as_tenant.text)
+            wrong = "lmxa-wrong" if route_path.startswith("/admin") else "lmx-wrong"
+            bad = c.request(method, path, headers={"Authorization": f"Bearer {wrong}"})
+            assert bad.status_code == 401
+            checked += 1
+    assert checked >= 25  # every admin and tenant route was exercised
+
+
+def test_tenants_and_keys_lifecycle(stack):
+    server = stack[0]
+    c = admin(stack)
+    created = c.post("/admin/tenants", json={"name": "globex", "tier": "premium"})
+    assert created.status_code == 201, created.text
+    tenant = created.json()
+    assert c.post("/admin/tenants", json={"name": "globex"}).status_code == 409
+    bad_tier = c.post("/admin/tenants", json={"name": "initech", "tier": "gold"})
+    assert bad_tier.status_code == 400 and "unknown tier 'gold'" in bad_tier.text
+    assert any(t["name"] == "globex" for t in c.get("/admin/tenants").json()["tenants"])
+
+    key = c.post(f"/admin/tenants/{tenant['id']}/keys").json()
+    assert key["key"].startswith("lmx-") and key["prefix"] == key["key"][:12]
+    listed = c.get(f"/admin/tenants/{tenant['id']}/keys").json()["keys"]
+    assert [k["id"] for k in listed] == [key["id"]] and "key" not in listed[0]
+    models = httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {key['key']}"})
+    assert models.status_code == 200
+    rotated = c.post(f"/admin/tenants/{tenant['id']}/keys/{key['id']}/rotate").json()
+    assert rotated["revoked"] == key["id"] and rotated["key"] != key["key"]
+    old = httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {key['key']}"})
+    assert old.status_code == 401
+    new = httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {rotated['key']}"})
+    assert new.status_code == 200
+    assert c.delete(f"/admin/tenants/{tenant['id']}/keys/{rotated['id']}").json()["revoked_at"]
+    assert httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {rotated['key']}"}).status_code == 401
+
+    suspended = c.patch(f"/admin/tenants/{tenant['id']}", json={"status": "suspended", "tier": "free"}).json()
+    assert (suspended["status"], suspended["tier"]) == ("suspended", "free")
+    assert c.patch(f"/admin/tenants/{tenant['id']}", json={"tier": "gold"}).status_code == 400
+    assert c.get("/admin/tenants/tn_missing").status_code == 404
+
+
+def test_adapter_upload_versions_visibility_warm_pin_delete(stack):
+    server, tenant_key, _, _ = stack
+    c = admin(stack)
+    acme = server.services.registry.tenant_by_name("acme")
+    first = upload(stack, acme.id, "bot", adapter_dir(stack, "bot", 1))
+    assert first.status_code == 201, first.text
+    body = first.json()
+    assert set(body) >= {"id", "name", "version", "digest"} and body["version"] == 1
+    second = upload(stack, acme.id, "bot", adapter_dir(stack, "bot", 2)).json()
+    assert (second["id"], second["version"]) == (body["id"], 2) and second["digest"] != body["digest"]
+    versions = c.get(f"/admin/adapters/{body['id']}").json()["versions"]
+    assert [v["version"] for v in versions] == [1, 2]
+    assert any(a["id"] == body["id"] for a in c.get("/admin/adapters", params={"tenant_id": acme.id}).json()["adapters"])
+    assert c.patch(f"/admin/adapters/{body['id']}", json={"visibility": "public"}).json()["visibility"] == "public"
+
+    warm = c.post(f"/admin/adapters/{body['id']}/warm").json()
+    assert warm["version"] == 2 and warm["loaded_from"] in ("store", "disk", "ram")
+    assert c.post(f"/admin/adapters/{body['id']}/pin").json()["pinned"] is True
+    assert second["digest"] in server.services.adapter_cache.host
+    assert c.delete(f"/admin/adapters/{body['id']}/pin").json()["pinned"] is False
+
+    # The tenant uses it by name, then it is deleted: 404 afterwards, like any unknown model.
+    headers = {"Authorization": f"Bearer {tenant_key}"}
+    payload = {"model": "bot", "prompt": "hi", "max_tokens": 2}
+    assert httpx.post(f"{server.url}/v1/completions", json=payload, headers=headers).status_code == 200
+    assert c.delete(f"/admin/adapters/{body['id']}").json()["deleted_versions"] == [1, 2]
+    assert httpx.post(f"{server.url}/v1/completions", json=payload, headers=headers).status_code == 404
+    assert c.get(f"/admin/adapters/{body['id']}").status_code == 404
+
+
+class Payload:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def upload_dirs_left() -> list[str]:
+    return [p.name for p in Path(tempfile.gettempdir()).glob("loramux-upload-*")]
+
+
+def test_upload_abuse_is_refused_and_leaves_nothing(stack, tmp_path):
+    server = stack[0]
+    c = admin(stack)
+    acme = server.services.registry.tenant_by_name("acme")
+    good = adapter_dir(stack, "good", 5)
+    config = (good / "adapter_config.json").read_bytes()
+    weights = (good / "adapter_model.safetensors").read_bytes()
+    marker = tmp_path / "pwned"
+    evil = pickle.dumps(Payload(marker))
+    with server.services.db.session() as s:
+        before = (len(s.scalars(select(Adapter)).all()), len(s.scalars(select(AdapterVersion)).all()))
+    blobs_before = set(server.services.store.list_keys())
+    cases = [
+        ("pickle named .bin", {"adapter_model": ("adapter_model.bin", evil)}, 400, "pickle weights are refused"),
+        ("pickle as safetensors", {"adapter_model": ("adapter_model.safetensors", evil)}, 400, "holds a pickle"),
+        ("traversal name", {"adapter_model": ("../../etc/passwd", weights)}, 400, "file name"),
+        ("traversal config", {"adapter_config": ("..\\adapter_config.json", config)}, 400, "file name"),
+        ("malformed safetensors", {"adapter_model": ("adapter_model.safetensors", b"\x10\x00\x00\x00\x00\x00\x00\x00{]")},
+         400, "safetensors"),
+        ("truncated", {"adapter_model": ("adapter_model.safetensors", weights[:-10])}, 400, ""),
+        ("weights above the cap", {"adapter_model": ("adapter_model.safetensors", weights + b"\x00" * 400_000)}, 413,
+         "above this server's limit"),
+        ("body above the cap", {"adapter_model": ("adapter_model.safetensors", b"\x00" * 1_600_000)}, 413, "at most"),
+        ("missing part", {"adapter_config": None}, 400, "missing file field 'adapter_config'"),
+    ]
+    for label, overrides, status, needle in cases:
+        files = {"adapter_config": ("adapter_config.json", config), "adapter_model": ("adapter_model.safetensors", weights)}
+        files.update(overrides)
+        files = {k: v for k, v in files.items() if v is not None}
+        resp = c.post("/admin/adapters", data={"tenant_id": acme.id, "name": "evil"}, files=files)
+        assert resp.status_code == status, (label, resp.text)
+        assert needle in resp.json()["error"]["message"], (label, resp.text)
+        assert "/tmp" not in resp.text and str(tmp_path) not in resp.text, label
+    # A chunked body with no Content-Length is counted as it arrives.
+    def chunks():
+        yield b"--x\r\nContent-Disposition: form-data; name=\"adapter_model\"; filename=\"adapter_model.safetensors\"\r\n\r\n"
+        for _ in range(100):  # 1.6 MB, above the 1.25 MB body cap
+            yield b"\x00" * 16384
+
+    resp = c.post("/admin/adapters", content=chunks(), headers={"Content-Type": "multipart/form-data; boundary=x"})
+    assert resp.status_code == 413
+    not_multipart = c.post("/admin/adapters", json={"tenant_id": acme.id})
+    assert not_multipart.status_code == 415 and "multipart/form-data" in not_multipart.text
+    assert not marker.exists()  # the pickle never ran
+    with server.services.db.session() as s:
+        after = (len(s.scalars(select(Adapter)).all()), len(s.scalars(select(AdapterVersion)).all()))
+    assert after == before and set(server.services.store.list_keys()) == blobs_before
+    assert upload_dirs_left() == []
+
+
+def test_tiers_and_prices(stack):
+    c = admin(stack)
+    tiers = {t["name"]: t for t in c.get("/admin/tiers").json()["tiers"]}
+    assert set(tiers) >= {"free", "standard", "premium"}
+    put = c.put("/admin/tiers/enterprise", json={"priority": 3, "requests_per_min": 0, "tokens_per_min": 0,
+                                                 "max_concurrent": 256, "default_timeout_s": 600, "max_timeout_s": 3600})
+    assert put.status_code == 200 and put.json()["priority"] == 3
+    bad = c.put("/admin/tiers/odd", json={"priority": 0, "default_timeout_s": 100, "max_timeout_s": 10})
+    assert bad.status_code == 400 and "default_timeout_s <= max_timeout_s" in bad.text
+    price = c.post("/admin/prices", json={"input_per_mtok": "0.10", "cached_input_per_mtok": "0.05",
+                                          "output_per_mtok": "0.40", "effective_from": "2026-01-01T00:00:00Z"})
+    assert price.status_code == 201, price.text
+    assert price.json()["output_per_mtok"].startswith("0.4")
+    assert c.post("/admin/prices", json={"input_per_mtok": "-1", "cached_input_per_mtok": "0",
+                                         "output_per_mtok": "0"}).status_code == 422
+    assert c.post("/admin/prices", json={"input_per_mtok": "1", "cached_input_per_mtok": "1", "output_per_mtok": "1",
+                                         "tier": "gold"}).status_code == 400
+    assert any(p["id"] == price.json()["id"] for p in c.get("/admin/prices").json()["prices"])
+
+
+def test_raw_keys_are_stored_and_logged_nowhere(stack, caplog):
+    server, tenant_key, _, tmp = stack
+    c = admin(stack)
+    caplog.set_level(logging.DEBUG)
+    tenant = c.post("/admin/tenants", json={"name": "secretive"}).json()
+    raw_tenant = c.post(f"/admin/tenants/{tenant['id']}/keys").json()["key"]
+    raw_admin = c.post("/admin/keys", json={"name": "second"}).json()["key"]
+    for key in (raw_tenant, tenant_key):
+        httpx.post(f"{server.url}/v1/completions", json={"model": "base", "prompt": "hi", "max_tokens": 2},
+                   headers={"Authorization": f"Bearer {key}"})
+    httpx.get(f"{server.url}/admin/tenants", headers={"Authorization": f"Bearer {raw_admin}"})
+    server.services.ledger.flush(10)
+    secrets = [raw_tenant, raw_admin, tenant_key, ADMIN_KEY]
+    dump = io.StringIO()
+    metadata = MetaData()
+    metadata.reflect(server.services.db.engine)
+    with server.services.db.engine.connect() as conn:
+        for table in metadata.sorted_tables:
+            for row in conn.execute(table.select()):
+                dump.write(json.dumps([str(v) for v in row]) + "\n")
+    stored = dump.getvalue()
+    logged = "\n".join(r.getMessage() + json.dumps({k: str(v) for k, v in r.__dict__.items()}) for r in caplog.records)
+    db_files = b"".join(p.read_bytes() for p in (tmp / "data").glob("loramux.db*"))
+    for secret in secrets:
+        assert secret not in stored and secret not in logged
+        assert secret.encode() not in db_files
