@@ -39,6 +39,8 @@ class Settings(BaseSettings):
     max_num_batched_tokens: int = 512  # token budget per step: bounds how long a prefill chunk stalls decodes
     max_model_len: int = 4096
     priority_aging_s: float = 10.0  # queue aging: waiting this long is worth one tier of priority
+    prefix_caching: bool = True  # reuse the KV of shared prompt prefixes (never across adapter versions)
+    prefix_cache_per_tenant: bool = True  # tenants never share cached blocks (no timing side channel)
 
     # LoRA adapters: device slots (distinct adapters in one batch) and the largest rank they hold.
     max_loras: int = 8

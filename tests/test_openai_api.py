@@ -317,7 +317,10 @@ def test_a_queue_that_cannot_meet_the_deadline_answers_503(small):
     headers = {"Authorization": f"Bearer {keys['standard']}"}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=long, headers=headers, timeout=30) as a, \
             httpx.stream("POST", f"{server.url}/v1/completions", json=long, headers=headers, timeout=30) as b:
-        next(a.iter_lines()), next(b.iter_lines())  # both running: the batch (2) is full
+        next(a.iter_lines()), next(b.iter_lines())
+        engine = server.services.engine
+        assert wait_until(lambda: engine.stats()["running"] == 2), engine.stats()  # the batch (2) is full
+        assert engine.estimated_queue_wait_s() > 0.001, (engine.stats(), engine.engine._service_s_ewma)
         with pytest.raises(openai.InternalServerError) as info:
             c.completions.create(model="base", prompt="urgent", max_tokens=4, extra_body={"timeout_s": 0.001})
         assert info.value.status_code == 503 and "estimated queue wait" in str(info.value)

@@ -32,6 +32,7 @@ class _Add:
     priority: int
     adapter: str | LoRAAdapter | None
     arrival: float | None
+    cache_salt: str | None
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     accepted: asyncio.Future
@@ -50,7 +51,8 @@ class AsyncEngine:
     # -- caller side (event loop) ----------------------------------------------------------------
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                        priority: int = 0, adapter: str | LoRAAdapter | None = None,
-                       arrival: float | None = None) -> AsyncIterator[RequestOutput]:
+                       arrival: float | None = None, cache_salt: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs step by step; leaving the loop early aborts the request.
         `arrival` (time.monotonic()) is when the request reached the server: queue time, TTFT and the
         deadline count from it."""
@@ -59,7 +61,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         accepted = loop.create_future()
-        self._post(_Add(request_id, prompt, params, priority, adapter, arrival, loop, queue, accepted))
+        self._post(_Add(request_id, prompt, params, priority, adapter, arrival, cache_salt, loop, queue, accepted))
         finished = False
         try:
             await accepted  # raises RequestError for a request the engine refuses
@@ -137,7 +139,7 @@ class AsyncEngine:
         if isinstance(item, _Add):
             try:
                 self.engine.add_request(item.request_id, item.prompt, item.params, item.priority,
-                                        arrival=item.arrival, adapter=item.adapter)
+                                        arrival=item.arrival, adapter=item.adapter, cache_salt=item.cache_salt)
             except Exception as exc:
                 _post_to(item.loop, _settle, item.accepted, exc)
                 return

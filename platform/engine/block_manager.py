@@ -1,11 +1,19 @@
-"""Paged KV-cache bookkeeping: fixed-size blocks handed to sequences (torch-free).
+"""Paged KV-cache bookkeeping: fixed-size blocks handed to sequences, with automatic prefix caching
+(torch-free).
 
-Blocks carry reference counts so that later features (prefix caching) can share a block between
-sequences; a block returns to the free list when its count drops to zero.
+Blocks are reference counted. With prefix caching on, a block whose KV is fully computed gets a content
+hash chained over everything before it: hash(parent hash, its token ids, the cache salt). The salt is
+the sequence's adapter version digest and, when tenants are isolated, its tenant, because a LoRA on any
+layer changes the KV of the same text, so blocks are never shared across adapter versions. A new
+sequence whose leading full blocks hash the same reuses them read-only and skips their prefill.
+Unreferenced cached blocks stay in an LRU pool and count as free: they are evicted (their hash
+forgotten) only when an allocation needs the room.
 """
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict, deque
 
 from loramux.engine.sequence import Sequence
 
@@ -14,22 +22,39 @@ class OutOfBlocksError(RuntimeError):
     """The pool has too few free blocks for the requested allocation."""
 
 
+def chain_hash(parent: bytes, token_ids, salt: str) -> bytes:
+    """The content hash of one full block, chained to the hash of the block before it."""
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(array("q", token_ids).tobytes())
+    h.update(salt.encode())
+    return h.digest()
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.free_blocks: deque[int] = deque(range(num_blocks))  # no reusable content
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # content hash -> block
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
+        self.hits = 0  # blocks reused from the cache (for stats)
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        return len(self.free_blocks) + len(self.evictable)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_blocks)
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -40,28 +65,102 @@ class BlockManager:
         return max(0, total - len(seq.block_table))
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self.blocks_needed(seq, num_new_tokens) <= len(self.free_blocks)
+        return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
+
+    def _take(self) -> int:
+        if self.free_blocks:
+            block = self.free_blocks.popleft()
+        else:
+            block, _ = self.evictable.popitem(last=False)  # least recently used cached block
+            del self.cached[self.block_hash[block]]
+            self.block_hash[block] = None
+        self.ref_counts[block] = 1
+        return block
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Grow `seq.block_table` to cover `num_new_tokens` more tokens; all or nothing."""
         need = self.blocks_needed(seq, num_new_tokens)
-        if need > len(self.free_blocks):
-            raise OutOfBlocksError(f"need {need} KV blocks, {len(self.free_blocks)} free")
+        if need > self.num_free_blocks:
+            raise OutOfBlocksError(f"need {need} KV blocks, {self.num_free_blocks} free")
         for _ in range(need):
-            block = self.free_blocks.popleft()
-            self.ref_counts[block] = 1
-            seq.block_table.append(block)
+            seq.block_table.append(self._take())
 
     def free(self, seq: Sequence) -> None:
-        """Release every block of `seq` (idempotent)."""
+        """Release every block of `seq` (idempotent); cached blocks stay reusable until evicted."""
         for block in reversed(seq.block_table):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
-                self.free_blocks.append(block)
+                if self.block_hash[block] is not None:
+                    self.evictable[block] = None
+                else:
+                    self.free_blocks.append(block)
         seq.block_table = []
+        seq.block_hashes = []
+
+    # -- prefix caching ----------------------------------------------------------------------------
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding `seq`'s leading full blocks. At least the last prompt token is always
+        left to compute, since its logits start the generation."""
+        if not self.enable_prefix_caching or seq.num_computed_tokens or seq.block_table:
+            return []
+        bs, tokens = self.block_size, seq.token_ids
+        hashes, blocks, parent = [], [], b""
+        for i in range((len(tokens) - 1) // bs):
+            parent = chain_hash(parent, tokens[i * bs:(i + 1) * bs], seq.cache_salt)
+            block = self.cached.get(parent)
+            if block is None:
+                break
+            hashes.append(parent)
+            blocks.append(block)
+        seq.block_hashes = hashes
+        return blocks
+
+    def can_admit(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> bool:
+        """Whether `seq` (with `hits` reused) can get blocks for `num_new_tokens` tokens after them."""
+        reused_free = sum(1 for b in hits if self.ref_counts[b] == 0)  # they stop counting as free
+        need = self.blocks_for_tokens(len(hits) * self.block_size + num_new_tokens) - len(hits)
+        return need <= self.num_free_blocks - reused_free
+
+    def admit(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> None:
+        """Give `seq` the cached `hits` (their tokens count as computed), then room for the rest."""
+        for block in hits:
+            if self.ref_counts[block] == 0:
+                del self.evictable[block]
+            self.ref_counts[block] += 1
+            seq.block_table.append(block)
+        self.hits += len(hits)
+        seq.num_computed_tokens = len(hits) * self.block_size
+        seq.block_hashes = seq.block_hashes[:len(hits)]
+        try:
+            self.allocate(seq, num_new_tokens)
+        except OutOfBlocksError:
+            self.free(seq)
+            seq.num_computed_tokens = 0
+            raise
+
+    def commit(self, seq: Sequence) -> None:
+        """Register `seq`'s newly completed full blocks in the cache (call after their KV is written)."""
+        if not self.enable_prefix_caching:
+            return
+        bs, tokens = self.block_size, None
+        full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        while len(seq.block_hashes) < full:
+            i = len(seq.block_hashes)
+            if tokens is None:
+                tokens = seq.token_ids
+            parent = seq.block_hashes[-1] if seq.block_hashes else b""
+            digest = chain_hash(parent, tokens[i * bs:(i + 1) * bs], seq.cache_salt)
+            seq.block_hashes.append(digest)
+            block = seq.block_table[i]
+            if self.block_hash[block] is None and digest not in self.cached:
+                self.block_hash[block] = digest
+                self.cached[digest] = block
+            # else: the same content is cached in another block already (computed twice concurrently):
+            # this copy stays private and is freed normally.
 
     def check_invariants(self, live: list[Sequence]) -> None:
-        """Assert that every block is either free or referenced exactly by live sequences (tests)."""
+        """Assert that every block is either free, cached-and-unreferenced, or referenced exactly by live
+        sequences (tests)."""
         counts = [0] * self.num_blocks
         for seq in live:
             for block in seq.block_table:
@@ -69,4 +168,8 @@ class BlockManager:
         assert counts == self.ref_counts, "reference counts disagree with the live block tables"
         free = set(self.free_blocks)
         assert len(free) == len(self.free_blocks), "a block is on the free list twice"
-        assert free == {b for b in range(self.num_blocks) if counts[b] == 0}, "leaked or double-used block"
+        assert not free & set(self.evictable), "a block is both free and cached"
+        idle = {b for b in range(self.num_blocks) if counts[b] == 0}
+        assert free | set(self.evictable) == idle, "leaked or double-used block"
+        assert all(self.block_hash[b] is not None for b in self.evictable), "an evictable block has no hash"
+        assert all(self.block_hash[b] == h for h, b in self.cached.items()), "cache index out of sync"

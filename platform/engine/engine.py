@@ -30,6 +30,7 @@ class EngineConfig:
     max_loras: int = 8  # device adapter slots; 0 disables LoRA
     max_lora_rank: int = 32
     priority_aging_s: float = 10.0  # waiting this long is worth one priority level
+    enable_prefix_caching: bool = True  # reuse the KV of shared prompt prefixes (per adapter version)
 
 
 @dataclass
@@ -46,6 +47,7 @@ class RequestOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     timings: dict[str, Any] = field(default_factory=dict)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     adapter: str | None = None  # adapter name as requested
 
 
@@ -77,7 +79,7 @@ class LLMEngine:
             num_blocks = max(1, config.kv_cache_bytes // per_block)
         # A sequence must fit the whole KV pool on its own, or it could be preempted forever.
         self.max_model_len = min(config.max_model_len, mcfg.max_position_embeddings, num_blocks * config.block_size)
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.slots = SlotTable(config.max_loras)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.slots,
                                    aging_s=config.priority_aging_s)
@@ -117,7 +119,8 @@ class LLMEngine:
                               max_num_seqs=settings.max_num_seqs,
                               max_num_batched_tokens=settings.max_num_batched_tokens,
                               max_model_len=settings.max_model_len, max_loras=settings.max_loras,
-                              max_lora_rank=settings.max_lora_rank, priority_aging_s=settings.priority_aging_s)
+                              max_lora_rank=settings.max_lora_rank, priority_aging_s=settings.priority_aging_s,
+                              enable_prefix_caching=settings.prefix_caching)
         engine = cls(model, tokenizer, config, end_of_turn_ids(tokenizer, mcfg, model_dir), dtype, device)
         engine.model_name = settings.model
         for name, path in (settings.adapter_dirs() if load_adapters else {}).items():
@@ -177,9 +180,10 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     priority: int = 0, arrival: float | None = None,
-                    adapter: str | LoRAAdapter | None = None) -> Sequence:
+                    adapter: str | LoRAAdapter | None = None, cache_salt: str | None = None) -> Sequence:
         """Queue a request for the base model or an adapter: a registered name, or an adapter object the
-        caller holds in host RAM until the request finishes. Raise RequestError when it can never run."""
+        caller holds in host RAM until the request finishes. `cache_salt` namespaces its prefix-cache
+        blocks (the tenant, when tenants must not share them). Raise RequestError when it can never run."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
@@ -207,6 +211,7 @@ class LLMEngine:
         if lora is not None:
             self._by_digest.setdefault(lora.digest, lora)
         seq = Sequence(request_id, ids, params, priority=priority, adapter=lora.digest if lora else None,
+                       cache_salt=f"{lora.digest if lora else 'base'}|{cache_salt or ''}",
                        **({"arrival": arrival} if arrival is not None else {}))
         generator = Sampler.make_generator(params.seed) if params.seed is not None else None
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
@@ -244,8 +249,10 @@ class LLMEngine:
         logits, sampled = self.runner.run(batch)
         for seq, n in batch.prefills:
             seq.num_computed_tokens += n
+            self.block_manager.commit(seq)
         for seq in batch.decodes:
             seq.num_computed_tokens += 1
+            self.block_manager.commit(seq)
         if sampled:
             reqs = [self.requests[seq.request_id] for seq in sampled]
             rows = [self._sampling_row(req.seq) for req in reqs]
@@ -322,7 +329,7 @@ class LLMEngine:
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,
             num_prompt_tokens=len(seq.prompt_token_ids),
             timings=seq.timings.as_dict(len(seq.output_token_ids)) if finished else {},
-            adapter=req.adapter_name,
+            adapter=req.adapter_name, num_cached_tokens=seq.num_cached_tokens,
         )
 
     # -- conveniences ----------------------------------------------------------------------------
@@ -361,6 +368,8 @@ class LLMEngine:
             "kv_blocks_used": self.block_manager.num_used_blocks,
             "kv_blocks_free": self.block_manager.num_free_blocks,
             "kv_blocks_total": self.block_manager.num_blocks,
+            "prefix_cache_blocks": self.block_manager.num_cached_blocks,
+            "prefix_cache_hit_blocks": self.block_manager.hits,
             "preemptions": self.num_preemptions,
             "adapter_slots_pinned": self.slots.num_pinned,
             "adapter_slot_loads": self.slots.loads,

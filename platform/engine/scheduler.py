@@ -125,17 +125,22 @@ class Scheduler:
             if seq.adapter is not None and not self.slots.can_acquire(seq.adapter):
                 passed_over.append(heapq.heappop(self._waiting))  # its adapter waits for a slot
                 continue
-            # The whole remaining prompt (+ the first decode) must fit, and it is allocated at once, so
-            # an admitted prefill is never preempted halfway by the admissions after it.
-            if self.blocks.blocks_needed(seq, seq.num_uncomputed_tokens + 1) > self.blocks.num_free_blocks:
+            # Leading blocks already in the prefix cache are reused. The whole remaining prompt (+ the
+            # first decode) must fit, and it is allocated at once, so an admitted prefill is never
+            # preempted halfway by the admissions after it.
+            hits = self.blocks.match_prefix(seq)
+            remaining = seq.num_tokens - len(hits) * self.blocks.block_size
+            if not self.blocks.can_admit(seq, hits, remaining + 1):
                 break
             heapq.heappop(self._waiting)
             if seq.adapter is not None:
                 seq.lora_slot, needs_load = self.slots.acquire(seq.adapter)
                 if needs_load:
                     batch.adapter_loads.append((seq.lora_slot, seq.adapter))
+            self.blocks.admit(seq, hits, remaining)  # the whole prompt, not just this chunk
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = seq.num_computed_tokens
             n = min(seq.num_uncomputed_tokens, budget)
-            self.blocks.allocate(seq, seq.num_uncomputed_tokens)  # the whole prompt, not just this chunk
             seq.status = SequenceStatus.RUNNING
             if seq.timings.first_scheduled is None:
                 seq.timings.first_scheduled = now

@@ -71,6 +71,9 @@ class Sequence:
     output_logprobs: list[float] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (first admission)
+    cache_salt: str = ""  # prefix-cache namespace: adapter version digest (+ tenant when isolated)
+    block_hashes: list[bytes] = field(default_factory=list)  # content hashes of the full blocks so far
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0

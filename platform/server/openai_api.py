@@ -125,7 +125,8 @@ def _finish_reason(out: RequestOutput | None) -> str:
 def _usage(running: Running, out: RequestOutput) -> dict:
     completion = len(out.token_ids)
     return {"prompt_tokens": running.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": running.prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": 0}}
+            "total_tokens": running.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
 
 
 def _sse(data: dict | str) -> str:

@@ -164,8 +164,10 @@ class Server:
                                       f"this request's {timeout:g} s timeout; retry later",
                                  retry_after_s=max(1.0, wait - timeout), code="overloaded")
             version, lease, fallback_reason = await self._adapter(tenant, model, arrival + timeout - time.monotonic())
+            salt = tenant.tenant_id if self.services.settings.prefix_cache_per_tenant else None
             stream = self.services.engine.generate(request_id, prompt_ids, params, priority=tenant.tier.priority,
-                                                   adapter=lease.adapter if lease else None, arrival=arrival)
+                                                   adapter=lease.adapter if lease else None, arrival=arrival,
+                                                   cache_salt=salt)
             try:
                 first = await anext(stream)
             except RequestError as exc:
@@ -208,6 +210,7 @@ class Server:
     def _finished(self, running: Running, last: RequestOutput | None, outcome: str) -> None:
         admission = self._admissions.pop(running.request_id, None)
         completion = len(last.token_ids) if last is not None else 0
+        cached = last.num_cached_tokens if last is not None else 0
         if admission is not None:
             admission.release(running.prompt_tokens + completion)
         if running.lease is not None:
@@ -218,7 +221,7 @@ class Server:
         self.metrics.observe_finished(
             tier=running.tenant.tier.name, outcome=outcome, queue_s=None if queue_ms is None else queue_ms / 1000,
             ttft_s=None if ttft_ms is None else ttft_ms / 1000, e2e_s=total_ms / 1000,
-            prompt_tokens=running.prompt_tokens, cached_tokens=0, completion_tokens=completion)
+            prompt_tokens=running.prompt_tokens, cached_tokens=cached, completion_tokens=completion)
         for gap in running.inter_token_s:
             self.metrics.observe_inter_token(gap, running.tenant.tier.name)
         version = running.version
@@ -227,7 +230,7 @@ class Server:
             tier=running.tenant.tier.name, model=self.model_id, adapter_id=version.adapter_id if version else None,
             adapter_version=version.version if version else None, adapter_digest=version.digest if version else None,
             requested=running.requested, fallback=running.fallback_reason is not None, outcome=outcome,
-            prompt_tokens=running.prompt_tokens, cached_tokens=0, completion_tokens=completion, queue_ms=queue_ms,
+            prompt_tokens=running.prompt_tokens, cached_tokens=cached, completion_tokens=completion, queue_ms=queue_ms,
             ttft_ms=ttft_ms, total_ms=total_ms)
         for hook in self.ledger_hooks:
             try:
