@@ -41,6 +41,8 @@ class Settings(BaseSettings):
     priority_aging_s: float = 10.0  # queue aging: waiting this long is worth one tier of priority
     prefix_caching: bool = True  # reuse the KV of shared prompt prefixes (never across adapter versions)
     prefix_cache_per_tenant: bool = True  # tenants never share cached blocks (no timing side channel)
+    speculative_tokens: int = 4  # prompt-lookup speculative decoding: draft length (0 = off)
+    speculative_max_batch: int = 4  # speculate only while at most this many sequences decode
 
     # LoRA adapters: device slots (distinct adapters in one batch) and the largest rank they hold.
     max_loras: int = 8

@@ -1,6 +1,7 @@
 """The engine: add requests, then `step()` = schedule -> run -> postprocess, until all are done."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,7 @@ from loramux.engine.sampler import Sampler, SamplingRow
 from loramux.engine.sampling_params import SamplingParams
 from loramux.engine.scheduler import Scheduler
 from loramux.engine.sequence import FinishReason, Sequence
+from loramux.engine.spec_decode import build_verdict, propose_ngram, verify
 
 
 @dataclass
@@ -31,6 +33,8 @@ class EngineConfig:
     max_lora_rank: int = 32
     priority_aging_s: float = 10.0  # waiting this long is worth one priority level
     enable_prefix_caching: bool = True  # reuse the KV of shared prompt prefixes (per adapter version)
+    num_speculative_tokens: int = 0  # prompt-lookup draft length; 0 = no speculation
+    speculative_max_batch: int = 4  # speculate only while at most this many sequences decode
 
 
 @dataclass
@@ -98,6 +102,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, _Request] = {}
         self.num_preemptions = 0
+        self.spec_proposed = self.spec_accepted = 0  # draft tokens proposed / accepted so far
         self._service_s_ewma: float | None = None  # how long a request runs once scheduled
 
     # -- construction from settings --------------------------------------------------------------
@@ -120,7 +125,9 @@ class LLMEngine:
                               max_num_batched_tokens=settings.max_num_batched_tokens,
                               max_model_len=settings.max_model_len, max_loras=settings.max_loras,
                               max_lora_rank=settings.max_lora_rank, priority_aging_s=settings.priority_aging_s,
-                              enable_prefix_caching=settings.prefix_caching)
+                              enable_prefix_caching=settings.prefix_caching,
+                              num_speculative_tokens=settings.speculative_tokens,
+                              speculative_max_batch=settings.speculative_max_batch)
         engine = cls(model, tokenizer, config, end_of_turn_ids(tokenizer, mcfg, model_dir), dtype, device)
         engine.model_name = settings.model
         for name, path in (settings.adapter_dirs() if load_adapters else {}).items():
@@ -236,6 +243,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         now = time.monotonic()
         outputs = self._expire(now)
+        self._propose_drafts()
         batch = self.scheduler.schedule(now)
         self.num_preemptions += len(batch.preempted)
         if not batch:
@@ -250,23 +258,100 @@ class LLMEngine:
         for seq, n in batch.prefills:
             seq.num_computed_tokens += n
             self.block_manager.commit(seq)
+        plain_rows, plain, speculated, row = [], [], [], 0
+        for seq in sampled:  # logits rows: one per sequence, 1 + len(draft) for a speculative decode
+            if seq.draft_token_ids:
+                speculated.append((seq, row))
+                row += 1 + len(seq.draft_token_ids)
+            else:
+                plain.append(seq)
+                plain_rows.append(row)
+                row += 1
         for seq in batch.decodes:
-            seq.num_computed_tokens += 1
-            self.block_manager.commit(seq)
-        if sampled:
-            reqs = [self.requests[seq.request_id] for seq in sampled]
+            if not seq.draft_token_ids:
+                seq.num_computed_tokens += 1
+                self.block_manager.commit(seq)
+        if plain:
+            reqs = [self.requests[seq.request_id] for seq in plain]
             rows = [self._sampling_row(req.seq) for req in reqs]
-            early = [(i, list(req.stop_ids)) for i, req in enumerate(reqs)
-                     if len(req.seq.output_token_ids) < req.seq.params.min_tokens and req.stop_ids]
-            if early:
-                logits = logits.clone()  # the runner's output is an inference tensor
-                for i, ids in early:
-                    logits[i, ids] = float("-inf")  # too early to stop
-            result = self.sampler(logits, rows, [req.generator for req in reqs])
+            plain_logits = logits if len(plain_rows) == logits.shape[0] else logits[plain_rows]
+            plain_logits = self._suppress_early_stops(plain_logits, reqs, [0] * len(reqs))
+            result = self.sampler(plain_logits, rows, [req.generator for req in reqs])
             now = time.monotonic()
             for req, token, logprob in zip(reqs, result.token_ids, result.logprobs):
                 outputs.append(self._append_token(req, token, logprob, now))
+        for seq, row in speculated:
+            outputs.append(self._verify(seq, logits[row:row + 1 + len(seq.draft_token_ids)]))
         return outputs
+
+    def _suppress_early_stops(self, logits: torch.Tensor, reqs: list[_Request], ahead: list[int]) -> torch.Tensor:
+        """Mask stop token ids on rows whose request has not reached min_tokens (row i sits `ahead[i]`
+        tokens past the request's current output)."""
+        early = [(i, list(req.stop_ids)) for i, req in enumerate(reqs)
+                 if len(req.seq.output_token_ids) + ahead[i] < req.seq.params.min_tokens and req.stop_ids]
+        if early:
+            logits = logits.clone()  # the runner's output is an inference tensor
+            for i, ids in early:
+                logits[i, ids] = float("-inf")  # too early to stop
+        return logits
+
+    # -- speculative decoding by prompt lookup ----------------------------------------------------
+    def _propose_drafts(self) -> None:
+        """Draft tokens for the decoding sequences from n-gram matches in their own context. Off when
+        the batch is too large for verification to pay, for seeded sampling (whose reproducibility must
+        not depend on the batch), and for a while after drafts keep missing."""
+        k = self.config.num_speculative_tokens
+        if k <= 0:
+            return
+        decoding = [s for s in self.scheduler.running if not s.is_prefill]
+        enabled = len(decoding) <= self.config.speculative_max_batch
+        for seq in decoding:
+            seq.draft_token_ids = []
+            p = seq.params
+            if not enabled or not p.speculative or (p.seed is not None and p.temperature > 0):
+                continue
+            if seq.spec_misses >= 3 and len(seq.output_token_ids) % 8:
+                continue  # back off: try again every 8 tokens
+            # Drafts count as output: no more than the tokens still to produce (a bonus token past
+            # max_tokens is dropped by the length stop).
+            room = min(k, p.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens - 1)
+            if room > 0:
+                seq.draft_token_ids = propose_ngram(seq.token_ids, room)
+
+    def _verify(self, seq: Sequence, logits: torch.Tensor) -> RequestOutput:
+        """Accept the longest valid prefix of the draft (rejection sampling keeps the distribution),
+        then append it and one more token from the target model."""
+        req = self.requests[seq.request_id]
+        draft = seq.draft_token_ids
+        base = self._sampling_row(seq)
+        rows = [dataclasses.replace(base, output_token_ids=seq.output_token_ids + draft[:j])
+                for j in range(len(draft) + 1)]
+        logits = self._suppress_early_stops(logits, [req] * len(rows), list(range(len(rows))))
+        probs, raw_logprobs = self.sampler.probs(logits, rows)
+        greedy = seq.params.temperature < 1e-5
+        accepted, next_token = verify(probs, draft, req.generator, greedy)
+        verdict = build_verdict(draft, accepted, next_token, raw_logprobs)
+        self.spec_proposed += len(draft)
+        self.spec_accepted += accepted
+        seq.spec_misses = seq.spec_misses + 1 if accepted == 0 else 0
+        seq.draft_token_ids = []
+        seq.num_computed_tokens += 1 + accepted  # KV of rejected positions is dead: overwritten later
+        self.block_manager.commit(seq)
+        now = time.monotonic()
+        merged = None
+        for token, logprob in zip(verdict.tokens, verdict.logprobs):
+            out = self._append_token(req, token, logprob, now)
+            if merged is None:
+                merged = out
+            else:
+                merged.delta_text += out.delta_text
+                merged.new_token_ids += out.new_token_ids
+                for name in ("text", "token_ids", "logprobs", "finished", "finish_reason", "timings",
+                             "num_cached_tokens"):
+                    setattr(merged, name, getattr(out, name))
+            if out.finished:
+                break
+        return merged
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         p = seq.params
@@ -370,6 +455,8 @@ class LLMEngine:
             "kv_blocks_total": self.block_manager.num_blocks,
             "prefix_cache_blocks": self.block_manager.num_cached_blocks,
             "prefix_cache_hit_blocks": self.block_manager.hits,
+            "spec_proposed_tokens": self.spec_proposed,
+            "spec_accepted_tokens": self.spec_accepted,
             "preemptions": self.num_preemptions,
             "adapter_slots_pinned": self.slots.num_pinned,
             "adapter_slot_loads": self.slots.loads,

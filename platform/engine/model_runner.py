@@ -12,9 +12,10 @@ from loramux.model.llama import LlamaModel
 class ModelRunner:
     """Owns the model and its paged KV cache.
 
-    Row layout of a step: every prefill chunk's tokens in order, then one token per decode. Only rows
-    that end a sequence's known tokens are projected to logits (the last row of a prefill that
-    finishes its prompt, and every decode row).
+    Row layout of a step: every prefill chunk's tokens in order, then each speculative decode's
+    [last token, drafts...], then one token per plain decode. Rows projected to logits: the last row of
+    a prefill that finishes its prompt, every row of a speculative decode, every plain decode row; a
+    sequence's logits rows are consecutive, in the order of the returned sequences.
     """
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, dtype: torch.dtype,
@@ -53,14 +54,33 @@ class ModelRunner:
             if end == seq.num_tokens:
                 sample_rows.append(len(tokens) - 1)
                 sampled.append(seq)
+        # Speculative decodes verify [last token, drafts...] as a short chunk over the cached context,
+        # with logits at every position.
+        plain_decodes = []
+        for seq in batch.decodes:
+            if not seq.draft_token_ids:
+                plain_decodes.append(seq)
+                continue
+            start = seq.num_computed_tokens
+            chunk = [seq.last_token(), *seq.draft_token_ids]
+            end = start + len(chunk)
+            table = seq.block_table
+            row0 = len(tokens)
+            tokens.extend(chunk)
+            positions.extend(range(start, end))
+            slot_map.extend([seq.lora_slot] * len(chunk))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            chunks.append(PrefillChunk(row0, row0 + len(chunk), end, self._tensor(table)))
+            sample_rows.extend(range(row0, row0 + len(chunk)))
+            sampled.append(seq)
         num_prefill_tokens = len(tokens)
 
         decode_tables = decode_mask = None
-        if batch.decodes:
-            max_blocks = max(len(seq.block_table) for seq in batch.decodes)
+        if plain_decodes:
+            max_blocks = max(len(seq.block_table) for seq in plain_decodes)
             padded, context_lens = [], []
             # Rows of one adapter side by side: fewer, longer LoRA segments.
-            for seq in sorted(batch.decodes, key=lambda s: s.lora_slot):
+            for seq in sorted(plain_decodes, key=lambda s: s.lora_slot):
                 slot_map.append(seq.lora_slot)
                 p = seq.num_computed_tokens
                 tokens.append(seq.last_token())

@@ -29,6 +29,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     timeout_s: float | None = None
+    speculative: bool = True  # allow prompt-lookup speculation (when the engine has it on); same outputs
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

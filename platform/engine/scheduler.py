@@ -31,7 +31,7 @@ class ScheduledBatch:
 
     @property
     def num_tokens(self) -> int:
-        return sum(n for _, n in self.prefills) + len(self.decodes)
+        return sum(n for _, n in self.prefills) + sum(1 + len(s.draft_token_ids) for s in self.decodes)
 
     def __bool__(self) -> bool:
         return bool(self.prefills or self.decodes)
@@ -105,7 +105,16 @@ class Scheduler:
         self.running.sort(key=self._rank)
 
         for seq in [s for s in self.running if not s.is_prefill]:
-            if seq.status is SequenceStatus.RUNNING and self._make_room(seq, 1, batch):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            draft = seq.draft_token_ids
+            if draft and (1 + len(draft) > budget or not self.blocks.can_allocate(seq, 1 + len(draft))):
+                seq.draft_token_ids = draft = []  # speculation never preempts anyone
+            if draft:
+                self.blocks.allocate(seq, 1 + len(draft))
+                batch.decodes.append(seq)
+                budget -= 1 + len(draft)
+            elif self._make_room(seq, 1, batch):
                 self.blocks.allocate(seq, 1)
                 batch.decodes.append(seq)
                 budget -= 1
@@ -167,6 +176,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
+        seq.draft_token_ids = []
         if seq in batch.decodes:
             batch.decodes.remove(seq)
         batch.prefills = [(s, n) for s, n in batch.prefills if s is not seq]

@@ -74,6 +74,8 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (first admission)
     cache_salt: str = ""  # prefix-cache namespace: adapter version digest (+ tenant when isolated)
     block_hashes: list[bytes] = field(default_factory=list)  # content hashes of the full blocks so far
+    draft_token_ids: list[int] = field(default_factory=list)  # speculative tokens to verify this step
+    spec_misses: int = 0  # consecutive proposals rejected outright (speculation pauses after a few)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0

@@ -47,6 +47,7 @@ class GenerateRequest(RequestBody):
     timeout_s: float | None = Field(default=None, gt=0, le=86_400)
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
+    speculative: bool = True
     stream: bool = False
 
     @model_validator(mode="after")
@@ -64,7 +65,7 @@ class GenerateRequest(RequestBody):
                                   top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                                   presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                                   seed=self.seed, stop=stop, timeout_s=self.timeout_s, min_tokens=self.min_tokens,
-                                  ignore_eos=self.ignore_eos)
+                                  ignore_eos=self.ignore_eos, speculative=self.speculative)
         except ValueError as exc:
             raise ServeError(400, str(exc)) from None
 

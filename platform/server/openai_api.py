@@ -74,6 +74,7 @@ class SamplingFields(RequestBody):
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
     timeout_s: float | None = Field(default=None, gt=0, le=86_400)
+    speculative: bool = Field(default=True, description="allow prompt-lookup speculation (same outputs)")
 
     @field_validator("stop")
     @classmethod
@@ -91,7 +92,8 @@ class SamplingFields(RequestBody):
                 max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens), temperature=self.temperature,
                 top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
-                stop=self.stop or [], ignore_eos=self.ignore_eos, timeout_s=self.timeout_s)
+                stop=self.stop or [], ignore_eos=self.ignore_eos, timeout_s=self.timeout_s,
+                speculative=self.speculative)
         except ValueError as exc:
             raise ServeError(400, str(exc)) from None
 
