@@ -257,3 +257,32 @@ def test_raw_keys_are_stored_and_logged_nowhere(stack, caplog):
     for secret in secrets:
         assert secret not in stored and secret not in logged
         assert secret.encode() not in db_files
+
+
+def test_admin_cli_mirrors_the_api(stack, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    server = stack[0]
+    env = {**os.environ, "LORAMUX_ADMIN_KEY": ADMIN_KEY, "PYTHONUNBUFFERED": "1"}
+
+    def cli(*args) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "loramux.cli", "admin", "--url", server.url, *args],
+                              capture_output=True, text=True, timeout=120, env=env)
+
+    created = cli("tenants", "create", "cli-co", "--tier", "free")
+    assert created.returncode == 0, created.stderr
+    tenant_id = json.loads(created.stdout)["id"]
+    key = json.loads(cli("keys", "create", tenant_id).stdout)
+    assert key["key"].startswith("lmx-")
+    up = cli("adapters", "upload", tenant_id, "cli-bot", str(adapter_dir(stack, "cli", 9)), "--public")
+    assert up.returncode == 0, up.stderr
+    assert json.loads(up.stdout)["version"] == 1 and "uploading cli-bot" in up.stderr  # the progress bar
+    assert cli("adapters", "warm", json.loads(up.stdout)["id"]).returncode == 0
+    out = tmp_path / "bill.csv"
+    assert cli("billing", "export", "--format", "csv", "--out", str(out)).returncode == 0
+    assert out.read_text().startswith("id,") or out.read_text().splitlines()[0].count(",") > 5
+    denied = subprocess.run([sys.executable, "-m", "loramux.cli", "admin", "--url", server.url, "--key",
+                             key["key"], "tenants", "list"], capture_output=True, text=True, timeout=120)
+    assert denied.returncode == 1 and "403" in denied.stderr
