@@ -114,7 +114,8 @@ def _as_source(data: bytes | Path) -> bytes | Path:
     raise TypeError(f"put() takes bytes or a Path, not {type(data).__name__}")
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a rename or create in `path` durable (best effort: some filesystems cannot fsync a directory)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -143,7 +144,7 @@ def _atomic_file(dest: Path) -> Iterator[IO[bytes]]:
         except FileNotFoundError:
             pass
         raise
-    _fsync_dir(dest.parent)
+    fsync_dir(dest.parent)
 
 
 class _Secret:
@@ -225,7 +226,7 @@ class FileStore(_Counted):
         finally:
             if src is not None:
                 src.close()
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
 
     def get(self, key: str) -> bytes:
         self._count("get")

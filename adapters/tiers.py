@@ -250,44 +250,44 @@ class AdapterCache:
                 return None
             return self._start(version)
 
-    async def acquire(self, version: AdapterVersionInfo, timeout: float | None = None) -> Acquired:
-        """The adapter in host RAM, pinned; raise AdapterLoadError (or TimeoutError after `timeout`
-        seconds: the shared load goes on for the other waiters)."""
+    def _pin_or_load(self, version: AdapterVersionInfo) -> Acquired | concurrent.futures.Future:
+        """A RAM hit, pinned; or the (shared) load to wait for."""
         with self._lock:
             adapter = self.host.pin(version.digest)
             if adapter is not None:
                 self.hits["ram"] += 1
                 return Acquired(adapter, "ram", 0.0)
-            future = self._start(version)
-        wrapped = asyncio.shield(asyncio.wrap_future(future))
-        if timeout is not None:
-            try:
-                adapter, tier, load_ms = await asyncio.wait_for(wrapped, timeout)
-            except asyncio.TimeoutError:
-                raise TimeoutError(f"adapter {version.label} did not load within {timeout:.1f} s") from None
-        else:
-            adapter, tier, load_ms = await wrapped
+            return self._start(version)
+
+    def _pin_loaded(self, result) -> Acquired:
+        adapter, tier, load_ms = result
         with self._lock:
             adapter = self.host.insert_pinned(adapter)  # re-inserted if evicted since the load ended
             self.hits[tier] += 1
         return Acquired(adapter, tier, load_ms)
 
+    async def acquire(self, version: AdapterVersionInfo, timeout: float | None = None) -> Acquired:
+        """The adapter in host RAM, pinned; raise AdapterLoadError (or TimeoutError after `timeout`
+        seconds: the shared load goes on for the other waiters)."""
+        hit = self._pin_or_load(version)
+        if isinstance(hit, Acquired):
+            return hit
+        try:
+            result = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(hit)), timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"adapter {version.label} did not load within {timeout:.1f} s") from None
+        return self._pin_loaded(result)
+
     def acquire_blocking(self, version: AdapterVersionInfo, timeout: float | None = None) -> Acquired:
         """`acquire` for synchronous callers (CLI, scripts); never call it on an event loop thread."""
-        with self._lock:
-            adapter = self.host.pin(version.digest)
-            if adapter is not None:
-                self.hits["ram"] += 1
-                return Acquired(adapter, "ram", 0.0)
-            future = self._start(version)
+        hit = self._pin_or_load(version)
+        if isinstance(hit, Acquired):
+            return hit
         try:
-            adapter, tier, load_ms = future.result(timeout)
+            result = hit.result(timeout)
         except concurrent.futures.TimeoutError:
             raise TimeoutError(f"adapter {version.label} did not load within {timeout:.1f} s") from None
-        with self._lock:
-            adapter = self.host.insert_pinned(adapter)
-            self.hits[tier] += 1
-        return Acquired(adapter, tier, load_ms)
+        return self._pin_loaded(result)
 
     def release(self, digest: str) -> None:
         with self._lock:

@@ -28,6 +28,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import DBAPIError, DataError, IntegrityError, StatementError
 
+from loramux.adapters.store import fsync_dir as _fsync_dir
 from loramux.admin.pricing import PriceInfo, cost_of, load_prices, price_for, price_generation
 from loramux.db import Database
 from loramux.db.models import LedgerEntry, Money
@@ -573,14 +574,3 @@ def _loose(record) -> object:
     return repr(record)[:2000]
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -1,0 +1,334 @@
+"""Speculative decoding by prompt lookup at batch 1: loramux with and without it, and HF's
+`generate(prompt_lookup_num_tokens=K)` against plain greedy `generate`, on the same prompts.
+
+Workload: summarisation / extraction chat prompts (a paragraph or two of text, then an instruction:
+summarise quoting the key sentences, list the names, explain the code, ...), the kind of request
+prompt lookup is meant for: the answer copies spans of the prompt. Greedy, chat-templated, one
+request at a time (batch 1), each generating until its end-of-turn token or --new-tokens. Both
+sides produce the same tokens (checked), so both count the same tokens.
+
+loramux: one engine (float32, prefix caching off so every request pays its own prefill, as HF's
+`generate` does). "Without" = `SamplingParams(speculative=False)`; "with, K" = the engine's
+`num_speculative_tokens` set to K (the config is read at every step). tokens/s = generated tokens /
+wall time from `add_request` to the finished output, summed over the prompts of a round. Acceptance
+rate = accepted / proposed draft tokens (`engine.stats()`); tokens per step = generated tokens /
+engine steps after the prefill step.
+
+HF: the same weights (float32), the same token ids, the same torch threads; `generate` greedy with
+and without `prompt_lookup_num_tokens=K` (HF's other prompt-lookup setting, max_matching_ngram_size,
+left at its default).
+
+Every configuration runs once as a warm-up (whose outputs are checked), then --rounds timed rounds;
+within a round each prompt runs under every configuration in turn (the order rotates per round), and
+medians over rounds are reported. loramux's outputs with and without speculation must be identical
+token for token (the script fails otherwise); a difference from HF is reported as a warning.
+
+Ends with `FIGURE spec_speedup <loramux with prompt lookup at the default K / without, tok/s median
+ratio>`.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+MEETING = """\
+Weekly platform sync, 14 November. Present: Priya Raman (chair), Tomasz Nowak, Helen Okafor, \
+Diego Alvarez, Mei Lin.
+
+1. Release 4.2. Tomasz reported that the release branch is frozen and that the two remaining \
+blockers are the login timeout on Safari and the slow export of large reports. Helen said the Safari \
+fix is merged and waiting for QA. The export problem is caused by the report builder loading every \
+row into memory; Diego proposed streaming the rows to the file instead. Decision: the release moves \
+from 18 November to 21 November so that the streaming export can be tested.
+
+2. On-call. Mei said that the pager fired 23 times last week, 17 of them for the disk usage alert on \
+the log servers. Decision: raise the disk alert threshold from 80 % to 90 % and add log rotation \
+for the audit logs. Mei owns this.
+
+3. Hiring. Priya confirmed that the second backend position has been approved. Interviews start \
+in December; Helen and Diego will run the technical interviews.
+
+Action items: Diego - streaming export by 19 November. Mei - alert threshold and log rotation. \
+Helen - QA sign-off for the Safari fix. Priya - send the job description to HR."""
+
+PRODUCT = """\
+The Aurora 300 is a compact espresso machine for small kitchens. It heats up in 25 seconds thanks \
+to its thermoblock heater, and its 15-bar Italian pump extracts a full-bodied espresso with a thick \
+crema. The steam wand swivels 180 degrees and can be switched to hot water for tea or americanos. \
+The 1.2-litre water tank slides out from the front, so the machine fits under wall cabinets, and a \
+built-in water filter reduces limescale. Three programmable buttons remember your preferred volume \
+for a single shot, a double shot and a lungo. The drip tray is dishwasher safe, and the machine \
+switches itself off after 20 minutes without use to save energy. The Aurora 300 comes with a \
+stainless steel milk jug, a tamper, single and double filter baskets and a two-year warranty. It \
+measures 18 cm wide, 30 cm deep and 31 cm high, and weighs 4.1 kg."""
+
+CODE = '''\
+def merge_intervals(intervals):
+    """Merge overlapping closed intervals given as (start, end) pairs."""
+    if not intervals:
+        return []
+    ordered = sorted(intervals, key=lambda pair: pair[0])
+    merged = [list(ordered[0])]
+    for start, end in ordered[1:]:
+        last = merged[-1]
+        if start <= last[1]:
+            last[1] = max(last[1], end)
+        else:
+            merged.append([start, end])
+    return [tuple(pair) for pair in merged]'''
+
+COMPLAINT = """\
+Dear customer service,
+
+I am writing about order number 58812, which I placed on 3 October for a pair of walking boots and \
+a waterproof jacket. The boots arrived on 9 October, but the jacket never arrived, even though the \
+tracking page has said "out for delivery" since 10 October. I contacted your chat support twice. The \
+first agent told me to wait five more working days, and the second agent promised a refund within \
+48 hours, but I have not received any refund or any email confirming it. In addition, the boots are \
+one size too small, and the returns page rejects my order number with the message "order not \
+eligible". I would like a full refund for the jacket, a prepaid return label for the boots, and a \
+written confirmation of both by email. If this is not resolved by the end of the month, I will ask \
+my bank to reverse the payment.
+
+Kind regards,
+Laura Bennett"""
+
+COUNCIL = """\
+The Millbrook town council voted on Tuesday to convert the old railway depot on Station Road into a \
+community library and workshop space. Mayor Alan Whitfield said the project would "give the east \
+side of town the public space it has been missing for thirty years". Councillor Rosa Delgado, who \
+chairs the planning committee, presented the budget of 2.4 million pounds, of which 1.5 million will \
+come from a regional heritage grant. Councillor Martin Hughes voted against the plan, arguing that the \
+money should first be spent on repairing the town's roads. The architect, Sunita Kapoor, expects the \
+building work to start next spring and to last about eighteen months. Local historian Edward Price \
+welcomed the decision and offered to lend his collection of railway photographs for an exhibition \
+at the opening."""
+
+INCIDENT = """\
+Incident report: checkout outage, 2 November, 14:05-14:52 UTC.
+
+Summary: for 47 minutes about 60 % of checkout requests failed with HTTP 503. Payments that had \
+already been authorised were not affected.
+
+Timeline: at 13:58 a configuration change reduced the connection pool of the payments service from \
+200 to 20 connections; the change was meant for the staging environment but was applied to \
+production. At 14:05 the error rate of the checkout API rose above 50 % and the on-call engineer \
+was paged. At 14:31 the team identified the connection pool as the bottleneck. At 14:44 the \
+configuration was reverted, and at 14:52 the error rate returned to normal.
+
+Root cause: the deployment tool used the production configuration file when the staging profile \
+was selected, because both files shared the same name in different folders.
+
+Follow-up actions: rename the configuration files so that the environment is part of the file name; \
+require a second reviewer for any production configuration change; add an alert on the connection \
+pool saturation of the payments service."""
+
+ABSTRACT = """\
+Urban heat islands raise night-time temperatures in cities, and trees are often proposed as a \
+remedy. We measured air temperature every ten minutes for two summers at 120 sites in three mid-sized \
+European cities, and mapped the tree canopy within 100 metres of each site from aerial images. Sites \
+with more than 40 % canopy cover were on average 2.1 degrees cooler at 2 a.m. than sites with less than \
+10 % canopy cover, and the difference grew to 3.4 degrees during heatwaves. The cooling effect was \
+strongest in narrow streets and weakest in open squares. Grass without trees had almost no effect at \
+night. We conclude that planting street trees is an effective way to reduce night-time heat, and that \
+the benefit is largest where buildings are close together."""
+
+JOB = """\
+Northwind Logistics is looking for a Senior Data Engineer to join our analytics team in Rotterdam \
+(hybrid, three days a week in the office). You will build and maintain the pipelines that bring \
+shipment, warehouse and customer data into our data warehouse, and you will work closely with the \
+analysts who build our forecasting models.
+
+Requirements: at least five years of experience as a data engineer; strong SQL and Python; \
+experience with Apache Airflow or a similar workflow scheduler; experience with a cloud data \
+warehouse such as BigQuery, Snowflake or Redshift; good written English. Nice to have: experience \
+with Kafka, knowledge of Dutch, and a background in logistics or supply chains.
+
+We offer a salary between 70,000 and 85,000 euros, 27 days of holiday, a yearly training budget of \
+2,000 euros and a pension plan. Send your CV and a short motivation letter to careers@northwind.example \
+before 15 January."""
+
+# (text, instruction): real summarisation / extraction requests, not tuned for copying.
+PROMPTS = [
+    (MEETING, "Summarise the meeting notes above, quoting the key decisions word for word."),
+    (PRODUCT, "List every feature of the Aurora 300 mentioned in the description above."),
+    (CODE, "Explain what the function above does, step by step, referring to its variable names."),
+    (COMPLAINT, "Summarise the customer's complaint above and list exactly what she asks for."),
+    (COUNCIL, "List every person mentioned in the article above, with their role and what they said or did."),
+    (INCIDENT, "Summarise the incident report above: what happened, the root cause and the follow-up actions."),
+    (ABSTRACT, "Summarise the abstract above in three sentences, quoting the key results."),
+    (JOB, "Extract the requirements and the nice-to-have skills from the job posting above as two lists."),
+]
+
+
+def chat_ids(engine, text: str, instruction: str) -> list[int]:
+    return engine.encode_chat([{"role": "user", "content": f"{text}\n\n{instruction}"}])
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ks", default="2,3,4,5,8", help="loramux draft lengths to measure")
+    ap.add_argument("--default-k", type=int, default=None,
+                    help="K behind the FIGURE (default: the engine's default, Settings().speculative_tokens)")
+    ap.add_argument("--hf-ks", default=None, help="HF prompt_lookup_num_tokens values (default: the default K)")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="use the first N prompts")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 2 prompts, 32 tokens, K=4, 1 round")
+    args = ap.parse_args()
+    if args.quick:
+        args.ks, args.new_tokens, args.rounds, args.prompts = "4", 32, 1, 2
+    torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
+
+    from loramux.engine.engine import LLMEngine
+    from loramux.engine.sampling_params import SamplingParams
+    from loramux.settings import Settings
+
+    default_k = args.default_k if args.default_k is not None else Settings().speculative_tokens
+    ks = sorted({int(k) for k in args.ks.split(",")} | {default_k})
+    hf_ks = [] if args.skip_hf else [int(k) for k in (args.hf_ks or str(default_k)).split(",")]
+
+    engine = LLMEngine.from_settings(Settings(dtype="float32", device="cpu", prefix_caching=False,
+                                              speculative_tokens=default_k))
+    tok = engine.tokenizer
+    eos_ids = sorted(engine.eos_token_ids)
+    prompts = [chat_ids(engine, text, instr) for text, instr in PROMPTS[: args.prompts]]
+    hf = None
+    if hf_ks:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(tok.name_or_path, dtype=torch.float32).eval()
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos_ids[0]
+    print(f"model SmolLM2-135M-Instruct float32, threads={args.threads}, batch 1, greedy, until end-of-turn or "
+          f"{args.new_tokens} new tokens, {len(prompts)} summarisation/extraction prompts of "
+          f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens, rounds={args.rounds} (median), "
+          f"{time.strftime('%Y-%m-%d')}, load {time.perf_counter() - t_start:.1f} s", flush=True)
+
+    def run_loramux(k: int):
+        """One configuration over one prompt -> (token ids, seconds, engine steps, proposed, accepted)."""
+        def run(ids: list[int]):
+            engine.config.num_speculative_tokens = k
+            params = SamplingParams(max_tokens=args.new_tokens, speculative=k > 0)
+            before = engine.stats()
+            rid = f"spec-{time.monotonic_ns()}"
+            t0 = time.perf_counter()
+            engine.add_request(rid, ids, params)
+            steps, final = 0, None
+            while engine.has_unfinished():
+                steps += 1
+                for out in engine.step():
+                    if out.finished:
+                        final = out
+            dt = time.perf_counter() - t0
+            after = engine.stats()
+            return (final.token_ids, dt, steps, after["spec_proposed_tokens"] - before["spec_proposed_tokens"],
+                    after["spec_accepted_tokens"] - before["spec_accepted_tokens"])
+        return run
+
+    def run_hf(k: int | None):
+        def run(ids: list[int]):
+            inputs = torch.tensor([ids])
+            extra = {"prompt_lookup_num_tokens": k} if k else {}
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                out = hf.generate(input_ids=inputs, attention_mask=torch.ones_like(inputs),
+                                  max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=eos_ids,
+                                  pad_token_id=pad_id, **extra)
+            dt = time.perf_counter() - t0
+            row = out[0, inputs.shape[1]:].tolist()
+            row = row[: next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))]
+            return row, dt, None, None, None
+        return run
+
+    configs = {"loramux no spec": run_loramux(0)}
+    configs.update({f"loramux K={k}": run_loramux(k) for k in ks})
+    if hf_ks:
+        configs["HF generate"] = run_hf(None)
+        configs.update({f"HF lookup K={k}": run_hf(k) for k in hf_ks})
+    names = list(configs)
+
+    # Warm-up: every configuration once over every prompt; the outputs must agree.
+    t0 = time.perf_counter()
+    outputs = {name: [fn(ids)[0] for ids in prompts] for name, fn in configs.items()}
+    print(f"warm-up {time.perf_counter() - t0:.1f} s; tokens per prompt: {[len(o) for o in outputs['loramux no spec']]}",
+          flush=True)
+
+    def check(name: str, i: int, got: list[int]) -> None:
+        want = outputs["loramux no spec"][i]
+        if got == want:
+            return
+        at = first_difference(want, got)
+        msg = (f"{name} differs from loramux without speculation on prompt {i} ({PROMPTS[i][1]!r}) at output "
+               f"position {at} of {len(want)}/{len(got)}: {want[at:at + 5]} vs {got[at:at + 5]} "
+               f"({tok.decode(want[max(0, at - 8):at])!r} | {tok.decode(want[at:at + 4])!r} vs "
+               f"{tok.decode(got[at:at + 4])!r})")
+        if name.startswith("loramux"):
+            sys.exit(f"ENGINE BUG: {msg}")
+        print(f"WARNING: {msg}", flush=True)
+
+    for name in names:
+        for i, got in enumerate(outputs[name]):
+            check(name, i, got)
+    n_tokens = sum(len(o) for o in outputs["loramux no spec"])
+
+    tps = {name: [] for name in names}
+    spec = {name: [0, 0, 0, 0] for name in names if name.startswith("loramux K")}  # proposed, accepted, tokens, steps
+    for r in range(args.rounds):
+        t_round = time.perf_counter()
+        secs = dict.fromkeys(names, 0.0)
+        toks = dict.fromkeys(names, 0)
+        for i, ids in enumerate(prompts):
+            shift = (r + i) % len(names)
+            for name in names[shift:] + names[:shift]:
+                got, dt, steps, proposed, accepted = configs[name](ids)
+                check(name, i, got)
+                secs[name] += dt
+                toks[name] += len(got)
+                if name in spec:
+                    s = spec[name]
+                    s[0] += proposed
+                    s[1] += accepted
+                    s[2] += len(got) - 1  # the prefill step makes the first token
+                    s[3] += steps - 1
+        for name in names:
+            tps[name].append(toks[name] / secs[name])
+        print(f"round {r + 1}: {time.perf_counter() - t_round:.1f} s  "
+              + "  ".join(f"{n} {tps[n][-1]:.1f}" for n in names), flush=True)
+
+    med = {name: statistics.median(v) for name, v in tps.items()}
+    base = med["loramux no spec"]
+    print(f"\n{n_tokens} generated tokens per configuration and round "
+          f"({min(len(o) for o in outputs['loramux no spec'])}-{max(len(o) for o in outputs['loramux no spec'])} "
+          f"per prompt)")
+    print(f"{'configuration':18s} {'tok/s':>7s} {'x no spec':>9s} {'accept':>7s} {'tok/step':>8s}  rounds")
+    for name in names:
+        extra = " " * 17
+        if name in spec:
+            proposed, accepted, decoded, steps = spec[name]
+            extra = f"{accepted / max(proposed, 1):7.1%} {decoded / max(steps, 1):8.2f}"
+        ref = med["HF generate"] if name.startswith("HF") else base
+        print(f"{name:18s} {med[name]:7.1f} {med[name] / ref:9.2f} {extra}  {[round(x, 1) for x in tps[name]]}")
+    if hf_ks:
+        print("(HF rows: 'x no spec' is relative to HF generate without prompt lookup; "
+              f"loramux no spec / HF generate = {base / med['HF generate']:.2f})")
+        for k in hf_ks:
+            print(f"loramux K={k} / HF lookup K={k} = {med[f'loramux K={k}'] / med[f'HF lookup K={k}']:.2f}")
+    best = max(ks, key=lambda k: med[f"loramux K={k}"])
+    print(f"best K: {best} ({med[f'loramux K={best}'] / base:.2f}x); FIGURE uses K={default_k}; "
+          f"total {time.perf_counter() - t_start:.0f} s")
+    print(f"FIGURE spec_speedup {med[f'loramux K={default_k}'] / base:.2f}")
+
+
+if __name__ == "__main__":
+    main()
