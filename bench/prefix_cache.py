@@ -1,28 +1,35 @@
 """Prefix caching: time to first token with a 512-token shared prefix cached vs computed, loramux vs HF.
 
 Every prompt is one fixed 512-token prefix (a long system prompt, real English text cut to exactly 512
-tokens by the model's tokenizer) followed by a 32-token suffix that no other prompt uses (seeded; every
-measurement gets a fresh suffix, so only the shared prefix can ever be a cache hit). Batch 1, greedy,
-one new token: TTFT = submit to the first sampled token, the wall clock around the whole call.
+tokens by the model's tokenizer) followed by a 32-token suffix (a seeded "Customer: ..." line of words
+drawn from a small vocabulary) that no other prompt uses: every measurement gets a fresh suffix, so only
+the shared prefix can ever be a cache hit. Batch 1, greedy, one new token: TTFT = submit to the first
+sampled token, the wall clock around the whole call, on every path.
 
-  * loramux cached   - an engine with prefix caching on (the default settings); the prefix was primed
-                       once by one request; each prompt must report num_cached_tokens == 512.
+  * loramux cached   - an engine with prefix caching on (default settings otherwise); the prefix was
+                       primed once by one request of the prefix alone; every measured prompt must report
+                       num_cached_tokens == 512 (all 32 full 16-token blocks of the prefix; the suffix's
+                       own blocks are new, and the last prompt token is always recomputed anyway).
   * loramux uncached - the same engine, the same prompt, but a cache salt of its own for every request,
-                       so no block can match (num_cached_tokens == 0): the same weights, the same code
-                       path and the same step token budget (with the default max_num_batched_tokens
-                       512, a 544-token prompt prefills in two chunks, 512 + 32).
+                       so no block can match (num_cached_tokens == 0): the same weights and the same step
+                       token budget; the only extra work against an engine with caching off is hashing
+                       34 blocks. With the default max_num_batched_tokens 512, a 544-token prompt
+                       prefills in two steps (512 + 32 tokens).
   * HF uncached      - one forward of all 544 tokens (use_cache=True, logits_to_keep=1, as `generate`'s
                        prefill does), then argmax.
-  * HF cached        - the prefix's past_key_values computed once up front; per prompt: forward only the
-                       32 suffix tokens on that cache, argmax, then `cache.crop(512)` to put the cache
-                       back for the next prompt. The crop is timed as part of the cached TTFT. It is
-                       cheaper than a `copy.deepcopy` of the cache before each use (also timed and
-                       printed) and equally correct: the forward appends with torch.cat, so it never
-                       writes into the prefix's tensors (checked: the cached and uncached first tokens agree).
+  * HF cached        - the prefix's KV cache (a DynamicCache; transformers 5 calls the argument `cache`,
+                       formerly `past_key_values`) computed once up front; per prompt: forward only the 32
+                       suffix tokens on that cache, argmax, then `cache.crop(-32)` (negative = tokens to
+                       remove) to put it back to the bare prefix for the next prompt. The crop is timed
+                       as part of the cached TTFT. It is cheaper than a `copy.deepcopy` of the cache before
+                       each use (also timed and printed) and equally correct: DynamicCache appends with
+                       torch.cat, so the forward never writes into the prefix's tensors (checked: the
+                       first tokens of all four paths agree).
 
-Same weights (float32), same token ids, same thread count on both sides; one warm-up of every path;
-within a round the four measurements of each prompt run back to back in an order that rotates from
-prompt to prompt; medians over all prompts are reported.
+Same weights (float32), same token ids, same thread count on both sides; every path warmed up on two
+prompts not measured (one in --quick); within a round the four measurements of each prompt run back to
+back in an order that rotates from prompt to prompt; medians over all prompts are reported, and the
+median of each round is printed.
 """
 from __future__ import annotations
 

@@ -19,8 +19,10 @@ and without `prompt_lookup_num_tokens=K` (HF's other prompt-lookup setting, max_
 left at its default).
 
 Every configuration runs once as a warm-up (whose outputs are checked), then --rounds timed rounds;
-within a round each prompt runs under every configuration in turn (the order rotates per round), and
-medians over rounds are reported. loramux's outputs with and without speculation must be identical
+within a round each prompt runs under every configuration in turn (the order rotates per round). The
+reported tok/s of a configuration is all its tokens / the sum over prompts of that prompt's median
+time over the rounds (each round's own tok/s is printed too): on a shared 2-vCPU machine another job
+can slow one call many times over, and a per-prompt median keeps one such call from moving the result. loramux's outputs with and without speculation must be identical
 token for token (the script fails otherwise); a difference from HF is reported as a warning.
 
 Ends with `FIGURE spec_speedup <loramux with prompt lookup at the default K / without, tok/s median
@@ -173,6 +175,14 @@ def first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def open_loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return f.read().split()[0]
+    except OSError:
+        return "?"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ks", default="2,3,4,5,8", help="loramux draft lengths to measure")
@@ -184,10 +194,10 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="use the first N prompts")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 2 prompts, 32 tokens, K=4, 1 round")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 2 prompts, 16 tokens, K=4, 1 round")
     args = ap.parse_args()
     if args.quick:
-        args.ks, args.new_tokens, args.rounds, args.prompts = "4", 32, 1, 2
+        args.ks, args.new_tokens, args.rounds, args.prompts = "4", 16, 1, 2
     torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
 
@@ -282,19 +292,18 @@ def main() -> None:
             check(name, i, got)
     n_tokens = sum(len(o) for o in outputs["loramux no spec"])
 
-    tps = {name: [] for name in names}
+    tps = {name: [] for name in names}  # per round: tokens / seconds over all prompts
+    secs = {name: [[] for _ in prompts] for name in names}  # per prompt: seconds of each round
     spec = {name: [0, 0, 0, 0] for name in names if name.startswith("loramux K")}  # proposed, accepted, tokens, steps
     for r in range(args.rounds):
         t_round = time.perf_counter()
-        secs = dict.fromkeys(names, 0.0)
-        toks = dict.fromkeys(names, 0)
+        load = open_loadavg()
         for i, ids in enumerate(prompts):
             shift = (r + i) % len(names)
             for name in names[shift:] + names[:shift]:
                 got, dt, steps, proposed, accepted = configs[name](ids)
                 check(name, i, got)
-                secs[name] += dt
-                toks[name] += len(got)
+                secs[name][i].append(dt)
                 if name in spec:
                     s = spec[name]
                     s[0] += proposed
@@ -302,11 +311,13 @@ def main() -> None:
                     s[2] += len(got) - 1  # the prefill step makes the first token
                     s[3] += steps - 1
         for name in names:
-            tps[name].append(toks[name] / secs[name])
-        print(f"round {r + 1}: {time.perf_counter() - t_round:.1f} s  "
+            tps[name].append(n_tokens / sum(s[-1] for s in secs[name]))
+        print(f"round {r + 1}: {time.perf_counter() - t_round:.1f} s, load average {load} -> {open_loadavg()}  "
               + "  ".join(f"{n} {tps[n][-1]:.1f}" for n in names), flush=True)
 
-    med = {name: statistics.median(v) for name, v in tps.items()}
+    # Headline tok/s: all tokens / the sum over prompts of each prompt's median time over rounds (robust to
+    # a round that another job on this shared machine slowed down).
+    med = {name: n_tokens / sum(statistics.median(s) for s in secs[name]) for name in names}
     base = med["loramux no spec"]
     print(f"\n{n_tokens} generated tokens per configuration and round "
           f"({min(len(o) for o in outputs['loramux no spec'])}-{max(len(o) for o in outputs['loramux no spec'])} "

@@ -42,3 +42,18 @@ def test_serve_load_bench_quick_run_reports_figures():
     lines = out.strip().splitlines()
     assert lines[-2].startswith("FIGURE ttft_p50_ms ") and lines[-1].startswith("FIGURE throughput_tok_s "), out
     assert float(lines[-2].split()[-1]) > 0 and float(lines[-1].split()[-1]) > 0
+
+
+@pytest.mark.real_model
+def test_prefix_cache_bench_quick_run_reports_ratio():
+    """Smoke mode: one round of 3 prompts (512-token shared prefix + 32-token suffix), loramux and HF. One torch
+    thread: on a 2-vCPU machine shared with other jobs, two threads oversubscribe and ran 4x slower (~130 s)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "prefix_cache.py"), "--quick", "--threads", "1"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "loramux num_cached_tokens: cached [512], uncached [0]" in out, out
+    assert "| loramux |" in out and "| HF transformers" in out and "hf_prefix_ttft_ratio " in out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("FIGURE prefix_ttft_ratio "), out
+    assert 0 < float(last.split()[-1]) < 0.5, out  # reusing 512 of 544 tokens must pay off

@@ -65,21 +65,22 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         return _decode_attention(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
     for chunk in meta.prefills:
-        qs = q[chunk.start:chunk.end].transpose(0, 1)  # [H, L, D]
+        # 4-D [1, H, L, D]: with 3-D input CPU SDPA falls back to its unfused math path (about 3x slower).
+        qs = q[chunk.start:chunk.end].transpose(0, 1)[None]
         if chunk.fresh:
-            ks = k[chunk.start:chunk.end].transpose(0, 1)
-            vs = v[chunk.start:chunk.end].transpose(0, 1)
+            ks = k[chunk.start:chunk.end].transpose(0, 1)[None]
+            vs = v[chunk.start:chunk.end].transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
         else:
             # Earlier tokens are in the cache: query i sits at absolute position ctx - L + i.
             n = chunk.context_len
-            ks = k_cache[chunk.block_table].reshape(-1, kv_heads, head_dim)[:n].transpose(0, 1)
-            vs = v_cache[chunk.block_table].reshape(-1, kv_heads, head_dim)[:n].transpose(0, 1)
+            ks = k_cache[chunk.block_table].reshape(-1, kv_heads, head_dim)[:n].transpose(0, 1)[None]
+            vs = v_cache[chunk.block_table].reshape(-1, kv_heads, head_dim)[:n].transpose(0, 1)[None]
             length = chunk.end - chunk.start
             q_pos = torch.arange(n - length, n, device=q.device).unsqueeze(1)
             mask = torch.arange(n, device=q.device).unsqueeze(0) <= q_pos
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[chunk.start:chunk.end] = o.transpose(0, 1)
+        out[chunk.start:chunk.end] = o[0].transpose(0, 1)
 
     if meta.decode_block_tables is not None and d0 < q.shape[0]:
         out[d0:] = _decode_attention(q[d0:], k_cache, v_cache, meta, scale)
