@@ -10,9 +10,11 @@ sides produce the same tokens (checked), so both count the same tokens.
 loramux: one engine (float32, prefix caching off so every request pays its own prefill, as HF's
 `generate` does). "Without" = `SamplingParams(speculative=False)`; "with, K" = the engine's
 `num_speculative_tokens` set to K (the config is read at every step). tokens/s = generated tokens /
-wall time from `add_request` to the finished output, summed over the prompts of a round. Acceptance
+wall time from `add_request` to the finished output, over all prompts. Acceptance
 rate = accepted / proposed draft tokens (`engine.stats()`); tokens per step = generated tokens /
-engine steps after the prefill step.
+engine steps after the prefill step; ms/step = the median wall time of those steps (a plain decode
+step without speculation; with it, the verification steps of 1 + len(draft) tokens and the plain
+decode steps where no draft was found).
 
 HF: the same weights (float32), the same token ids, the same torch threads; `generate` greedy with
 and without `prompt_lookup_num_tokens=K` (HF's other prompt-lookup setting, max_matching_ngram_size,
@@ -22,8 +24,9 @@ Every configuration runs once as a warm-up (whose outputs are checked), then --r
 within a round each prompt runs under every configuration in turn (the order rotates per round). The
 reported tok/s of a configuration is all its tokens / the sum over prompts of that prompt's median
 time over the rounds (each round's own tok/s is printed too): on a shared 2-vCPU machine another job
-can slow one call many times over, and a per-prompt median keeps one such call from moving the result. loramux's outputs with and without speculation must be identical
-token for token (the script fails otherwise); a difference from HF is reported as a warning.
+can slow one call many times over, and a per-prompt median keeps one such call from moving the
+result. loramux's outputs with and without speculation must be identical token for token (the script
+fails otherwise); a difference from HF is reported as a warning.
 
 Ends with `FIGURE spec_speedup <loramux with prompt lookup at the default K / without, tok/s median
 ratio>`.
@@ -226,7 +229,8 @@ def main() -> None:
           f"{time.strftime('%Y-%m-%d')}, load {time.perf_counter() - t_start:.1f} s", flush=True)
 
     def run_loramux(k: int):
-        """One configuration over one prompt -> (token ids, seconds, engine steps, proposed, accepted)."""
+        """One configuration over one prompt -> (token ids, seconds, seconds of each engine step, proposed,
+        accepted)."""
         def run(ids: list[int]):
             engine.config.num_speculative_tokens = k
             params = SamplingParams(max_tokens=args.new_tokens, speculative=k > 0)
@@ -234,15 +238,16 @@ def main() -> None:
             rid = f"spec-{time.monotonic_ns()}"
             t0 = time.perf_counter()
             engine.add_request(rid, ids, params)
-            steps, final = 0, None
+            step_s, final = [], None
             while engine.has_unfinished():
-                steps += 1
+                t_step = time.perf_counter()
                 for out in engine.step():
                     if out.finished:
                         final = out
+                step_s.append(time.perf_counter() - t_step)
             dt = time.perf_counter() - t0
             after = engine.stats()
-            return (final.token_ids, dt, steps, after["spec_proposed_tokens"] - before["spec_proposed_tokens"],
+            return (final.token_ids, dt, step_s, after["spec_proposed_tokens"] - before["spec_proposed_tokens"],
                     after["spec_accepted_tokens"] - before["spec_accepted_tokens"])
         return run
 
@@ -295,21 +300,24 @@ def main() -> None:
     tps = {name: [] for name in names}  # per round: tokens / seconds over all prompts
     secs = {name: [[] for _ in prompts] for name in names}  # per prompt: seconds of each round
     spec = {name: [0, 0, 0, 0] for name in names if name.startswith("loramux K")}  # proposed, accepted, tokens, steps
+    step_ms = {name: [] for name in names if name.startswith("loramux")}  # decode / verification steps
     for r in range(args.rounds):
         t_round = time.perf_counter()
         load = open_loadavg()
         for i, ids in enumerate(prompts):
             shift = (r + i) % len(names)
             for name in names[shift:] + names[:shift]:
-                got, dt, steps, proposed, accepted = configs[name](ids)
+                got, dt, step_s, proposed, accepted = configs[name](ids)
                 check(name, i, got)
                 secs[name][i].append(dt)
+                if name in step_ms:
+                    step_ms[name] += [1000 * x for x in step_s[1:]]  # the prefill step makes the first token
                 if name in spec:
                     s = spec[name]
                     s[0] += proposed
                     s[1] += accepted
-                    s[2] += len(got) - 1  # the prefill step makes the first token
-                    s[3] += steps - 1
+                    s[2] += len(got) - 1
+                    s[3] += len(step_s) - 1
         for name in names:
             tps[name].append(n_tokens / sum(s[-1] for s in secs[name]))
         print(f"round {r + 1}: {time.perf_counter() - t_round:.1f} s, load average {load} -> {open_loadavg()}  "
@@ -322,12 +330,14 @@ def main() -> None:
     print(f"\n{n_tokens} generated tokens per configuration and round "
           f"({min(len(o) for o in outputs['loramux no spec'])}-{max(len(o) for o in outputs['loramux no spec'])} "
           f"per prompt)")
-    print(f"{'configuration':18s} {'tok/s':>7s} {'x no spec':>9s} {'accept':>7s} {'tok/step':>8s}  rounds")
+    print(f"{'configuration':18s} {'tok/s':>7s} {'x no spec':>9s} {'accept':>7s} {'tok/step':>8s} {'ms/step':>7s}"
+          "  rounds (tok/s)")
     for name in names:
-        extra = " " * 17
-        if name in spec:
-            proposed, accepted, decoded, steps = spec[name]
-            extra = f"{accepted / max(proposed, 1):7.1%} {decoded / max(steps, 1):8.2f}"
+        extra = " " * 25
+        if name in step_ms:
+            proposed, accepted, decoded, steps = spec.get(name, [0, 0, 1, 1])
+            rate = f"{accepted / max(proposed, 1):7.1%}" if name in spec else " " * 7
+            extra = f"{rate} {decoded / max(steps, 1):8.2f} {statistics.median(step_ms[name]):7.1f}"
         ref = med["HF generate"] if name.startswith("HF") else base
         print(f"{name:18s} {med[name]:7.1f} {med[name] / ref:9.2f} {extra}  {[round(x, 1) for x in tps[name]]}")
     if hf_ks:

@@ -57,3 +57,16 @@ def test_prefix_cache_bench_quick_run_reports_ratio():
     last = out.strip().splitlines()[-1]
     assert last.startswith("FIGURE prefix_ttft_ratio "), out
     assert 0 < float(last.split()[-1]) < 0.5, out  # reusing 512 of 544 tokens must pay off
+
+
+@pytest.mark.real_model
+def test_speculative_bench_quick_run_reports_figure():
+    """Smoke mode: 2 summarisation prompts, 16 tokens, K=4, one round, loramux and HF prompt lookup."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "speculative.py"), "--quick"], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "ENGINE BUG" not in out and "HF lookup K=4" in out and "loramux K=4" in out, out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("FIGURE spec_speedup "), out
+    assert float(last.split()[-1]) > 0
