@@ -24,7 +24,8 @@ def test_wheel_contains_every_package_and_runs_from_elsewhere(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     for module in ("loramux/cli.py", "loramux/engine/engine.py", "loramux/model/llama.py",
                    "loramux/server/app.py", "loramux/kernels/__init__.py", "loramux/adapters/__init__.py",
-                   "loramux/admin/__init__.py"):
+                   "loramux/admin/__init__.py", "loramux/db/models.py", "loramux/migrations/env.py",
+                   "loramux/migrations/script.py.mako", "loramux/migrations/versions/0003_billing.py"):
         assert module in names, module
     assert not any(n.startswith(("platform/", "tests/")) for n in names)
     site = tmp_path / "site"
@@ -39,3 +40,8 @@ def test_wheel_contains_every_package_and_runs_from_elsewhere(tmp_path):
                           "llama2-7b-config.json"), "--dtype", "bf16", "--context-len", "1024", "--batch-size", "2", "--memory", "24GiB"], cwd=tmp_path, capture_output=True, text=True,
                          env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"})
     assert cli.returncode == 0 and "fits" in cli.stdout, cli.stderr
+    db = tmp_path / "wheel.db"
+    migrate = subprocess.run([sys.executable, "-m", "loramux.cli", "db", "upgrade", "--url", f"sqlite:///{db}"],
+                             cwd=tmp_path, capture_output=True, text=True,
+                             env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"})
+    assert migrate.returncode == 0 and "revision 0003" in migrate.stdout, migrate.stderr  # migrations ship
