@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("loramux_request_id", default=None)
 
-NOISY_LOGGERS: tuple[str, ...] = ("alembic.runtime.plugins", "alembic.runtime.migration", "botocore", "boto3", "s3transfer", "urllib3",
+NOISY_LOGGERS: tuple[str, ...] = ("alembic.runtime.plugins", "alembic.runtime.migration", "httpx", "httpcore", "botocore", "boto3", "s3transfer", "urllib3",
                                   "werkzeug")
 
 # Attributes every LogRecord has; anything else on a record came from `extra=`.
