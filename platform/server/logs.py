@@ -16,8 +16,8 @@ from datetime import datetime, timezone
 
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("loramux_request_id", default=None)
 
-NOISY_LOGGERS: tuple[str, ...] = ("alembic.runtime.plugins", "alembic.runtime.migration", "httpx", "httpcore", "botocore", "boto3", "s3transfer", "urllib3",
-                                  "werkzeug")
+NOISY_LOGGERS: tuple[str, ...] = ("alembic.runtime.plugins", "alembic.runtime.migration", "httpx", "httpcore",
+                                  "botocore", "boto3", "s3transfer", "urllib3", "werkzeug")
 
 # Attributes every LogRecord has; anything else on a record came from `extra=`.
 _RECORD_ATTRS = frozenset(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {
