@@ -348,3 +348,41 @@ def test_adapter_fallback_serves_the_base_model_when_opted_in(small, tmp_path, t
     assert out.model_extra["loramux"]["adapter"] is None and raw.headers["x-loramux-fallback"] == "base"
     base = c.completions.create(model="base", prompt="hi", max_tokens=3, temperature=0)
     assert out.choices[0].text == base.choices[0].text
+
+
+def test_a_request_whose_stream_never_starts_is_still_cleaned_up(small):
+    """A client gone before the first chunk: the body generator never runs, so its `finally` cannot
+    clean up; RunningStreamingResponse does (engine request aborted, rate-limit slot and ledger done)."""
+    from starlette.requests import ClientDisconnect
+
+    from loramux.engine.sampling_params import SamplingParams
+    from loramux.server.serving import RunningStreamingResponse
+
+    server, keys = small
+    services, front = server.services, server.app.state.server
+    tenant = services.tenancy.authenticate(keys["standard"])
+
+    async def scenario():
+        ids = services.engine.engine.tokenizer.encode("Count:")
+        running = await front.start(tenant, "tuned", ids, SamplingParams(max_tokens=500, ignore_eos=True),
+                                     "never-read", time.monotonic())
+        assert front.limiter.in_flight(tenant.tenant_id) == 1
+
+        async def body():
+            yield "never sent"
+
+        async def receive():
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            raise OSError("client went away")  # fails on the very first message (the headers)
+
+        response = RunningStreamingResponse(body(), running, media_type="text/event-stream")
+        with pytest.raises((OSError, ClientDisconnect)):
+            await response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
+        return running
+
+    running = asyncio.run(scenario())
+    assert running._ended and front.limiter.in_flight(tenant.tenant_id) == 0
+    assert wait_until(lambda: engine_is_idle(server)), services.engine.stats()
+    assert services.engine.stats()["adapter_slots_pinned"] == 0

@@ -9,7 +9,7 @@ import uuid
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import AliasChoices, Field, model_validator
 
 from loramux.engine.engine import RequestOutput
@@ -17,7 +17,7 @@ from loramux.engine.sampling_params import SamplingParams
 from loramux.server.deps import ServerDep, ServicesDep, TenantDep
 from loramux.server.bodies import RequestBody
 from loramux.server.openai_api import STREAMED
-from loramux.server.serving import Running, ServeError, collect_or_cancel
+from loramux.server.serving import Running, RunningStreamingResponse, ServeError, collect_or_cancel
 
 router = APIRouter(tags=["native"])
 
@@ -128,7 +128,5 @@ async def generate(body: GenerateRequest, request: Request, services: ServicesDe
             yield "data: [DONE]\n\n"
         except Exception as exc:  # noqa: BLE001 - the headers are sent: report the failure as a final event
             yield f"data: {json.dumps({'id': running.request_id, 'error': str(exc) or type(exc).__name__})}\n\n"
-        finally:
-            running.end(last, "cancelled")  # no-op when it ended normally
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers=running.headers())
+    return RunningStreamingResponse(events(), running, media_type="text/event-stream", headers=running.headers())

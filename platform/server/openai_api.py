@@ -15,14 +15,14 @@ from typing import Literal
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from pydantic import Field, field_validator
 
 from loramux.engine.engine import RequestOutput
 from loramux.engine.sampling_params import SamplingParams
 from loramux.server.bodies import RequestBody
 from loramux.server.deps import ServerDep, ServicesDep, TenantDep
-from loramux.server.serving import Running, ServeError, collect_or_cancel
+from loramux.server.serving import Running, RunningStreamingResponse, ServeError, collect_or_cancel
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -231,7 +231,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servic
             yield _sse({**base, "choices": [], "usage": _usage(running, last)})
         yield _sse("[DONE]")
 
-    return StreamingResponse(_guarded(events(), running), media_type="text/event-stream", headers=running.headers())
+    return RunningStreamingResponse(_guarded(events(), running), running, media_type="text/event-stream",
+                                    headers=running.headers())
 
 
 @router.post("/completions", responses=STREAMED)
@@ -290,7 +291,8 @@ async def completions(body: CompletionRequest, request: Request, services: Servi
                     "usage": _usage(running, last), "loramux": running.extension(last)})
         yield _sse("[DONE]")
 
-    return StreamingResponse(_guarded(events(), running), media_type="text/event-stream", headers=running.headers())
+    return RunningStreamingResponse(_guarded(events(), running), running, media_type="text/event-stream",
+                                    headers=running.headers())
 
 
 async def _guarded(events, running: Running):
@@ -302,8 +304,7 @@ async def _guarded(events, running: Running):
     except Exception as exc:  # noqa: BLE001
         yield _sse({"error": {"message": str(exc) or type(exc).__name__, "type": "server_error"}})
     finally:
-        await events.aclose()
-        running.end(None, "cancelled")  # no-op when the request already ended normally
+        await events.aclose()  # RunningStreamingResponse then ends the request if it has not ended
 
 
 def _timing_headers(out: RequestOutput) -> dict[str, str]:

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import StreamingResponse
 
 from loramux.adapters.registry import BASE_MODEL_ALIAS, AdapterNotFoundError, AdapterVersionInfo
 from loramux.adapters.tiers import Acquired, AdapterLoadError
@@ -115,6 +116,13 @@ class Running:
         if not self._ended:
             self._ended = True
             self._on_end(self, last, outcome)
+
+    async def close(self) -> None:
+        """Safety net for a request whose outputs were never (fully) consumed, e.g. a client gone before
+        the first chunk: cancel it in the engine and give back what it holds. A no-op once it ended."""
+        if not self._ended:
+            await self._stream.aclose()  # aborts the engine request if it is still running
+            self.end(None, "cancelled")
 
 
 class Server:
@@ -247,6 +255,21 @@ def tenant_limits(tenant: TenantContext):
                       max_concurrent=t.max_concurrent)
 
 
+class RunningStreamingResponse(StreamingResponse):
+    """A streamed response that always ends its request, even when the client leaves before the body
+    generator ever starts (its `finally` would then never run)."""
+
+    def __init__(self, content, running: Running, **kwargs):
+        super().__init__(content, **kwargs)
+        self.running = running
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.running.close()
+
+
 async def until_disconnected(request) -> None:
     """Return when the HTTP client goes away (the body has been read, so the next message is the disconnect)."""
     while True:
@@ -271,3 +294,4 @@ async def collect_or_cancel(request, running: Running) -> RequestOutput | None:
         return None
     finally:
         gone.cancel()
+        await running.close()  # a no-op when the request ended normally
