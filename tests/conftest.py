@@ -223,3 +223,34 @@ def new_tenant_key(services, name: str = "acme", tier: str = "standard") -> str:
     except TenantNotFoundError:
         services.registry.create_tenant(name, tier=tier)
     return services.tenancy.create_key(name)[1]
+
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def adapter_files(path: Path) -> dict[str, Path]:
+    """The two files of a PEFT adapter directory, as the registry's `register` takes them."""
+    return {name: path / name for name in ADAPTER_FILES}
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg(tiny_dir):
+    """The ModelConfig of the tiny random Llama."""
+    from loramux.model.loader import read_model_config
+
+    return read_model_config(tiny_dir)[0]
+
+
+def run_to_completion(engine: LLMEngine, requests) -> list:
+    """Add every (prompt, params, adapter) request at once; step until all finish; outputs in order."""
+    ids = []
+    for i, (prompt, params, adapter) in enumerate(requests):
+        rid = f"r{i}-{id(requests)}"
+        engine.add_request(rid, prompt, params, adapter=adapter)
+        ids.append(rid)
+    final = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    return [final[r] for r in ids]

@@ -10,21 +10,16 @@ from urllib.parse import urlsplit
 import pytest
 import torch
 
-from conftest import MOTO_CREDENTIALS, MOTO_REGION, moto_create_bucket, write_peft_adapter
+from conftest import MOTO_CREDENTIALS, MOTO_REGION, adapter_files, moto_create_bucket, write_peft_adapter
 from faults import FaultyProxy
 from loramux.adapters.registry import AdapterRegistry
 from loramux.adapters.store import S3Store
 from loramux.adapters.tiers import AdapterCache, AdapterLoadError, DiskCache, HostCache
 from loramux.db import Database
-from loramux.model.loader import read_model_config
-
-FILES = ("adapter_config.json", "adapter_model.safetensors")
-
 
 @pytest.fixture(scope="module")
-def base_cfg(tiny_dir):
-    cfg, _ = read_model_config(tiny_dir)
-    return cfg
+def base_cfg(tiny_cfg):
+    return tiny_cfg
 
 
 @pytest.fixture
@@ -51,7 +46,7 @@ def setup(proxy, base_cfg, tmp_path):
     def upload(name: str, rank: int = 4):
         path = write_peft_adapter(tmp_path / f"src-{next(counter)}", base_cfg, rank, ["q_proj", "v_proj"],
                                   seed=next(counter))
-        return registry.register(tenant.id, name, {f: path / f for f in FILES})
+        return registry.register(tenant.id, name, adapter_files(path))
 
     def make_cache(host_budget: int = 1 << 30) -> AdapterCache:
         cache = AdapterCache(store, DiskCache(tmp_path / f"disk-{next(counter)}", 1 << 30), HostCache(host_budget))

@@ -14,7 +14,7 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import content_type_conformance
 
-from conftest import make_engine, make_services, new_tenant_key, write_peft_adapter
+from conftest import adapter_files, make_engine, make_services, new_tenant_key, write_peft_adapter
 from live_server import LiveServer
 from loramux.model.loader import read_model_config
 from loramux.server.app import create_app
@@ -34,7 +34,7 @@ def fuzz_stack(tiny_dir, tokenizer, tmp_path_factory):
         key = new_tenant_key(server.services, "fuzz-co", "premium")
         tenant = server.services.registry.tenant_by_name("fuzz-co")
         path = write_peft_adapter(tmp / "alpha", cfg, 4, ["q_proj", "v_proj"], seed=0)
-        files = {f: path / f for f in ("adapter_config.json", "adapter_model.safetensors")}
+        files = adapter_files(path)
         server.services.registry.register(tenant.id, "alpha", files)
         yield server, key
 

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import make_engine, make_services, new_tenant_key, write_peft_adapter
+from conftest import adapter_files, make_engine, make_services, new_tenant_key, write_peft_adapter
 from live_server import LiveServer
 from loramux.model.loader import read_model_config
 from loramux.server.app import create_app
@@ -36,7 +36,7 @@ def stack(tiny_dir, tokenizer, tmp_path_factory):
         for i, name in enumerate(ADAPTERS):
             path = write_peft_adapter(tmp / name, cfg, 4 * (i + 1), ["q_proj", "v_proj", "down_proj"], seed=i,
                                       b_std=1.0)
-            files = {f: path / f for f in ("adapter_config.json", "adapter_model.safetensors")}
+            files = adapter_files(path)
             services.registry.register(acme.id, name, files, visibility="public" if name != "delta" else "private")
         yield server, keys, records
 
@@ -238,7 +238,7 @@ def small(tiny_dir, tokenizer, tmp_path):
         cfg, _ = read_model_config(tiny_dir)
         path = write_peft_adapter(tmp_path / "tuned", cfg, 4, ["q_proj", "v_proj"], seed=11)
         server.services.registry.register(server.services.registry.tenant_by_name("standard-co").id, "tuned",
-                                          {f: path / f for f in ("adapter_config.json", "adapter_model.safetensors")})
+                                          adapter_files(path))
         yield server, keys
 
 
@@ -334,8 +334,7 @@ def test_adapter_fallback_serves_the_base_model_when_opted_in(small, tmp_path, t
     cfg, _ = read_model_config(tiny_dir)
     path = write_peft_adapter(tmp_path / "broken", cfg, 4, ["q_proj"], seed=3)
     tenant = services.registry.tenant_by_name("standard-co")
-    version = services.registry.register(tenant.id, "broken", {f: path / f for f in ("adapter_config.json",
-                                                                                    "adapter_model.safetensors")})
+    version = services.registry.register(tenant.id, "broken", adapter_files(path))
     services.store.delete(version.storage_key)  # the blob is gone: loading fails
     c = openai.OpenAI(base_url=f"{server.url}/v1", api_key=keys["standard"], max_retries=0)
     with pytest.raises(openai.InternalServerError) as info:

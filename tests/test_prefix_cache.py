@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from conftest import make_engine, save_tiny_hf_model, write_peft_adapter
+from conftest import make_engine, run_to_completion, save_tiny_hf_model, write_peft_adapter
 from loramux.adapters.peft_format import load_adapter_dir
 from loramux.engine.block_manager import BlockManager
 from loramux.engine.sampling_params import SamplingParams
@@ -110,20 +110,11 @@ def long_model(tmp_path_factory, tokenizer):
     return path, adapters
 
 
-def run_interleaved(engine, adapters, prompts) -> list[list[int]]:
-    """Add every request at once, interleaved over base / A / B; return token ids in request order."""
+def run_interleaved(engine, adapters, prompts) -> list:
+    """Every (prompt, adapter name or None) request at once; finished outputs in request order."""
     params = SamplingParams(max_tokens=6, ignore_eos=True)
-    ids = []
-    for i, (prompt, which) in enumerate(prompts):
-        rid = f"r{i}"
-        engine.add_request(rid, prompt, params, adapter=adapters[which] if which else None)
-        ids.append(rid)
-    final = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-    return [final[r] for r in ids]
+    return run_to_completion(engine, [(prompt, params, adapters[which] if which else None)
+                                      for prompt, which in prompts])
 
 
 def test_200_requests_sharing_a_512_token_prefix_match_caching_off(long_model, tokenizer):

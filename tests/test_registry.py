@@ -7,21 +7,16 @@ import threading
 import pytest
 from sqlalchemy import func, select
 
-from conftest import write_peft_adapter
+from conftest import ADAPTER_FILES as FILES, adapter_files as files_of, write_peft_adapter
 from loramux.adapters.blob import unpack
 from loramux.adapters.registry import (AdapterNotFoundError, AdapterRegistry, InvalidNameError, TenantExistsError)
 from loramux.adapters.store import FileStore
 from loramux.adapters.validation import AdapterValidationError
 from loramux.db import Adapter, AdapterVersion
-from loramux.model.loader import read_model_config
-
-FILES = ("adapter_config.json", "adapter_model.safetensors")
-
 
 @pytest.fixture(scope="module")
-def base_cfg(tiny_dir):
-    cfg, _ = read_model_config(tiny_dir)
-    return cfg
+def base_cfg(tiny_cfg):
+    return tiny_cfg
 
 
 @pytest.fixture
@@ -31,7 +26,7 @@ def registry(database, base_cfg, tmp_path):
 
 def adapter_files(tmp_path, cfg, seed: int, rank: int = 4, targets=("q_proj", "v_proj")) -> dict:
     path = write_peft_adapter(tmp_path / f"adapter-{seed}-{rank}", cfg, rank, list(targets), seed=seed)
-    return {f: path / f for f in FILES}
+    return files_of(path)
 
 
 def row_counts(registry) -> tuple[int, int]:

@@ -4,25 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from conftest import make_engine, save_tiny_hf_model, write_peft_adapter
+from conftest import make_engine, run_to_completion, save_tiny_hf_model, write_peft_adapter
 from loramux.adapters.peft_format import load_adapter_dir
 from loramux.engine.sampling_params import SamplingParams
 from loramux.model.loader import read_model_config
-
-
-def run(engine, requests) -> list:
-    """requests: (prompt ids, params, adapter) -> finished outputs in order, all in one batch."""
-    ids = []
-    for i, (prompt, params, adapter) in enumerate(requests):
-        rid = f"r{i}-{id(requests)}"
-        engine.add_request(rid, prompt, params, adapter=adapter)
-        ids.append(rid)
-    final = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-    return [final[r] for r in ids]
 
 
 def varied_prompts(tokenizer) -> list[list[int]]:
@@ -44,7 +29,7 @@ def test_greedy_outputs_are_identical_with_and_without_speculation(tiny_dir, tok
         engine = make_engine(tiny_dir, tokenizer, num_speculative_tokens=k, speculative_max_batch=8, max_loras=2,
                              max_lora_rank=8)
         # alone (batch 1) and all together (a mixed-adapter batch)
-        outputs[k] = ([run(engine, [r])[0].token_ids for r in requests], [o.token_ids for o in run(engine, requests)])
+        outputs[k] = ([run_to_completion(engine, [r])[0].token_ids for r in requests], [o.token_ids for o in run_to_completion(engine, requests)])
         if k:
             stats = engine.stats()
             assert stats["spec_proposed_tokens"] > 50 and stats["spec_accepted_tokens"] > 10, stats
@@ -58,7 +43,7 @@ def test_per_request_switch_and_automatic_off_for_large_batches(tiny_dir, tokeni
 
     def proposed(max_batch: int, speculative: bool) -> int:
         engine = make_engine(tiny_dir, tokenizer, num_speculative_tokens=4, speculative_max_batch=max_batch)
-        run(engine, [(p, SamplingParams(max_tokens=40, ignore_eos=True, speculative=speculative), None)
+        run_to_completion(engine, [(p, SamplingParams(max_tokens=40, ignore_eos=True, speculative=speculative), None)
                      for p in prompts])
         return engine.stats()["spec_proposed_tokens"]
 
@@ -113,7 +98,7 @@ def test_sampling_keeps_the_model_distribution(tmp_path, tokenizer):
     engine = make_engine(path, tokenizer, num_speculative_tokens=3, speculative_max_batch=64, max_num_seqs=64,
                          num_blocks=512)
     params = SamplingParams(max_tokens=2, temperature=temperature, ignore_eos=True)
-    outs = run(engine, [(prompt, params, None) for _ in range(n)])
+    outs = run_to_completion(engine, [(prompt, params, None) for _ in range(n)])
     stats = engine.stats()
     assert stats["spec_proposed_tokens"] >= n // 10 and stats["spec_accepted_tokens"] > 0, stats
     counts = torch.zeros(256, dtype=torch.float64)

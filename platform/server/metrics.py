@@ -38,30 +38,27 @@ INTER_TOKEN_BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.0
                                           0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
-def _seconds(value: float | None) -> float | None:
-    """A duration fit to observe, or None (missing, not a number, NaN or infinite); negatives -> 0."""
+def _finite(value) -> float | None:
+    """`value` as a finite float, or None (missing, a bool, not a number, NaN or infinite)."""
     if value is None or isinstance(value, bool):
         return None
     try:
         value = float(value)
     except (TypeError, ValueError):
         return None
-    if not math.isfinite(value):
-        return None
-    return max(0.0, value)
+    return value if math.isfinite(value) else None
+
+
+def _seconds(value: float | None) -> float | None:
+    """A duration fit to observe, or None; negatives -> 0."""
+    value = _finite(value)
+    return None if value is None else max(0.0, value)
 
 
 def _count(value) -> float | None:
     """A non-negative finite number (counter increment or state value), or None."""
-    if value is None or isinstance(value, bool):
-        return None
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        return None
-    if not math.isfinite(value) or value < 0:
-        return None
-    return value
+    value = _finite(value)
+    return None if value is None or value < 0 else value
 
 
 class _StateCollector(Collector):
