@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.loramux-installed
 PYTHON ?= python3
 
-.PHONY: install serve test bench clean
+.PHONY: install lint serve test bench clean
 
 install: $(STAMP)
 
@@ -22,7 +22,10 @@ $(STAMP): $(ROOT)/pyproject.toml
 serve: install
 	cd $(ROOT) && $(VENV)/bin/loramux serve
 
-test: install
+lint: install
+	cd $(ROOT) && $(VENV)/bin/ruff check .
+
+test: lint
 	cd $(ROOT) && $(PY) -m pytest -q
 
 bench: install

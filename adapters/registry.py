@@ -9,7 +9,6 @@ version still uses; listeners (the cache tiers) are told so they drop their copi
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -19,48 +18,29 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from loramux.adapters.blob import pack
+from loramux.adapters.blob import pack, unpack
 from loramux.adapters.store import ObjectStore, StoreError, blob_key
 from loramux.adapters.validation import UploadLimits, validate_adapter_files
 from loramux.db import Adapter, AdapterVersion, Database, Tenant
 from loramux.db.models import utcnow
 from loramux.model.config import ModelConfig
+from loramux.names import BASE_MODEL_ALIAS, InvalidNameError, check_name
+from loramux.tenancy import Tenancy
 
 log = logging.getLogger(__name__)
 
-BASE_MODEL_ALIAS = "base"  # always the base model, never an adapter name
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+__all__ = ["AdapterNotFoundError", "AdapterRegistry", "AdapterVersionInfo", "BASE_MODEL_ALIAS", "InvalidNameError",
+           "RegistryError"]
+
 VISIBILITIES = ("private", "public")
-TENANT_STATUSES = ("active", "suspended")
 
 
 class RegistryError(Exception):
     """Base of the registry's errors; messages are safe to show to the caller."""
 
 
-class TenantNotFoundError(RegistryError, LookupError):
-    pass
-
-
 class AdapterNotFoundError(RegistryError, LookupError):
     """Unknown adapter, or one the tenant may not see: the same error, so existence is not revealed."""
-
-
-class InvalidNameError(RegistryError, ValueError):
-    pass
-
-
-class TenantExistsError(RegistryError, ValueError):
-    pass
-
-
-@dataclass(frozen=True)
-class TenantInfo:
-    id: str
-    name: str
-    tier: str
-    status: str
-    created_at: datetime
 
 
 @dataclass(frozen=True)
@@ -87,10 +67,6 @@ class AdapterVersionInfo:
         return f"{self.name}@{self.version}"
 
 
-def _tenant_info(t: Tenant) -> TenantInfo:
-    return TenantInfo(t.id, t.name, t.tier, t.status, t.created_at)
-
-
 def _version_info(a: Adapter, v: AdapterVersion) -> AdapterVersionInfo:
     return AdapterVersionInfo(
         adapter_id=a.id, tenant_id=a.tenant_id, name=a.name, visibility=a.visibility, version=v.version,
@@ -99,19 +75,17 @@ def _version_info(a: Adapter, v: AdapterVersion) -> AdapterVersionInfo:
         created_at=v.created_at)
 
 
-def check_name(name: str, what: str = "adapter") -> str:
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise InvalidNameError(f"{what} name {name!r} is invalid: use 1-128 letters, digits, '.', '_' or '-', "
-                               "starting with a letter or digit")
-    if what == "adapter" and (name == BASE_MODEL_ALIAS or name.startswith("ad_")):
-        raise InvalidNameError(f"adapter name {name!r} is reserved ('base' and the 'ad_' prefix of ids)")
-    return name
+def _check_visibility(visibility: str) -> None:
+    if visibility not in VISIBILITIES:
+        raise InvalidNameError(f"visibility must be one of {', '.join(VISIBILITIES)}, got {visibility!r}")
 
 
 class AdapterRegistry:
     def __init__(self, db: Database, store: ObjectStore, base_config: ModelConfig, base_model_id: str,
-                 limits: UploadLimits = UploadLimits(), shared_tenant: str | None = None):
+                 limits: UploadLimits = UploadLimits(), shared_tenant: str | None = None,
+                 tenancy: Tenancy | None = None):
         self.db = db
+        self.tenancy = tenancy or Tenancy(db)  # the owner of tenants: uploads check the tenant through it
         self.shared_tenant = shared_tenant  # its public adapters resolve by bare name for every tenant
         self.store = store
         self.base_config = base_config
@@ -123,35 +97,14 @@ class AdapterRegistry:
         """Call `listener(digest)` when no live version uses a digest any more (caches drop it)."""
         self._delete_listeners.append(listener)
 
-    # -- tenants ---------------------------------------------------------------------------------
-    def create_tenant(self, name: str, tier: str = "standard") -> TenantInfo:
-        from loramux.tenancy import Tenancy
-
-        return _tenant_info(Tenancy(self.db).create_tenant(name, tier))
-
-    def get_tenant(self, tenant_id: str) -> TenantInfo:
-        with self.db.session() as s:
-            tenant = s.get(Tenant, tenant_id)
-            if tenant is None:
-                raise TenantNotFoundError(f"tenant {tenant_id!r} not found")
-            return _tenant_info(tenant)
-
-    def tenant_by_name(self, name: str) -> TenantInfo:
-        with self.db.session() as s:
-            tenant = s.scalar(select(Tenant).where(Tenant.name == name))
-            if tenant is None:
-                raise TenantNotFoundError(f"tenant {name!r} not found")
-            return _tenant_info(tenant)
-
     # -- adapters --------------------------------------------------------------------------------
     def register(self, tenant_id: str, name: str, files: Mapping[str, bytes | Path],
                  visibility: str = "private") -> AdapterVersionInfo:
         """Validate and store an upload as the next version of `name` (created when new). Uploading the
         bytes of the current version again returns that version instead of adding an identical one."""
         check_name(name)
-        if visibility not in VISIBILITIES:
-            raise InvalidNameError(f"visibility must be one of {', '.join(VISIBILITIES)}, got {visibility!r}")
-        self.get_tenant(tenant_id)
+        _check_visibility(visibility)
+        self.tenancy.tenant(tenant_id)
         valid = validate_adapter_files(files, self.base_config, self.limits, self.base_model_id)
         blob, digest = pack(valid.rank, valid.alpha, valid.use_rslora, valid.target_modules, valid.tensors)
         del valid
@@ -164,8 +117,6 @@ class AdapterRegistry:
             raise
 
     def _insert_version(self, tenant_id, name, visibility, digest, key, size, blob) -> AdapterVersionInfo:
-        from loramux.adapters.blob import unpack
-
         meta = unpack(blob, name)  # the normalised config, as the engine will see it
         for attempt in range(5):  # two uploads of one name racing for the same version number
             try:
@@ -246,7 +197,8 @@ class AdapterRegistry:
             rows = s.execute(
                 select(Adapter, AdapterVersion)
                 .join(latest, latest.c.adapter_id == Adapter.id)
-                .join(AdapterVersion, (AdapterVersion.adapter_id == Adapter.id) & (AdapterVersion.version == latest.c.v))
+                .join(AdapterVersion,
+                      (AdapterVersion.adapter_id == Adapter.id) & (AdapterVersion.version == latest.c.v))
                 .where(Adapter.deleted_at.is_(None), cond)
                 .order_by(Adapter.tenant_id != tenant_id, Adapter.name)).all()
             return [_version_info(a, v) for a, v in rows]
@@ -283,8 +235,7 @@ class AdapterRegistry:
             return [_version_info(adapter, v) for v in rows]
 
     def set_visibility(self, tenant_id: str, ref: str, visibility: str) -> AdapterVersionInfo:
-        if visibility not in VISIBILITIES:
-            raise InvalidNameError(f"visibility must be one of {', '.join(VISIBILITIES)}, got {visibility!r}")
+        _check_visibility(visibility)
         with self.db.session() as s:
             adapter, _ = self._find(s, tenant_id, ref.partition("@")[0])
             if adapter.tenant_id != tenant_id:
@@ -322,10 +273,16 @@ class AdapterRegistry:
             listener(digest)
 
     def collect_garbage(self) -> list[str]:
-        """Delete store blobs that no ready version references (left by a store outage during a delete)."""
-        with self.db.session() as s:
-            live = set(s.scalars(select(AdapterVersion.storage_key).where(AdapterVersion.status == "ready")))
-        removed = [k for k in self.store.list_keys("blobs/") if k not in live]
-        for key in removed:
-            self.store.delete(key)
-        return removed
+        """See the module function `collect_garbage`."""
+        return collect_garbage(self.db, self.store)
+
+
+def collect_garbage(db: Database, store: ObjectStore) -> list[str]:
+    """Delete store blobs that no ready version references (left by a store outage during a delete);
+    return their keys. `loramux db gc` runs it."""
+    with db.session() as s:
+        live = set(s.scalars(select(AdapterVersion.storage_key).where(AdapterVersion.status == "ready")))
+    removed = [k for k in store.list_keys("blobs/") if k not in live]
+    for key in removed:
+        store.delete(key)
+    return removed

@@ -31,9 +31,9 @@ class DeviceSlotPool:
     the model, so each MergedLinear calls the shared LoRAWrapper with its own buffers."""
 
     def __init__(self, model: LlamaModel, num_slots: int, max_rank: int, dtype: torch.dtype,
-                 device: torch.device | str):
+                 device: torch.device | str, lora_impl: str = "auto"):
         self.num_slots, self.max_rank = num_slots, max_rank
-        self.wrapper = LoRAWrapper()
+        self.wrapper = LoRAWrapper(lora_impl, device)
         self.layers: list[dict[str, LoRALayerWeights]] = []
         # One scale per slot (alpha / r), shared by every projection.
         self.scale = torch.zeros(num_slots, dtype=torch.float32, device=device)

@@ -1,11 +1,14 @@
 """`loramux admin ...`: the admin API from the command line (HTTP, with LORAMUX_ADMIN_KEY), plus
-`create-key`, which bootstraps an admin key directly in the database."""
+`create-key`, which bootstraps an admin key directly in the database, and `tenants`/`keys`, which are
+`loramux tenants|keys` (see loramux.tenancy_cli) with JSON output."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
+
+from loramux.settings import Settings
+from loramux.tenancy_cli import add_tenant_parsers, cmd_keys, cmd_tenants
 
 
 def add_parser(sub) -> None:
@@ -17,24 +20,7 @@ def add_parser(sub) -> None:
     ck = asub.add_parser("create-key", help="create an admin key in the database and print it (shown once)")
     ck.add_argument("--name", default="")
 
-    t = asub.add_parser("tenants", help="tenants").add_subparsers(dest="action", required=True)
-    t.add_parser("list")
-    tc = t.add_parser("create")
-    tc.add_argument("name")
-    tc.add_argument("--tier", default="standard")
-    ts = t.add_parser("set")
-    ts.add_argument("tenant_id")
-    ts.add_argument("--tier")
-    ts.add_argument("--status", choices=["active", "suspended"])
-    ts.add_argument("--fallback")
-
-    k = asub.add_parser("keys", help="tenant API keys").add_subparsers(dest="action", required=True)
-    for name in ("create", "list"):
-        k.add_parser(name).add_argument("tenant_id")
-    for name in ("rotate", "revoke"):
-        p = k.add_parser(name)
-        p.add_argument("tenant_id")
-        p.add_argument("key_id")
+    add_tenant_parsers(asub, json_output=True)
 
     ad = asub.add_parser("adapters", help="adapters").add_subparsers(dest="action", required=True)
     up = ad.add_parser("upload", help="upload a PEFT adapter directory (with a progress bar)")
@@ -66,13 +52,15 @@ def add_parser(sub) -> None:
     ps.add_argument("--adapter-id")
     ps.add_argument("--tier")
     ps.add_argument("--effective-from", help="ISO 8601 with timezone (default: now)")
-    a.set_defaults(func=run)
+    for p in asub.choices.values():
+        p.set_defaults(func=run)
 
 
-def run(args) -> int:
-    from loramux.settings import Settings
-
-    settings = Settings()
+def run(args, settings: Settings) -> int:
+    if args.admin_command == "tenants":
+        return cmd_tenants(args, settings)
+    if args.admin_command == "keys":
+        return cmd_keys(args, settings)
     if args.admin_command == "create-key":
         from loramux.admin.keys import AdminKeys
         from loramux.db import Database
@@ -85,7 +73,7 @@ def run(args) -> int:
         print(f"admin key {info.id} ({info.prefix}...): shown once, store it now (e.g. export LORAMUX_ADMIN_KEY=...)",
               file=sys.stderr)
         return 0
-    key = args.key or os.environ.get("LORAMUX_ADMIN_KEY")
+    key = args.key or settings.admin_key
     if not key:
         print("error: give --key or set LORAMUX_ADMIN_KEY (create one with `loramux admin create-key`)",
               file=sys.stderr)
@@ -115,22 +103,6 @@ def _show(resp) -> int:
 
 def _dispatch(client, args) -> int:
     cmd, action = args.admin_command, args.action
-    if cmd == "tenants":
-        if action == "list":
-            return _show(client.get("/admin/tenants"))
-        if action == "create":
-            return _show(client.post("/admin/tenants", json={"name": args.name, "tier": args.tier}))
-        body = {k: v for k, v in {"tier": args.tier, "status": args.status, "fallback": args.fallback}.items() if v}
-        return _show(client.patch(f"/admin/tenants/{args.tenant_id}", json=body))
-    if cmd == "keys":
-        base = f"/admin/tenants/{args.tenant_id}/keys"
-        if action == "create":
-            return _show(client.post(base))
-        if action == "list":
-            return _show(client.get(base))
-        if action == "rotate":
-            return _show(client.post(f"{base}/{args.key_id}/rotate"))
-        return _show(client.delete(f"{base}/{args.key_id}"))
     if cmd == "adapters":
         if action == "upload":
             return _upload(client, args)
@@ -169,7 +141,8 @@ def _upload(client, args) -> int:
     from tqdm import tqdm
 
     directory = Path(args.directory)
-    parts = {"adapter_config": directory / "adapter_config.json", "adapter_model": directory / "adapter_model.safetensors"}
+    parts = {"adapter_config": directory / "adapter_config.json",
+             "adapter_model": directory / "adapter_model.safetensors"}
     missing = [str(p) for p in parts.values() if not p.is_file()]
     if missing:
         print(f"error: not found: {', '.join(missing)}", file=sys.stderr)

@@ -3,8 +3,6 @@ prefix (`lmxa-`) and table, so neither kind of key is ever accepted where the ot
 from __future__ import annotations
 
 import secrets
-import threading
-import time
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -12,7 +10,7 @@ from sqlalchemy import select
 
 from loramux.db import AdminKey, Database
 from loramux.db.models import utcnow
-from loramux.tenancy import hash_key
+from loramux.key_cache import KeyCache, hash_key
 
 ADMIN_KEY_PREFIX = "lmxa-"
 VISIBLE_CHARS = 13  # "lmxa-" + 8 characters
@@ -31,16 +29,26 @@ def _info(k: AdminKey) -> AdminKeyInfo:
     return AdminKeyInfo(k.id, k.name, k.prefix, k.created_at, k.revoked_at)
 
 
-class AdminKeyError(ValueError):
-    pass
+class AdminKeyError(LookupError):
+    """An unknown admin key id; the message is safe to show."""
+
+
+class AdminKeyFormatError(ValueError):
+    """A configured admin key (LORAMUX_ADMIN_KEY) that does not have an admin key's form."""
+
+
+def check_admin_key_format(raw: str) -> str:
+    """Raise AdminKeyFormatError unless `raw` has an admin key's form (prefix and enough random characters)."""
+    if not raw.startswith(ADMIN_KEY_PREFIX) or not 24 <= len(raw) - len(ADMIN_KEY_PREFIX) <= 120:
+        raise AdminKeyFormatError(f"LORAMUX_ADMIN_KEY must start with {ADMIN_KEY_PREFIX!r} followed by 24 to 120 "
+                                  "characters; `loramux admin create-key` makes one")
+    return raw
 
 
 class AdminKeys:
     def __init__(self, db: Database, cache_ttl_s: float = 5.0):
         self.db = db
-        self.cache_ttl_s = cache_ttl_s
-        self._cache: dict[str, tuple[float, AdminKeyInfo | None]] = {}
-        self._lock = threading.Lock()
+        self._keys: KeyCache[AdminKeyInfo | None] = KeyCache(cache_ttl_s)
 
     def create(self, name: str = "") -> tuple[AdminKeyInfo, str]:
         """A new admin key; returns (info, raw key). Only the hash is stored."""
@@ -48,9 +56,7 @@ class AdminKeys:
 
     def ensure(self, raw: str, name: str = "LORAMUX_ADMIN_KEY") -> AdminKeyInfo:
         """Register an operator-chosen key (from the environment) unless it is already known."""
-        if not raw.startswith(ADMIN_KEY_PREFIX) or len(raw) < len(ADMIN_KEY_PREFIX) + 24:
-            raise AdminKeyError(f"LORAMUX_ADMIN_KEY must start with {ADMIN_KEY_PREFIX!r} and have at least 24 more "
-                                "characters (e.g. `loramux admin create-key` makes one)")
+        check_admin_key_format(raw)
         with self.db.session() as s:
             existing = s.scalar(select(AdminKey).where(AdminKey.key_hash == hash_key(raw)))
             if existing is not None:
@@ -76,23 +82,14 @@ class AdminKeys:
             if key.revoked_at is None:
                 key.revoked_at = utcnow()
             info = _info(key)
-        with self._lock:
-            self._cache.clear()
+        self._keys.invalidate()
         return info
 
     def authenticate(self, raw: str) -> AdminKeyInfo | None:
-        if not raw.startswith(ADMIN_KEY_PREFIX) or len(raw) > 128:
-            return None
-        digest, now = hash_key(raw), time.monotonic()
-        with self._lock:
-            hit = self._cache.get(digest)
-            if hit is not None and hit[0] > now:
-                return hit[1]
+        """The admin key's info for a raw key, or None for an unknown or revoked one."""
+        return self._keys.authenticate(raw, ADMIN_KEY_PREFIX, self._lookup)
+
+    def _lookup(self, digest: str) -> AdminKeyInfo | None:
         with self.db.session() as s:
             key = s.scalar(select(AdminKey).where(AdminKey.key_hash == digest, AdminKey.revoked_at.is_(None)))
-            info = _info(key) if key is not None else None
-        with self._lock:
-            if len(self._cache) > 10_000:
-                self._cache.clear()
-            self._cache[digest] = (now + self.cache_ttl_s, info)
-        return info
+            return _info(key) if key is not None else None

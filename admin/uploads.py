@@ -54,7 +54,7 @@ async def receive_upload(request: Request, max_body_bytes: int):
             form = await limited.form(max_files=4, max_fields=16)
         except UploadError:
             raise
-        except Exception as exc:  # malformed multipart, too many parts
+        except Exception as exc:  # noqa: BLE001 - the parser's errors (malformed multipart, too many parts) are 400s
             raise UploadError(400, f"could not read the multipart body: {exc}") from None
         fields, files = {}, {}
         for key, value in form.multi_items():

@@ -73,7 +73,7 @@ class Bench:
         import uvicorn
 
         from loramux.server.app import create_app
-        from loramux.services import Services
+        from loramux.services import LOCAL_TENANT, Services
         from loramux.settings import Settings
 
         boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="bench",
@@ -82,7 +82,7 @@ class Bench:
                             s3_region="us-east-1", max_loras=8, max_lora_rank=args.rank, **CREDS)
         self.services = Services.from_settings(settings)
         self.args, self.tmp = args, tmp
-        self.tenant = self.services.local_tenant_id()
+        self.tenant = self.services.tenancy.ensure_tenant(LOCAL_TENANT)[0].id
         self.services.tenancy.create_tenant("bench", tier="premium")
         self.key = self.services.tenancy.create_key("bench")[1]
         self.cfg = self.services.engine.engine.model.config

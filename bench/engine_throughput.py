@@ -73,10 +73,10 @@ def main() -> None:
             fixed = mode == "fixed"
             params = SamplingParams(max_tokens=args.new_tokens, min_tokens=args.new_tokens if fixed else 0)
 
-            def run_engine() -> list[list[int]]:
+            def run_engine(chats=chats, params=params) -> list[list[int]]:
                 return [o.token_ids for o in engine.generate(chats, params)]
 
-            def run_hf() -> list[list[int]]:
+            def run_hf(padded=padded, fixed=fixed) -> list[list[int]]:
                 with torch.inference_mode():
                     out = hf.generate(**padded, max_new_tokens=args.new_tokens, do_sample=False,
                                       eos_token_id=eos_ids, pad_token_id=pad_id,

@@ -77,10 +77,11 @@ def check_kernels(cfg, device, dtype, tiny: bool) -> None:
                 err_y = ((y_out.cpu().double() - ref_y).abs().max() / ref_y.abs().max().clamp(min=1e-6)).item()
                 ok = err_v < tol and err_y < tol
                 failures += not ok
-                shrink_s = measure(lambda: lora_shrink(x, a, batch, impl="triton"))
-                expand_s = measure(lambda: lora_expand(y, v, b, scale, batch, impl="triton"))
+                shrink_s = measure(lambda x=x, a=a, batch=batch: lora_shrink(x, a, batch, impl="triton"))
+                expand_s = measure(lambda y=y, v=v, b=b, scale=scale, batch=batch:
+                                   lora_expand(y, v, b, scale, batch, impl="triton"))
                 w = torch.randn(d_in, d_out, device=device, dtype=dtype)
-                gemm_s = measure(lambda: x @ w)
+                gemm_s = measure(lambda x=x, w=w: x @ w)
                 esize = x.element_size()
                 shrink_bytes = (x.numel() + n_slots * rank * d_in + v.numel()) * esize
                 expand_bytes = (v.numel() + n_slots * rank * d_out + 2 * y.numel()) * esize
@@ -116,7 +117,8 @@ def decode_timing(cfg_dict, device, dtype, tiny: bool) -> None:
     pool = DeviceSlotPool(model, batch, rank, dtype, device)
     shapes = {"q_proj": (cfg.hidden_size, cfg.q_size), "k_proj": (cfg.hidden_size, cfg.kv_size),
               "v_proj": (cfg.hidden_size, cfg.kv_size), "o_proj": (cfg.q_size, cfg.hidden_size),
-              "gate_proj": (cfg.hidden_size, cfg.intermediate_size), "up_proj": (cfg.hidden_size, cfg.intermediate_size),
+              "gate_proj": (cfg.hidden_size, cfg.intermediate_size),
+              "up_proj": (cfg.hidden_size, cfg.intermediate_size),
               "down_proj": (cfg.intermediate_size, cfg.hidden_size)}
     for slot in range(batch):
         weights = {(layer, t): (torch.randn(rank, d_in, device=device) * 0.01,
@@ -128,8 +130,9 @@ def decode_timing(cfg_dict, device, dtype, tiny: bool) -> None:
         runner = ModelRunner(model, num_blocks, block_size, dtype, device, pool.wrapper)
         blocks = BlockManager(num_blocks, block_size)
         scheduler = Scheduler(blocks, batch, max(batch, batch * prompt_len), SlotTable(batch))
-        seqs = [Sequence(f"s{i}", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=steps)) for i in range(batch)]
-        for i, seq in enumerate(seqs):
+        seqs = [Sequence(f"s{i}", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=steps))
+                for i in range(batch)]
+        for _i, seq in enumerate(seqs):
             scheduler.add(seq)
         first = scheduler.schedule()
         for i, seq in enumerate(seqs):

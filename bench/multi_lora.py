@@ -32,9 +32,8 @@ ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 
 def kernel_microbench(cfg, num_slots: int = 8, rank: int = 16, rows: int = 8) -> None:
     """One decoder layer's four projections: base matmuls vs the LoRA ops of each strategy."""
-    from loramux.kernels import LoRABatch
-    from loramux.kernels import torch_ops
-    from loramux.kernels.wrapper import LoRAWrapper, LoRALayerWeights
+    from loramux.kernels import LoRABatch, torch_ops
+    from loramux.kernels.wrapper import LoRALayerWeights, LoRAWrapper
 
     h, i = cfg.hidden_size, cfg.intermediate_size
     modules = {"qkv": (h, [cfg.q_size, cfg.kv_size, cfg.kv_size]), "o": (cfg.q_size, [h]),
@@ -65,10 +64,10 @@ def kernel_microbench(cfg, num_slots: int = 8, rank: int = 16, rows: int = 8) ->
             torch_ops.pick_strategy = lambda seg, s=strategy: s
             ys = run_base()
 
-            def run_lora():
+            def run_lora(wrapper=wrapper, ys=ys):
                 k = 0
                 for layer in lora:
-                    for name, weights in layer.items():
+                    for weights in layer.values():
                         wrapper.apply(ys[k], xs[weights.a.shape[2]], weights)
                         k += 1
 
@@ -88,11 +87,11 @@ def main() -> None:
     ap.add_argument("--skip-peft", action="store_true")
     args = ap.parse_args()
 
-    from conftest import write_peft_adapter
     from engine_throughput import PROMPTS
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from conftest import write_peft_adapter
     from loramux.engine.engine import LLMEngine
     from loramux.engine.sampling_params import SamplingParams
     from loramux.settings import Settings
@@ -126,7 +125,7 @@ def main() -> None:
         chats = [engine.encode_chat([{"role": "user", "content": p}]) for p in (PROMPTS * 4)[:batch]]
         padded = tok.pad({"input_ids": chats}, return_tensors="pt")
 
-        def loramux_run(u: int | None):
+        def loramux_run(u: int | None, batch=batch, chats=chats):
             def run() -> int:
                 ids = [f"r{time.monotonic_ns()}-{j}" for j in range(batch)]
                 for j, (rid, prompt) in enumerate(zip(ids, chats)):
@@ -137,7 +136,7 @@ def main() -> None:
                 return total
             return run
 
-        def peft_run(adapter_names: list[str]):
+        def peft_run(adapter_names: list[str], batch=batch, padded=padded):
             def run() -> int:
                 with torch.inference_mode():
                     if len(set(adapter_names)) == 1:

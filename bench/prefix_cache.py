@@ -256,7 +256,8 @@ def main() -> None:
           f"prompt (median of 5); the crop used instead is included in HF cached")
     print(f"loramux cached vs HF cached: {med['loramux cached'] / med['HF cached']:.2f}x the time; uncached "
           f"{med['loramux uncached'] / med['HF uncached']:.2f}x")
-    print(f"load average after the run {os.getloadavg()[0]:.2f}; measured in {measure_s:.1f} s, total {time.perf_counter() - t_start:.1f} s")
+    print(f"load average after the run {os.getloadavg()[0]:.2f}; measured in {measure_s:.1f} s, "
+          f"total {time.perf_counter() - t_start:.1f} s")
     print(f"hf_prefix_ttft_ratio {hf_ratio:.3f}")
     print(f"FIGURE prefix_ttft_ratio {lm_ratio:.3f}")
 

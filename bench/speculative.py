@@ -276,8 +276,8 @@ def main() -> None:
     # Warm-up: every configuration once over every prompt; the outputs must agree.
     t0 = time.perf_counter()
     outputs = {name: [fn(ids)[0] for ids in prompts] for name, fn in configs.items()}
-    print(f"warm-up {time.perf_counter() - t0:.1f} s; tokens per prompt: {[len(o) for o in outputs['loramux no spec']]}",
-          flush=True)
+    print(f"warm-up {time.perf_counter() - t0:.1f} s; "
+          f"tokens per prompt: {[len(o) for o in outputs['loramux no spec']]}", flush=True)
 
     def check(name: str, i: int, got: list[int]) -> None:
         want = outputs["loramux no spec"][i]

@@ -5,14 +5,13 @@ per step and shared by every layer.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
 
-from loramux.kernels.segments import Segments, build_segments
 from loramux.kernels import torch_ops
+from loramux.kernels.segments import Segments, build_segments
 from loramux.kernels.torch_ops import lora_expand_torch, lora_shrink_torch
 
 
@@ -33,7 +32,7 @@ class LoRABatch:
         return self._row_weights[key]
 
     @classmethod
-    def from_slot_map(cls, slot_map: list[int], device: torch.device | str = "cpu") -> "LoRABatch":
+    def from_slot_map(cls, slot_map: list[int], device: torch.device | str = "cpu") -> LoRABatch:
         seg = build_segments(slot_map)
         tensors = None
         if torch.device(device).type == "cuda" and seg.has_lora:
@@ -51,13 +50,21 @@ def triton_available() -> bool:
     return True
 
 
+LORA_IMPLS = ("auto", "triton", "torch")
+
+
+def resolve_lora_impl(impl: str, device: torch.device | str) -> str:
+    """"triton" or "torch" for `impl` on `device`: "auto" picks Triton on CUDA when it is installed."""
+    if impl not in LORA_IMPLS:
+        raise ValueError(f"LoRA implementation must be one of {', '.join(LORA_IMPLS)}, got {impl!r}")
+    if impl == "auto":
+        return "triton" if torch.device(device).type == "cuda" and triton_available() else "torch"
+    return impl
+
+
 def _use_triton(x: torch.Tensor, impl: str | None) -> bool:
-    impl = impl or os.environ.get("LORAMUX_LORA_IMPL", "auto")
-    if impl == "triton":
-        return True
-    if impl == "torch":
-        return False
-    return x.is_cuda and triton_available()
+    """`impl` None = decide by the tensor's device (as "auto")."""
+    return resolve_lora_impl(impl or "auto", x.device) == "triton"
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, batch: LoRABatch, impl: str | None = None) -> torch.Tensor:

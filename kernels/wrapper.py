@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loramux.kernels.ops import LoRABatch, lora_shrink_expand
+from loramux.kernels.ops import LoRABatch, lora_shrink_expand, resolve_lora_impl
 
 
 @dataclass
@@ -35,7 +35,9 @@ class LoRALayerWeights:
 
 
 class LoRAWrapper:
-    def __init__(self) -> None:
+    def __init__(self, impl: str = "auto", device: torch.device | str = "cpu") -> None:
+        """`impl`: "auto" (Triton on CUDA, torch on CPU), "triton" or "torch"; resolved once, here."""
+        self.impl = resolve_lora_impl(impl, device)
         self.batch: LoRABatch | None = None
 
     def set_batch(self, slot_map: list[int] | None, device: torch.device | str = "cpu") -> None:
@@ -47,5 +49,5 @@ class LoRAWrapper:
         """Add the LoRA deltas of this step's adapters to y = base(x), in place; returns y."""
         if self.batch is None or weights is None:
             return y
-        lora_shrink_expand(y, x, weights.a, weights.b, weights.offsets, weights.scale, self.batch)
+        lora_shrink_expand(y, x, weights.a, weights.b, weights.offsets, weights.scale, self.batch, impl=self.impl)
         return y

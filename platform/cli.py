@@ -8,15 +8,27 @@ import time
 from pathlib import Path
 
 from loramux.settings import DEFAULT_MODEL, Settings
+from loramux.tenancy_cli import add_tenant_parsers
 
 
-def _settings(args) -> Settings:
-    overrides = {k: v for k, v in {"model": getattr(args, "model", None), "dtype": getattr(args, "dtype", None),
-                                   "device": getattr(args, "device", None)}.items() if v}
-    return Settings(**overrides)
+class ConfigError(ValueError):
+    """A setting that cannot work; the message names it and says what to fix."""
 
 
-def cmd_generate(args) -> int:
+def settings_from_args(args) -> Settings:
+    """The one Settings of a command: LORAMUX_* variables, overridden by --model/--dtype/--device/--host/--port."""
+    from pydantic import ValidationError
+
+    overrides = {k: getattr(args, k, None) for k in ("model", "dtype", "device", "host", "port")}
+    try:
+        return Settings(**{k: v for k, v in overrides.items() if v})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        name = "LORAMUX_" + "_".join(str(p) for p in first["loc"]).upper()
+        raise ConfigError(f"{name}: {first['msg']} (got {first.get('input')!r})") from None
+
+
+def cmd_generate(args, settings: Settings) -> int:
     from loramux.adapters.peft_format import AdapterFormatError
     from loramux.engine.engine import LLMEngine, RequestError
     from loramux.engine.sampling_params import SamplingParams
@@ -28,7 +40,6 @@ def cmd_generate(args) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    settings = _settings(args)
     if args.adapter:
         # Size the slot pool for this one adapter instead of the server default.
         settings = settings.model_copy(update={"max_loras": 1, "max_lora_rank": _adapter_rank(args.adapter)})
@@ -72,7 +83,7 @@ def _adapter_rank(path: str) -> int:
         return 1  # the full load below reports the real problem
 
 
-def cmd_plan(args) -> int:
+def cmd_plan(args, settings: Settings) -> int:
     from loramux.model.config import ModelConfig
     from loramux.model.loader import read_model_config, resolve_model_dir
     from loramux.plan import DTYPE_BYTES, fmt_bytes, parse_bytes, plan_memory
@@ -80,7 +91,6 @@ def cmd_plan(args) -> int:
     if args.config:
         cfg = ModelConfig.from_hf(json.loads(Path(args.config).read_text()))
     else:
-        settings = _settings(args)
         cfg, _ = read_model_config(resolve_model_dir(settings.model, Path(settings.cache_dir)))
     dtype = args.dtype or "float32"
     if dtype not in DTYPE_BYTES:
@@ -108,18 +118,24 @@ def cmd_plan(args) -> int:
     return 0
 
 
-def cmd_serve(args) -> int:
+def cmd_serve(args, settings: Settings) -> int:
     import uvicorn
 
+    from loramux.admin.keys import AdminKeyFormatError, check_admin_key_format
     from loramux.model.loader import read_model_config, resolve_model_dir
     from loramux.server.app import create_app
     from loramux.server.logs import configure_logging
     from loramux.services import Services
 
-    settings = _settings(args)
-    settings.adapter_dirs()  # a malformed LORAMUX_ADAPTERS fails here, before the server starts
-    read_model_config(resolve_model_dir(settings.model, Path(settings.cache_dir)))  # same for a bad model
-    host, port = args.host or settings.host, args.port or settings.port
+    # Configuration that cannot work fails here, in one line, before the server starts.
+    settings.adapter_dirs()
+    if settings.admin_key:
+        try:
+            check_admin_key_format(settings.admin_key)
+        except AdminKeyFormatError as exc:
+            raise ConfigError(str(exc)) from None
+    read_model_config(resolve_model_dir(settings.model, Path(settings.cache_dir)))
+    host, port = settings.host, settings.port
     configure_logging(json_logs=settings.json_logs)
 
     def services():
@@ -137,14 +153,8 @@ DEMO_TENANT = "demo"
 def first_steps(services, url: str) -> str:
     """What to do next, printed at start. The demo tenant's first key is shown here once; later starts
     say how to make another."""
-    from loramux.adapters.registry import TenantNotFoundError
-
-    try:
-        services.registry.tenant_by_name(DEMO_TENANT)
-        key = None
-    except TenantNotFoundError:
-        services.tenancy.create_tenant(DEMO_TENANT, tier="standard")
-        key = services.tenancy.create_key(DEMO_TENANT)[1]
+    _, created = services.tenancy.ensure_tenant(DEMO_TENANT, tier="standard")
+    key = services.tenancy.create_key(DEMO_TENANT)[1] if created else None
     admin_key = None
     if not services.settings.admin_key and not services.admin_keys.list():
         admin_key = services.admin_keys.create("first start")[1]
@@ -156,7 +166,8 @@ def first_steps(services, url: str) -> str:
     else:
         lines += ["Admin: a new admin key comes from `.venv/bin/loramux admin create-key`.", ""]
     if key:
-        lines += ["A demo tenant was created. Its API key (shown only this once):", "", f"  export LORAMUX_KEY={key}", ""]
+        lines += ["A demo tenant was created. Its API key (shown only this once):", "",
+                  f"  export LORAMUX_KEY={key}", ""]
     else:
         lines += ["Get an API key for the demo tenant (or any tenant: `loramux tenants create NAME`):", "",
                   "  export LORAMUX_KEY=$(.venv/bin/loramux keys create demo)", ""]
@@ -167,18 +178,17 @@ def first_steps(services, url: str) -> str:
         f"    -d '{{\"model\": \"{model}\", \"temperature\": 0, \"max_tokens\": 64, "
         "\"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}]}'",
         "",
-        "  .venv/bin/python -c \"import os, openai; c = openai.OpenAI(base_url='" + url + "/v1', "
-        "api_key=os.environ['LORAMUX_KEY']); print(c.chat.completions.create(model='" + model + "', "
+        "  OPENAI_API_KEY=$LORAMUX_KEY .venv/bin/python -c \"import openai; c = openai.OpenAI(base_url='" + url
+        + "/v1'); print(c.chat.completions.create(model='" + model + "', "
         "temperature=0, max_tokens=64, messages=[{'role': 'user', 'content': 'What is the capital of France?'}])"
         ".choices[0].message.content)\"",
         "=" * 78, ""]
     return "\n".join(lines)
 
 
-def cmd_db(args) -> int:
+def cmd_db(args, settings: Settings) -> int:
     from loramux.db import Database
 
-    settings = Settings()
     db = Database(args.url or settings.resolved_database_url())
     try:
         if args.db_command == "upgrade":
@@ -187,6 +197,8 @@ def cmd_db(args) -> int:
         elif args.db_command == "downgrade":
             db.downgrade(args.revision)
             print(f"database at revision {db.current_revision() or 'base (empty)'}")
+        elif args.db_command == "gc":
+            return _collect_garbage(db, settings)
         else:
             print(db.current_revision() or "base (no migrations applied)")
     finally:
@@ -194,64 +206,15 @@ def cmd_db(args) -> int:
     return 0
 
 
-def _tenancy():
-    from loramux.db import Database
-    from loramux.tenancy import Tenancy
+def _collect_garbage(db, settings: Settings) -> int:
+    """Delete adapter blobs in the object store that no live version references."""
+    from loramux.adapters.registry import collect_garbage
+    from loramux.services import store_from_settings
 
-    db = Database(Settings().resolved_database_url())
-    db.upgrade()
-    return Tenancy(db)
-
-
-def cmd_tenants(args) -> int:
-    from loramux.adapters.registry import RegistryError
-    from loramux.tenancy import TenancyError
-
-    tenancy = _tenancy()
-    try:
-        if args.tenants_command == "create":
-            t = tenancy.create_tenant(args.name, args.tier)
-            print(f"created tenant {t.name} ({t.id}), tier {t.tier}")
-            print(f"next: loramux keys create {t.name}")
-        elif args.tenants_command == "list":
-            for t in tenancy.list_tenants():
-                print(f"{t.id}  {t.name:<24} tier={t.tier:<10} status={t.status} fallback={t.fallback}")
-        else:
-            t = tenancy.tenant(args.tenant)
-            t = tenancy.set_tenant(t.id, tier=args.tier, status=args.status, fallback=args.fallback)
-            print(f"{t.name}: tier={t.tier} status={t.status} fallback={t.fallback}")
-    except (RegistryError, TenancyError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    finally:
-        tenancy.db.dispose()
-    return 0
-
-
-def cmd_keys(args) -> int:
-    from loramux.tenancy import TenancyError
-
-    tenancy = _tenancy()
-    try:
-        if args.keys_command == "create":
-            info, raw = tenancy.create_key(args.tenant)
-            print(raw)
-            print(f"key {info.id} ({info.prefix}...) for tenant {args.tenant}: shown once, store it now",
-                  file=sys.stderr)
-        elif args.keys_command == "list":
-            tenant = tenancy.tenant(args.tenant)
-            for k in tenancy.list_keys(tenant.id):
-                state = f"revoked {k.revoked_at:%Y-%m-%d %H:%M}" if k.revoked_at else "active"
-                print(f"{k.id}  {k.prefix}...  created {k.created_at:%Y-%m-%d %H:%M}  {state}")
-        else:
-            tenant = tenancy.tenant(args.tenant)
-            info = tenancy.revoke_key(tenant.id, args.key_id)
-            print(f"revoked {info.id} ({info.prefix}...)")
-    except TenancyError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    finally:
-        tenancy.db.dispose()
+    removed = collect_garbage(db, store_from_settings(settings))
+    for key in removed:
+        print(f"deleted {key}")
+    print(f"{len(removed)} unreferenced blob(s) deleted", file=sys.stderr)
     return 0
 
 
@@ -300,32 +263,13 @@ def build_parser() -> argparse.ArgumentParser:
     down = dsub.add_parser("downgrade", help="revert migrations (default: all)")
     down.add_argument("revision", nargs="?", default="base")
     dsub.add_parser("current", help="print the applied revision")
+    dsub.add_parser("gc", help="delete adapter blobs that no live version references (LORAMUX_STORE_URL)")
     for p in (up, down, *dsub.choices.values()):
         if not any(a.dest == "url" for a in p._actions):
             p.add_argument("--url", help="database URL instead of LORAMUX_DATABASE_URL")
     d.set_defaults(func=cmd_db)
 
-    t = sub.add_parser("tenants", help="create, list and change tenants (LORAMUX_DATABASE_URL)")
-    tsub = t.add_subparsers(dest="tenants_command", required=True)
-    tc = tsub.add_parser("create", help="create a tenant")
-    tc.add_argument("name")
-    tc.add_argument("--tier", default="standard", help="free, standard (default), premium, or a tier added in SQL")
-    tsub.add_parser("list", help="list tenants")
-    ts = tsub.add_parser("set", help="change a tenant's tier, status or fallback")
-    ts.add_argument("tenant", help="tenant name or id")
-    ts.add_argument("--tier")
-    ts.add_argument("--status", choices=["active", "suspended"])
-    ts.add_argument("--fallback", help="when an adapter cannot be loaded: none (503), base, or an adapter name")
-    t.set_defaults(func=cmd_tenants)
-
-    k = sub.add_parser("keys", help="tenant API keys (only hashes are stored; a new key is printed once)")
-    ksub = k.add_subparsers(dest="keys_command", required=True)
-    ksub.add_parser("create", help="create a key and print it").add_argument("tenant", help="tenant name or id")
-    ksub.add_parser("list", help="list a tenant's keys (id and prefix)").add_argument("tenant")
-    kr = ksub.add_parser("revoke", help="revoke a key")
-    kr.add_argument("tenant")
-    kr.add_argument("key_id")
-    k.set_defaults(func=cmd_keys)
+    add_tenant_parsers(sub)
 
     from loramux.admin.cli import add_parser as add_admin_parser
 
@@ -342,8 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     from loramux.model.loader import ModelNotFoundError
 
     try:
-        return args.func(args)
-    except (ModelNotFoundError, UnsupportedModelError, ValueError) as exc:
+        return args.func(args, settings_from_args(args))
+    except (ModelNotFoundError, UnsupportedModelError, ValueError) as exc:  # ConfigError is a ValueError
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -6,16 +6,23 @@ and of HTTP.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from loramux.adapters.registry import AdapterRegistry, TenantNotFoundError
+from loramux.adapters.registry import AdapterRegistry
 from loramux.adapters.store import ObjectStore, open_store
 from loramux.adapters.tiers import AdapterCache, DiskCache, HostCache
 from loramux.adapters.validation import UploadLimits
+from loramux.admin.keys import AdminKeys
+from loramux.admin.ledger import LedgerWriter
+from loramux.admin.pricing import PriceBook
 from loramux.db import Database
 from loramux.settings import Settings
 from loramux.tenancy import Tenancy
+
+if TYPE_CHECKING:  # importing the engine imports torch: only for type checkers
+    from loramux.engine.async_engine import AsyncEngine
 
 log = logging.getLogger(__name__)
 
@@ -29,14 +36,15 @@ class Services:
     store: ObjectStore
     registry: AdapterRegistry
     adapter_cache: AdapterCache
-    engine: object  # AsyncEngine (kept untyped so importing this module does not import torch)
+    engine: AsyncEngine
     tenancy: Tenancy
-    admin_keys: object  # loramux.admin.keys.AdminKeys
-    prices: object  # loramux.admin.pricing.PriceBook
-    ledger: object  # loramux.admin.ledger.LedgerWriter: every finished request's row, written off the hot path
+    admin_keys: AdminKeys
+    prices: PriceBook
+    ledger: LedgerWriter  # every finished request's row, written off the hot path
+    admin_pins: dict[str, str] = field(default_factory=dict)  # adapters pinned by operators: id -> digest
 
     @classmethod
-    def from_settings(cls, settings: Settings, engine=None, migrate: bool = True) -> "Services":
+    def from_settings(cls, settings: Settings, engine=None, migrate: bool = True) -> Services:
         """Everything the server needs. `engine`: an LLMEngine to use instead of building one."""
         from loramux.engine.async_engine import AsyncEngine
         from loramux.engine.engine import LLMEngine
@@ -44,45 +52,32 @@ class Services:
         db = Database(settings.resolved_database_url())
         if migrate:
             db.upgrade()
-        store = open_store(settings.resolved_store_url(), endpoint_url=settings.s3_endpoint_url,
-                           region=settings.s3_region, access_key_id=settings.s3_access_key_id,
-                           secret_access_key=settings.s3_secret_access_key, timeout_s=settings.s3_timeout_s,
-                           max_attempts=settings.s3_max_attempts)
+        store = store_from_settings(settings)
         llm = engine if engine is not None else LLMEngine.from_settings(settings, load_adapters=False)
         limits = UploadLimits(max_total_bytes=settings.max_upload_bytes, max_rank=settings.max_lora_rank)
+        tenancy = Tenancy(db)
         registry = AdapterRegistry(db, store, llm.model.config, base_model_id(settings.model), limits,
-                                   shared_tenant=LOCAL_TENANT)
+                                   shared_tenant=LOCAL_TENANT, tenancy=tenancy)
         cache = AdapterCache(store, DiskCache(Path(settings.data_dir) / "adapter-cache", settings.disk_cache_bytes),
                              HostCache(settings.host_cache_bytes))
         async_engine = AsyncEngine(llm)
         registry.on_blob_deleted(cache.evict)
         registry.on_blob_deleted(async_engine.evict_adapter)
-        from loramux.admin.keys import AdminKeys
-        from loramux.admin.ledger import LedgerWriter
-        from loramux.admin.pricing import PriceBook
-
         admin_keys = AdminKeys(db)
         if settings.admin_key:
             admin_keys.ensure(settings.admin_key)
         ledger = LedgerWriter(db, Path(settings.data_dir) / "ledger-spool.jsonl")
         ledger.start()
-        services = cls(settings, db, store, registry, cache, async_engine, Tenancy(db), admin_keys, PriceBook(db),
-                       ledger)
+        services = cls(settings, db, store, registry, cache, async_engine, tenancy, admin_keys, PriceBook(db), ledger)
         services.register_local_adapters()
         return services
-
-    def local_tenant_id(self) -> str:
-        try:
-            return self.registry.tenant_by_name(LOCAL_TENANT).id
-        except TenantNotFoundError:
-            return self.registry.create_tenant(LOCAL_TENANT, tier="standard").id
 
     def register_local_adapters(self) -> None:
         """Upload the adapter directories of LORAMUX_ADAPTERS into the registry (as tenant `local`)."""
         dirs = self.settings.adapter_dirs()
         if not dirs:
             return
-        tenant_id = self.local_tenant_id()
+        tenant_id = self.tenancy.ensure_tenant(LOCAL_TENANT, tier="standard")[0].id
         for name, path in dirs.items():
             path = Path(path)
             files = {f: path / f for f in ("adapter_config.json", "adapter_model.safetensors")}
@@ -97,6 +92,13 @@ class Services:
         self.ledger.close()  # rows still buffered are written (or spooled to disk when the database is down)
         self.adapter_cache.shutdown()
         self.db.dispose()
+
+
+def store_from_settings(settings: Settings) -> ObjectStore:
+    """The adapter object store that LORAMUX_STORE_URL and the LORAMUX_S3_* settings describe."""
+    return open_store(settings.resolved_store_url(), endpoint_url=settings.s3_endpoint_url, region=settings.s3_region,
+                      access_key_id=settings.s3_access_key_id, secret_access_key=settings.s3_secret_access_key,
+                      timeout_s=settings.s3_timeout_s, max_attempts=settings.s3_max_attempts)
 
 
 def base_model_id(model: str) -> str:

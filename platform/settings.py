@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import os
-from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -47,7 +47,8 @@ class Settings(BaseSettings):
     # LoRA adapters: device slots (distinct adapters in one batch) and the largest rank they hold.
     max_loras: int = 8
     max_lora_rank: int = 32
-    # Adapters to load at start, "name=dir,name2=dir2" (a local source until the SQL registry lands).
+    lora_impl: Literal["auto", "triton", "torch"] = "auto"  # LoRA kernels: auto = Triton on CUDA, torch on CPU
+    # Adapter directories registered at start as public adapters of the tenant `local`: "name=dir,name2=dir2".
     adapters: str = ""
 
     def adapter_dirs(self) -> dict[str, str]:
@@ -85,8 +86,3 @@ class Settings(BaseSettings):
     port: int = 8000
     admin_key: str | None = None  # registered as an admin key at start (`loramux admin create-key` makes one)
     json_logs: bool = True  # one JSON object per log line (with the request id); false = plain text
-
-
-@lru_cache(maxsize=1)
-def get_settings() -> Settings:
-    return Settings()

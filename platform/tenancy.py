@@ -1,37 +1,47 @@
-"""Tenants, tiers and API keys: data access free of HTTP types.
+"""Tenants, tiers and API keys: the one owner of these concepts. Data access only, free of HTTP types.
 
-A key looks like `lmx-<43 url-safe chars>` (256 random bits). Only its sha256 is stored, with a short
-visible prefix; the raw key is returned once, at creation. `authenticate` turns a raw key into the
-tenant's context (tier limits included) and caches the answer for a few seconds, so a request costs no
-SQL round trip while revocations and tier changes still take effect quickly.
+Everything returned is a frozen DTO (safe to pass between threads and to serialise). A key looks like
+`lmx-<43 url-safe chars>` (256 random bits). Only its sha256 is stored, with a short visible prefix; the
+raw key is returned once, at creation. `authenticate` turns a raw key into the tenant's context (tier
+limits included) and caches the answer for a few seconds, so a request costs no SQL round trip while
+revocations and tier changes still take effect quickly.
 """
 from __future__ import annotations
 
-import hashlib
 import secrets
-import threading
-import time
 from dataclasses import dataclass
 from datetime import datetime
 
 from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
 
 from loramux.db import ApiKey, Database, Tenant, Tier
 from loramux.db.models import utcnow
+from loramux.key_cache import KeyCache, hash_key
+from loramux.names import check_name
 
 KEY_PREFIX = "lmx-"
 VISIBLE_CHARS = 12  # "lmx-" + 8 characters
+TENANT_STATUSES = ("active", "suspended")
 
 
 class TenancyError(Exception):
-    """Base of tenancy errors; messages are safe to show."""
+    """Base of tenancy errors (a request that cannot be done as asked); messages are safe to show."""
 
 
 class UnknownTierError(TenancyError, ValueError):
     pass
 
 
-class TenantLookupError(TenancyError, LookupError):
+class TenantNotFoundError(TenancyError, LookupError):
+    pass
+
+
+class KeyNotFoundError(TenancyError, LookupError):
+    pass
+
+
+class TenantExistsError(TenancyError, ValueError):
     pass
 
 
@@ -44,6 +54,16 @@ class TierInfo:
     max_concurrent: int
     default_timeout_s: float
     max_timeout_s: float
+
+
+@dataclass(frozen=True)
+class TenantInfo:
+    id: str
+    name: str
+    tier: str
+    status: str
+    fallback: str  # "none", "base" or an adapter reference
+    created_at: datetime
 
 
 @dataclass(frozen=True)
@@ -72,13 +92,13 @@ class KeyInfo:
     revoked_at: datetime | None
 
 
-def hash_key(raw: str) -> str:
-    return hashlib.sha256(raw.encode()).hexdigest()
-
-
 def _tier_info(t: Tier) -> TierInfo:
     return TierInfo(t.name, t.priority, t.requests_per_min, t.tokens_per_min, t.max_concurrent,
                     t.default_timeout_s, t.max_timeout_s)
+
+
+def _tenant_info(t: Tenant) -> TenantInfo:
+    return TenantInfo(t.id, t.name, t.tier, t.status, t.fallback, t.created_at)
 
 
 def _key_info(k: ApiKey) -> KeyInfo:
@@ -88,9 +108,7 @@ def _key_info(k: ApiKey) -> KeyInfo:
 class Tenancy:
     def __init__(self, db: Database, cache_ttl_s: float = 5.0):
         self.db = db
-        self.cache_ttl_s = cache_ttl_s
-        self._cache: dict[str, tuple[float, TenantContext | None]] = {}
-        self._lock = threading.Lock()
+        self._keys: KeyCache[TenantContext | None] = KeyCache(cache_ttl_s)
 
     # -- tiers -----------------------------------------------------------------------------------
     def tiers(self) -> list[TierInfo]:
@@ -116,11 +134,7 @@ class Tenancy:
         return info
 
     # -- tenants ---------------------------------------------------------------------------------
-    def create_tenant(self, name: str, tier: str = "standard") -> Tenant:
-        from sqlalchemy.exc import IntegrityError
-
-        from loramux.adapters.registry import TenantExistsError, check_name
-
+    def create_tenant(self, name: str, tier: str = "standard") -> TenantInfo:
         check_name(name, "tenant")
         self.tier(tier)
         try:
@@ -128,37 +142,50 @@ class Tenancy:
                 tenant = Tenant(name=name, tier=tier, status="active", fallback="none")
                 s.add(tenant)
                 s.flush()
-                return tenant
+                return _tenant_info(tenant)
         except IntegrityError:
             raise TenantExistsError(f"a tenant named {name!r} already exists") from None
 
-    def list_tenants(self) -> list[Tenant]:
-        with self.db.session() as s:
-            return list(s.scalars(select(Tenant).order_by(Tenant.created_at)))
+    def ensure_tenant(self, name: str, tier: str = "standard") -> tuple[TenantInfo, bool]:
+        """The tenant called `name`, created with `tier` when missing; returns (tenant, created)."""
+        try:
+            return self.tenant(name), False
+        except TenantNotFoundError:
+            pass
+        try:
+            return self.create_tenant(name, tier), True
+        except TenantExistsError:  # created by someone else a moment ago
+            return self.tenant(name), False
 
-    def tenant(self, ref: str) -> Tenant:
-        """A tenant row by id or name (detached; read its fields)."""
+    def list_tenants(self) -> list[TenantInfo]:
+        with self.db.session() as s:
+            return [_tenant_info(t) for t in s.scalars(select(Tenant).order_by(Tenant.created_at))]
+
+    def tenant(self, ref: str) -> TenantInfo:
+        """A tenant by id (`tn_...`) or name."""
         with self.db.session() as s:
             tenant = s.get(Tenant, ref) or s.scalar(select(Tenant).where(Tenant.name == ref))
             if tenant is None:
-                raise TenantLookupError(f"tenant {ref!r} not found")
-            return tenant
+                raise TenantNotFoundError(f"tenant {ref!r} not found")
+            return _tenant_info(tenant)
 
     def set_tenant(self, tenant_id: str, *, tier: str | None = None, status: str | None = None,
-                   fallback: str | None = None) -> Tenant:
+                   fallback: str | None = None) -> TenantInfo:
         if tier is not None:
             self.tier(tier)
-        if status is not None and status not in ("active", "suspended"):
+        if status is not None and status not in TENANT_STATUSES:
             raise TenancyError(f"status must be 'active' or 'suspended', got {status!r}")
         with self.db.session() as s:
             tenant = s.get(Tenant, tenant_id)
             if tenant is None:
-                raise TenantLookupError(f"tenant {tenant_id!r} not found")
+                raise TenantNotFoundError(f"tenant {tenant_id!r} not found")
             for field, value in (("tier", tier), ("status", status), ("fallback", fallback)):
                 if value is not None:
                     setattr(tenant, field, value)
+            s.flush()
+            info = _tenant_info(tenant)
         self.invalidate()
-        return tenant
+        return info
 
     # -- keys ------------------------------------------------------------------------------------
     def create_key(self, tenant_ref: str) -> tuple[KeyInfo, str]:
@@ -180,30 +207,23 @@ class Tenancy:
         with self.db.session() as s:
             key = s.get(ApiKey, key_id)
             if key is None or key.tenant_id != tenant_id:
-                raise TenantLookupError(f"key {key_id!r} not found for this tenant")
+                raise KeyNotFoundError(f"key {key_id!r} not found for this tenant")
             if key.revoked_at is None:
                 key.revoked_at = utcnow()
             info = _key_info(key)
         self.invalidate()
         return info
 
+    def rotate_key(self, tenant_id: str, key_id: str) -> tuple[KeyInfo, str, KeyInfo]:
+        """Revoke `key_id` and create its replacement; returns (new info, new raw key, revoked info)."""
+        old = self.revoke_key(tenant_id, key_id)
+        info, raw = self.create_key(tenant_id)
+        return info, raw, old
+
     # -- authentication --------------------------------------------------------------------------
     def authenticate(self, raw: str) -> TenantContext | None:
         """The caller's context for a raw key, or None for an unknown or revoked key."""
-        if not raw.startswith(KEY_PREFIX) or len(raw) > 128:
-            return None
-        digest = hash_key(raw)
-        now = time.monotonic()
-        with self._lock:
-            hit = self._cache.get(digest)
-            if hit is not None and hit[0] > now:
-                return hit[1]
-        context = self._lookup(digest)
-        with self._lock:
-            if len(self._cache) > 10_000:  # bounded: unknown keys must not grow it forever
-                self._cache.clear()
-            self._cache[digest] = (now + self.cache_ttl_s, context)
-        return context
+        return self._keys.authenticate(raw, KEY_PREFIX, self._lookup)
 
     def _lookup(self, digest: str) -> TenantContext | None:
         with self.db.session() as s:
@@ -218,5 +238,5 @@ class Tenancy:
                                  tenant.fallback)
 
     def invalidate(self) -> None:
-        with self._lock:
-            self._cache.clear()
+        """Forget cached key answers (after a revocation, a tier or a tenant change)."""
+        self._keys.invalidate()

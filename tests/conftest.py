@@ -216,12 +216,7 @@ def make_services(tmp_path: Path, engine: LLMEngine, **settings):
 
 def new_tenant_key(services, name: str = "acme", tier: str = "standard") -> str:
     """Create a tenant (if new) and a fresh API key for it; returns the raw key."""
-    from loramux.adapters.registry import TenantNotFoundError
-
-    try:
-        services.registry.tenant_by_name(name)
-    except TenantNotFoundError:
-        services.registry.create_tenant(name, tier=tier)
+    services.tenancy.ensure_tenant(name, tier=tier)
     return services.tenancy.create_key(name)[1]
 
 

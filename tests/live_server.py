@@ -18,7 +18,7 @@ class LiveServer:
                                                      lifespan="on", timeout_graceful_shutdown=5))
         self._thread = threading.Thread(target=self._server.run, daemon=True)
 
-    def __enter__(self) -> "LiveServer":
+    def __enter__(self) -> LiveServer:
         self._thread.start()
         ready = threading.Event()
 

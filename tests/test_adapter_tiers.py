@@ -17,6 +17,7 @@ from loramux.adapters.store import S3Store
 from loramux.adapters.tiers import AdapterCache, AdapterLoadError, DiskCache, HostCache
 from loramux.db import Database
 
+
 @pytest.fixture(scope="module")
 def base_cfg(tiny_cfg):
     return tiny_cfg
@@ -40,7 +41,7 @@ def setup(proxy, base_cfg, tmp_path):
     db = Database(f"sqlite:///{tmp_path / 'registry.db'}")
     db.upgrade()
     registry = AdapterRegistry(db, store, base_cfg, "tiny-llama")
-    tenant = registry.create_tenant("acme")
+    tenant = registry.tenancy.create_tenant("acme")
     counter = iter(range(10_000))
 
     def upload(name: str, rank: int = 4):
@@ -102,7 +103,7 @@ def test_host_ram_stays_within_budget_when_cycling_through_many_adapters(setup):
     one = max(v.size_bytes for v in versions) * 2  # float32 in RAM; the blobs may be smaller
     cache = make_cache(host_budget=3 * one)  # room for 3: cycling through 10x as many
     peak = 0
-    for rounds in range(2):
+    for _rounds in range(2):
         for version in versions:
             lease = cache.acquire_blocking(version, timeout=10)
             peak = max(peak, cache.host.nbytes)

@@ -391,7 +391,7 @@ def test_every_hostile_upload_leaves_nothing_in_sql_or_the_store(adapter, databa
     from loramux.db import Adapter, AdapterVersion, Tenant
 
     store = FileStore(tmp_path / "blobs")
-    tenant = AdapterRegistry(database, store, BASE, "base").create_tenant("acme")
+    tenant = AdapterRegistry(database, store, BASE, "base").tenancy.create_tenant("acme")
     for name, (build, code, _, limits, base_model_id) in CASES.items():
         marker = tmp_path / f"pwned-{name}"
         registry = AdapterRegistry(database, store, BASE, base_model_id or "any-base", limits or UploadLimits())

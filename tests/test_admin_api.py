@@ -111,7 +111,8 @@ def test_tenants_and_keys_lifecycle(stack):
     new = httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {rotated['key']}"})
     assert new.status_code == 200
     assert c.delete(f"/admin/tenants/{tenant['id']}/keys/{rotated['id']}").json()["revoked_at"]
-    assert httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {rotated['key']}"}).status_code == 401
+    revoked = httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {rotated['key']}"})
+    assert revoked.status_code == 401
 
     suspended = c.patch(f"/admin/tenants/{tenant['id']}", json={"status": "suspended", "tier": "free"}).json()
     assert (suspended["status"], suspended["tier"]) == ("suspended", "free")
@@ -122,7 +123,7 @@ def test_tenants_and_keys_lifecycle(stack):
 def test_adapter_upload_versions_visibility_warm_pin_delete(stack):
     server, tenant_key, _, _ = stack
     c = admin(stack)
-    acme = server.services.registry.tenant_by_name("acme")
+    acme = server.services.tenancy.tenant("acme")
     first = upload(stack, acme.id, "bot", adapter_dir(stack, "bot", 1))
     assert first.status_code == 201, first.text
     body = first.json()
@@ -131,7 +132,8 @@ def test_adapter_upload_versions_visibility_warm_pin_delete(stack):
     assert (second["id"], second["version"]) == (body["id"], 2) and second["digest"] != body["digest"]
     versions = c.get(f"/admin/adapters/{body['id']}").json()["versions"]
     assert [v["version"] for v in versions] == [1, 2]
-    assert any(a["id"] == body["id"] for a in c.get("/admin/adapters", params={"tenant_id": acme.id}).json()["adapters"])
+    listed = c.get("/admin/adapters", params={"tenant_id": acme.id}).json()["adapters"]
+    assert any(a["id"] == body["id"] for a in listed)
     assert c.patch(f"/admin/adapters/{body['id']}", json={"visibility": "public"}).json()["visibility"] == "public"
 
     warm = c.post(f"/admin/adapters/{body['id']}/warm").json()
@@ -164,7 +166,7 @@ def upload_dirs_left() -> list[str]:
 def test_upload_abuse_is_refused_and_leaves_nothing(stack, tmp_path):
     server = stack[0]
     c = admin(stack)
-    acme = server.services.registry.tenant_by_name("acme")
+    acme = server.services.tenancy.tenant("acme")
     good = adapter_dir(stack, "good", 5)
     config = (good / "adapter_config.json").read_bytes()
     weights = (good / "adapter_model.safetensors").read_bytes()
@@ -178,7 +180,8 @@ def test_upload_abuse_is_refused_and_leaves_nothing(stack, tmp_path):
         ("pickle as safetensors", {"adapter_model": ("adapter_model.safetensors", evil)}, 400, "holds a pickle"),
         ("traversal name", {"adapter_model": ("../../etc/passwd", weights)}, 400, "file name"),
         ("traversal config", {"adapter_config": ("..\\adapter_config.json", config)}, 400, "file name"),
-        ("malformed safetensors", {"adapter_model": ("adapter_model.safetensors", b"\x10\x00\x00\x00\x00\x00\x00\x00{]")},
+        ("malformed safetensors",
+         {"adapter_model": ("adapter_model.safetensors", b"\x10\x00\x00\x00\x00\x00\x00\x00{]")},
          400, "safetensors"),
         ("truncated", {"adapter_model": ("adapter_model.safetensors", weights[:-10])}, 400, ""),
         ("weights above the cap", {"adapter_model": ("adapter_model.safetensors", weights + b"\x00" * 400_000)}, 413,
@@ -187,7 +190,8 @@ def test_upload_abuse_is_refused_and_leaves_nothing(stack, tmp_path):
         ("missing part", {"adapter_config": None}, 400, "missing file field 'adapter_config'"),
     ]
     for label, overrides, status, needle in cases:
-        files = {"adapter_config": ("adapter_config.json", config), "adapter_model": ("adapter_model.safetensors", weights)}
+        files = {"adapter_config": ("adapter_config.json", config),
+                 "adapter_model": ("adapter_model.safetensors", weights)}
         files.update(overrides)
         files = {k: v for k, v in files.items() if v is not None}
         resp = c.post("/admin/adapters", data={"tenant_id": acme.id, "name": "evil"}, files=files)
@@ -196,7 +200,8 @@ def test_upload_abuse_is_refused_and_leaves_nothing(stack, tmp_path):
         assert "/tmp" not in resp.text and str(tmp_path) not in resp.text, label
     # A chunked body with no Content-Length is counted as it arrives.
     def chunks():
-        yield b"--x\r\nContent-Disposition: form-data; name=\"adapter_model\"; filename=\"adapter_model.safetensors\"\r\n\r\n"
+        yield (b"--x\r\nContent-Disposition: form-data; name=\"adapter_model\"; "
+               b"filename=\"adapter_model.safetensors\"\r\n\r\n")
         for _ in range(100):  # 1.6 MB, above the 1.25 MB body cap
             yield b"\x00" * 16384
 
@@ -216,7 +221,8 @@ def test_tiers_and_prices(stack):
     tiers = {t["name"]: t for t in c.get("/admin/tiers").json()["tiers"]}
     assert set(tiers) >= {"free", "standard", "premium"}
     put = c.put("/admin/tiers/enterprise", json={"priority": 3, "requests_per_min": 0, "tokens_per_min": 0,
-                                                 "max_concurrent": 256, "default_timeout_s": 600, "max_timeout_s": 3600})
+                                                 "max_concurrent": 256, "default_timeout_s": 600,
+                                                 "max_timeout_s": 3600})
     assert put.status_code == 200 and put.json()["priority"] == 3
     bad = c.put("/admin/tiers/odd", json={"priority": 0, "default_timeout_s": 100, "max_timeout_s": 10})
     assert bad.status_code == 400 and "default_timeout_s <= max_timeout_s" in bad.text
@@ -265,7 +271,9 @@ def test_admin_cli_mirrors_the_api(stack, tmp_path):
     import sys
 
     server = stack[0]
-    env = {**os.environ, "LORAMUX_ADMIN_KEY": ADMIN_KEY, "PYTHONUNBUFFERED": "1"}
+    # `admin tenants|keys` are `loramux tenants|keys`: they work on the database, like before a server runs.
+    env = {**os.environ, "LORAMUX_ADMIN_KEY": ADMIN_KEY, "PYTHONUNBUFFERED": "1",
+           "LORAMUX_DATABASE_URL": server.services.db.url}
 
     def cli(*args) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "loramux.cli", "admin", "--url", server.url, *args],
@@ -284,5 +292,5 @@ def test_admin_cli_mirrors_the_api(stack, tmp_path):
     assert cli("billing", "export", "--format", "csv", "--out", str(out)).returncode == 0
     assert out.read_text().startswith("id,") or out.read_text().splitlines()[0].count(",") > 5
     denied = subprocess.run([sys.executable, "-m", "loramux.cli", "admin", "--url", server.url, "--key",
-                             key["key"], "tenants", "list"], capture_output=True, text=True, timeout=120)
+                             key["key"], "adapters", "list"], capture_output=True, text=True, timeout=120)
     assert denied.returncode == 1 and "403" in denied.stderr

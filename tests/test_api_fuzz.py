@@ -32,7 +32,7 @@ def fuzz_stack(tiny_dir, tokenizer, tmp_path_factory):
     app = create_app(lambda: make_services(tmp, make_engine(tiny_dir, tokenizer, max_loras=2, max_lora_rank=8)))
     with LiveServer(app) as server:
         key = new_tenant_key(server.services, "fuzz-co", "premium")
-        tenant = server.services.registry.tenant_by_name("fuzz-co")
+        tenant = server.services.tenancy.tenant("fuzz-co")
         path = write_peft_adapter(tmp / "alpha", cfg, 4, ["q_proj", "v_proj"], seed=0)
         files = adapter_files(path)
         server.services.registry.register(tenant.id, "alpha", files)
@@ -132,19 +132,20 @@ def test_no_input_gets_a_server_error(api_schema, fuzz_stack, method, path, mode
 # tokenizer (/v1/completions) and the registry's SQL lookup (/generate's adapter_id) answered 500 to it.
 LONE = '"x\\ud800y"'  # JSON text of a string with a lone high surrogate
 SURROGATE_BODIES = [
-    ("/v1/completions", '{"model": "base", "prompt": %s, "max_tokens": 2}' % LONE),
-    ("/v1/completions", '{"model": "base", "prompt": [%s], "max_tokens": 2}' % LONE),
-    ("/v1/completions", '{"model": "base", "prompt": "hi", "stop": %s, "max_tokens": 2}' % LONE),
-    ("/v1/chat/completions", '{"model": "base", "messages": [{"role": "user", "content": %s}], '
-                             '"max_tokens": 2}' % LONE),
+    ("/v1/completions", '{"model": "base", "prompt": ' + LONE + ', "max_tokens": 2}'),
+    ("/v1/completions", '{"model": "base", "prompt": [' + LONE + '], "max_tokens": 2}'),
+    ("/v1/completions", '{"model": "base", "prompt": "hi", "stop": ' + LONE + ', "max_tokens": 2}'),
+    ("/v1/chat/completions", '{"model": "base", "messages": [{"role": "user", "content": ' + LONE + '}], '
+                             '"max_tokens": 2}'),
     ("/v1/chat/completions", '{"model": "base", "messages": [{"role": "user", "content": [{"type": "text", '
-                             '"text": %s}]}], "max_tokens": 2}' % LONE),
-    ("/v1/chat/completions", '{"model": %s, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}' % LONE),
-    ("/v1/chat/completions", '{"model": "base", "messages": [{"role": "user", "content": "hi"}], "user": %s, '
-                             '"response_format": {"type": "text", "x": [%s]}, "max_tokens": 2}' % (LONE, LONE)),
-    ("/generate", '{"prompt": %s, "max_tokens": 2}' % LONE),
-    ("/generate", '{"prompt": "hi", "adapter_id": %s, "max_tokens": 2}' % LONE),
-    ("/generate", '{"messages": [{"role": "user", "content": %s}], "max_tokens": 2, "stream": true}' % LONE),
+                             '"text": ' + LONE + '}]}], "max_tokens": 2}'),
+    ("/v1/chat/completions", '{"model": ' + LONE + ', "messages": [{"role": "user", "content": "hi"}], '
+                             '"max_tokens": 2}'),
+    ("/v1/chat/completions", '{"model": "base", "messages": [{"role": "user", "content": "hi"}], "user": ' + LONE
+                             + ', "response_format": {"type": "text", "x": [' + LONE + ']}, "max_tokens": 2}'),
+    ("/generate", '{"prompt": ' + LONE + ', "max_tokens": 2}'),
+    ("/generate", '{"prompt": "hi", "adapter_id": ' + LONE + ', "max_tokens": 2}'),
+    ("/generate", '{"messages": [{"role": "user", "content": ' + LONE + '}], "max_tokens": 2, "stream": true}'),
 ]
 
 

@@ -13,8 +13,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from loramux.admin.billing import (COLUMN_NAMES, FORMATS, BillingQueryError, Period, content_type, export,
-                                   parse_period, summary, summary_to_json)
+from loramux.admin.billing import (
+    COLUMN_NAMES,
+    FORMATS,
+    BillingQueryError,
+    Period,
+    content_type,
+    export,
+    parse_period,
+    summary,
+    summary_to_json,
+)
 from loramux.db import LedgerEntry
 
 UTC = timezone.utc

@@ -6,8 +6,7 @@ import random
 import pytest
 import torch
 
-from loramux.kernels import LoRABatch, build_segments, lora_expand, lora_shrink
-from loramux.kernels import torch_ops
+from loramux.kernels import LoRABatch, build_segments, lora_expand, lora_shrink, torch_ops
 from loramux.kernels.torch_ops import lora_expand_reference, lora_shrink_reference
 
 

@@ -10,7 +10,7 @@ from datetime import datetime
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from loramux.server.logs import JsonFormatter, NOISY_LOGGERS, configure_logging, request_id_var
+from loramux.server.logs import NOISY_LOGGERS, JsonFormatter, configure_logging, request_id_var
 from loramux.server.metrics import OUTCOMES, ServerMetrics
 
 ALLOWED_LABELS = {"tier", "outcome", "kind", "cache_tier", "le"}
@@ -182,7 +182,8 @@ class ExplodingDict(dict):
         raise RuntimeError("torn read")
 
 
-@pytest.mark.parametrize("broken", [lambda: 1 / 0, lambda: None, lambda: {"waiting": 1, "adapter_cache": ExplodingDict()}],
+@pytest.mark.parametrize("broken",
+                         [lambda: 1 / 0, lambda: None, lambda: {"waiting": 1, "adapter_cache": ExplodingDict()}],
                          ids=["raises", "not-a-dict", "raises-inside"])
 def test_raising_state_source_still_renders(broken, caplog):
     m = ServerMetrics()
@@ -278,7 +279,7 @@ def test_json_formatter_request_id_per_thread_context(json_logger):
 def test_json_formatter_exception_is_one_line(json_logger):
     logger, lines = json_logger
     try:
-        1 / 0
+        _ = 1 / 0
     except ZeroDivisionError:
         logger.exception("boom", extra={"level": "shadowed", "nan": float("nan")})
     (line,) = lines()

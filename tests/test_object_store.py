@@ -15,7 +15,14 @@ import pytest
 
 from conftest import MOTO_CREDENTIALS, MOTO_REGION, moto_create_bucket, stop_moto_server
 from loramux.adapters.store import (
-    BlobNotFoundError, FileStore, ObjectStore, S3Store, StoreError, StoreUnavailableError, blob_key, open_store,
+    BlobNotFoundError,
+    FileStore,
+    ObjectStore,
+    S3Store,
+    StoreError,
+    StoreUnavailableError,
+    blob_key,
+    open_store,
 )
 
 DIGEST = hashlib.sha256(b"adapter").hexdigest()

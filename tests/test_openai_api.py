@@ -32,7 +32,7 @@ def stack(tiny_dir, tokenizer, tmp_path_factory):
         services = server.services
         keys = {tier: new_tenant_key(services, f"{tier}-co", tier) for tier in ("free", "standard", "premium")}
         keys["acme"] = new_tenant_key(services, "acme", "standard")
-        acme = services.registry.tenant_by_name("acme")
+        acme = services.tenancy.tenant("acme")
         for i, name in enumerate(ADAPTERS):
             path = write_peft_adapter(tmp / name, cfg, 4 * (i + 1), ["q_proj", "v_proj", "down_proj"], seed=i,
                                       b_std=1.0)
@@ -171,7 +171,7 @@ def test_suspended_tenant_is_refused(stack):
     server, _, _ = stack
     services = server.services
     key = new_tenant_key(services, "gone-co", "standard")
-    services.tenancy.set_tenant(services.registry.tenant_by_name("gone-co").id, status="suspended")
+    services.tenancy.set_tenant(services.tenancy.tenant("gone-co").id, status="suspended")
     with pytest.raises(openai.PermissionDeniedError, match="suspended"):
         openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0).models.list()
 
@@ -237,7 +237,7 @@ def small(tiny_dir, tokenizer, tmp_path):
         keys = {tier: new_tenant_key(server.services, f"{tier}-co", tier) for tier in ("free", "standard", "premium")}
         cfg, _ = read_model_config(tiny_dir)
         path = write_peft_adapter(tmp_path / "tuned", cfg, 4, ["q_proj", "v_proj"], seed=11)
-        server.services.registry.register(server.services.registry.tenant_by_name("standard-co").id, "tuned",
+        server.services.registry.register(server.services.tenancy.tenant("standard-co").id, "tuned",
                                           adapter_files(path))
         yield server, keys
 
@@ -313,7 +313,8 @@ def test_a_queue_that_cannot_meet_the_deadline_answers_503(small):
     c = openai.OpenAI(base_url=f"{server.url}/v1", api_key=keys["standard"], max_retries=0)
     for _ in range(2):  # teach the engine how long a request takes here
         c.completions.create(model="base", prompt="warm", max_tokens=64, temperature=0, extra_body={"ignore_eos": True})
-    long = {"model": "base", "prompt": "Count:", "max_tokens": 500, "temperature": 0, "ignore_eos": True, "stream": True}
+    long = {"model": "base", "prompt": "Count:", "max_tokens": 500, "temperature": 0, "ignore_eos": True,
+            "stream": True}
     headers = {"Authorization": f"Bearer {keys['standard']}"}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=long, headers=headers, timeout=30) as a, \
             httpx.stream("POST", f"{server.url}/v1/completions", json=long, headers=headers, timeout=30) as b:
@@ -333,7 +334,7 @@ def test_adapter_fallback_serves_the_base_model_when_opted_in(small, tmp_path, t
     services = server.services
     cfg, _ = read_model_config(tiny_dir)
     path = write_peft_adapter(tmp_path / "broken", cfg, 4, ["q_proj"], seed=3)
-    tenant = services.registry.tenant_by_name("standard-co")
+    tenant = services.tenancy.tenant("standard-co")
     version = services.registry.register(tenant.id, "broken", adapter_files(path))
     services.store.delete(version.storage_key)  # the blob is gone: loading fails
     c = openai.OpenAI(base_url=f"{server.url}/v1", api_key=keys["standard"], max_retries=0)

@@ -32,12 +32,13 @@ def test_wheel_contains_every_package_and_runs_from_elsewhere(tmp_path):
     zipfile.ZipFile(wheel).extractall(site)
     # The unpacked wheel comes first on the path, ahead of the editable install.
     code = ("import loramux.cli, loramux.engine.engine as e, platform; "
-            "assert e.__file__.startswith(%r), e.__file__; print(platform.system())" % str(site))
+            f"assert e.__file__.startswith({str(site)!r}), e.__file__; print(platform.system())")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
                          env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr
     cli = subprocess.run([sys.executable, "-m", "loramux.cli", "plan", "--config", str(ROOT / "tests" / "data" /
-                          "llama2-7b-config.json"), "--dtype", "bf16", "--context-len", "1024", "--batch-size", "2", "--memory", "24GiB"], cwd=tmp_path, capture_output=True, text=True,
+                          "llama2-7b-config.json"), "--dtype", "bf16", "--context-len", "1024", "--batch-size", "2",
+                          "--memory", "24GiB"], cwd=tmp_path, capture_output=True, text=True,
                          env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"})
     assert cli.returncode == 0 and "fits" in cli.stdout, cli.stderr
     db = tmp_path / "wheel.db"

@@ -7,11 +7,11 @@ import sys
 
 import pytest
 import torch
+from test_model import run_chunks
 
 from loramux.engine.engine import EngineConfig, LLMEngine
 from loramux.engine.sampling_params import SamplingParams
 from loramux.model.loader import build_model, end_of_turn_ids
-from test_model import run_chunks
 
 pytestmark = pytest.mark.real_model
 
@@ -70,7 +70,7 @@ def test_continuous_batch_greedy_equals_hf_generate(smol, hf_model):
             if out.finished:
                 finished[out.request_id] = out
         step += 1
-    for i, ids in enumerate(prompts):
+    for i, _ids in enumerate(prompts):
         assert finished[f"q{i}"].token_ids == expected[i], f"prompt {i} diverged from HF generate"
     assert finished["q0"].text.strip() == "The capital of France is Paris."
     assert smol.stats()["kv_blocks_used"] == 0
@@ -101,7 +101,8 @@ def test_cli_generate_with_adapter(tmp_path, smol_dir):
 
     cfg, _ = read_model_config(smol_dir)
     adapter = write_peft_adapter(tmp_path / "strong", cfg, 8, ["q_proj", "v_proj", "down_proj"], seed=5, b_std=0.5)
-    cmd = [sys.executable, "-m", "loramux.cli", "generate", "--max-tokens", "12", "--chat", "What is the capital of France?"]
+    cmd = [sys.executable, "-m", "loramux.cli", "generate", "--max-tokens", "12", "--chat",
+           "What is the capital of France?"]
     base = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     tuned = subprocess.run(cmd[:4] + ["--adapter", str(adapter)] + cmd[4:], capture_output=True, text=True, timeout=300)
     assert base.returncode == 0 and tuned.returncode == 0, tuned.stderr

@@ -7,12 +7,16 @@ import threading
 import pytest
 from sqlalchemy import func, select
 
-from conftest import ADAPTER_FILES as FILES, adapter_files as files_of, write_peft_adapter
+from conftest import ADAPTER_FILES as FILES
+from conftest import adapter_files as files_of
+from conftest import write_peft_adapter
 from loramux.adapters.blob import unpack
-from loramux.adapters.registry import (AdapterNotFoundError, AdapterRegistry, InvalidNameError, TenantExistsError)
-from loramux.adapters.store import FileStore
+from loramux.adapters.registry import AdapterNotFoundError, AdapterRegistry, InvalidNameError
+from loramux.adapters.store import FileStore, blob_key
 from loramux.adapters.validation import AdapterValidationError
 from loramux.db import Adapter, AdapterVersion
+from loramux.tenancy import TenantExistsError
+
 
 @pytest.fixture(scope="module")
 def base_cfg(tiny_cfg):
@@ -49,11 +53,12 @@ def test_migrations_match_the_models_and_downgrade_cleanly(database):
     database.downgrade("base")
     assert set(inspect(database.engine).get_table_names()) <= {"alembic_version"}
     database.upgrade()
-    assert {"tenants", "adapters", "adapter_versions", "tiers", "api_keys", "admin_keys", "prices", "ledger"} <= set(inspect(database.engine).get_table_names())
+    assert {"tenants", "adapters", "adapter_versions", "tiers", "api_keys", "admin_keys", "prices", "ledger"} <= set(
+        inspect(database.engine).get_table_names())
 
 
 def test_register_resolve_list_versions(registry, base_cfg, tmp_path):
-    acme = registry.create_tenant("acme", tier="premium")
+    acme = registry.tenancy.create_tenant("acme", tier="premium")
     v1 = registry.register(acme.id, "support-bot", adapter_files(tmp_path, base_cfg, seed=1))
     assert (v1.name, v1.version, v1.rank, v1.target_modules) == ("support-bot", 1, 4, ("q_proj", "v_proj"))
     assert v1.adapter_id.startswith("ad_") and len(v1.digest) == 64
@@ -61,7 +66,8 @@ def test_register_resolve_list_versions(registry, base_cfg, tmp_path):
         assert registry.resolve(acme.id, ref) == v1
     blob = registry.store.get(v1.storage_key)
     adapter = unpack(blob, "support-bot", v1.digest)
-    assert adapter.rank == 4 and set(adapter.weights) == {(l, t) for l in range(2) for t in ("q_proj", "v_proj")}
+    assert adapter.rank == 4
+    assert set(adapter.weights) == {(layer, t) for layer in range(2) for t in ("q_proj", "v_proj")}
 
     v2 = registry.register(acme.id, "support-bot", adapter_files(tmp_path, base_cfg, seed=2, rank=8))
     assert (v2.adapter_id, v2.version, v2.rank) == (v1.adapter_id, 2, 8) and v2.digest != v1.digest
@@ -74,7 +80,7 @@ def test_register_resolve_list_versions(registry, base_cfg, tmp_path):
 
 
 def test_private_adapters_are_invisible_exactly_like_unknown_ones(registry, base_cfg, tmp_path):
-    acme, globex = registry.create_tenant("acme"), registry.create_tenant("globex")
+    acme, globex = registry.tenancy.create_tenant("acme"), registry.tenancy.create_tenant("globex")
     private = registry.register(acme.id, "secret", adapter_files(tmp_path, base_cfg, seed=1))
     public = registry.register(acme.id, "shared", adapter_files(tmp_path, base_cfg, seed=2), visibility="public")
     messages = []
@@ -95,9 +101,9 @@ def test_private_adapters_are_invisible_exactly_like_unknown_ones(registry, base
 
 
 def test_names_are_checked(registry, base_cfg, tmp_path):
-    acme = registry.create_tenant("acme")
+    acme = registry.tenancy.create_tenant("acme")
     with pytest.raises(TenantExistsError):
-        registry.create_tenant("acme")
+        registry.tenancy.create_tenant("acme")
     files = adapter_files(tmp_path, base_cfg, seed=1)
     for bad in ("", "../etc", "base", "ad_123", "a/b", "x" * 129, " lead"):
         with pytest.raises(InvalidNameError):
@@ -108,7 +114,7 @@ def test_names_are_checked(registry, base_cfg, tmp_path):
 
 
 def test_a_refused_upload_leaves_nothing(registry, base_cfg, tmp_path):
-    acme = registry.create_tenant("acme")
+    acme = registry.tenancy.create_tenant("acme")
     files = adapter_files(tmp_path, base_cfg, seed=1)
     bad_config = tmp_path / "bad.json"
     bad_config.write_text('{"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], '
@@ -126,7 +132,7 @@ def test_a_refused_upload_leaves_nothing(registry, base_cfg, tmp_path):
 
 
 def test_a_failed_commit_removes_the_blob(registry, base_cfg, tmp_path, monkeypatch):
-    acme = registry.create_tenant("acme")
+    acme = registry.tenancy.create_tenant("acme")
 
     def broken(*args, **kwargs):
         raise RuntimeError("database went away")
@@ -138,7 +144,7 @@ def test_a_failed_commit_removes_the_blob(registry, base_cfg, tmp_path, monkeypa
 
 
 def test_delete_is_soft_for_rows_and_hard_for_unused_blobs(registry, base_cfg, tmp_path):
-    acme, globex = registry.create_tenant("acme"), registry.create_tenant("globex")
+    acme, globex = registry.tenancy.create_tenant("acme"), registry.tenancy.create_tenant("globex")
     dropped = []
     registry.on_blob_deleted(dropped.append)
     files = adapter_files(tmp_path, base_cfg, seed=1)
@@ -160,7 +166,7 @@ def test_delete_is_soft_for_rows_and_hard_for_unused_blobs(registry, base_cfg, t
 
 
 def test_concurrent_uploads_of_one_name_get_distinct_versions(registry, base_cfg, tmp_path):
-    acme = registry.create_tenant("acme")
+    acme = registry.tenancy.create_tenant("acme")
     uploads = [adapter_files(tmp_path, base_cfg, seed=s) for s in range(4)]
     results, errors = [], []
 
@@ -178,3 +184,18 @@ def test_concurrent_uploads_of_one_name_get_distinct_versions(registry, base_cfg
     assert errors == []
     assert sorted(v.version for v in results) == [1, 2, 3, 4]
     assert len({v.adapter_id for v in results}) == 1
+
+
+def test_db_gc_deletes_only_unreferenced_blobs(database, base_cfg, tmp_path, monkeypatch, capsys):
+    from loramux.cli import main
+
+    store = FileStore(tmp_path / "blobs")
+    registry = AdapterRegistry(database, store, base_cfg, "tiny-llama")
+    live = registry.register(registry.tenancy.create_tenant("acme").id, "bot", adapter_files(tmp_path, base_cfg, 1))
+    orphan = blob_key("0" * 64)
+    store.put(orphan, b"left behind by a store outage during a delete")
+    monkeypatch.setenv("LORAMUX_STORE_URL", f"file://{tmp_path / 'blobs'}")
+    assert main(["db", "gc", "--url", database.url]) == 0
+    assert capsys.readouterr().out.split() == ["deleted", orphan]
+    assert store.list_keys("blobs/") == [live.storage_key]
+

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from loramux.engine.sampler import Sampler, SamplerOutput, SamplingRow, apply_penalties
 
 

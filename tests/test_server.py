@@ -82,7 +82,7 @@ def test_async_stream_and_early_exit_abort(tiny_dir, tokenizer):
     async def scenario():
         params = SamplingParams(max_tokens=200, ignore_eos=True)
         got = 0
-        async for out in engine.generate("a", "Hello", params):
+        async for _out in engine.generate("a", "Hello", params):
             got += 1
             if got == 3:
                 break  # the consumer walks away: the request must be aborted

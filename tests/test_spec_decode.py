@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+
 from loramux.engine.sampler import Sampler, SamplingRow, apply_penalties
 from loramux.engine.spec_decode import (
     Verdict,

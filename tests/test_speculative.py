@@ -29,7 +29,8 @@ def test_greedy_outputs_are_identical_with_and_without_speculation(tiny_dir, tok
         engine = make_engine(tiny_dir, tokenizer, num_speculative_tokens=k, speculative_max_batch=8, max_loras=2,
                              max_lora_rank=8)
         # alone (batch 1) and all together (a mixed-adapter batch)
-        outputs[k] = ([run_to_completion(engine, [r])[0].token_ids for r in requests], [o.token_ids for o in run_to_completion(engine, requests)])
+        outputs[k] = ([run_to_completion(engine, [r])[0].token_ids for r in requests],
+                      [o.token_ids for o in run_to_completion(engine, requests)])
         if k:
             stats = engine.stats()
             assert stats["spec_proposed_tokens"] > 50 and stats["spec_accepted_tokens"] > 10, stats

@@ -7,11 +7,23 @@ from __future__ import annotations
 
 import secrets
 from datetime import datetime, timezone
-
 from decimal import Decimal
 
-from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, Numeric, String,
-                        Text, UniqueConstraint, text)
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    Numeric,
+    String,
+    Text,
+    UniqueConstraint,
+    text,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
 
@@ -130,7 +142,7 @@ class Adapter(Base):
     deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True, default=None)
 
     tenant: Mapped[Tenant] = relationship()
-    versions: Mapped[list["AdapterVersion"]] = relationship(back_populates="adapter", order_by="AdapterVersion.version")
+    versions: Mapped[list[AdapterVersion]] = relationship(back_populates="adapter", order_by="AdapterVersion.version")
 
 
 class AdapterVersion(Base):

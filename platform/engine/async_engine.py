@@ -88,6 +88,25 @@ class AsyncEngine:
     def stats(self) -> dict[str, int]:
         return self.engine.stats()
 
+    # What the HTTP layer needs of the model, so routes never reach inside the engine. Tokenizing is
+    # thread-safe and is called from the threadpool, off the event loop.
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of raw text (no template)."""
+        return self.engine.tokenizer.encode(text)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of chat messages rendered with the model's chat template (generation prompt added)."""
+        return self.engine.encode_chat(messages)
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """Each token's own text (for logprobs)."""
+        tokenizer = self.engine.tokenizer
+        return [tokenizer.decode([i]) for i in ids]
+
     def estimated_queue_wait_s(self) -> float:
         """See LLMEngine.estimated_queue_wait_s; requests still in the inbox count as waiting."""
         return self.engine.estimated_queue_wait_s(extra_waiting=len(self._inbox))
@@ -140,7 +159,7 @@ class AsyncEngine:
             try:
                 self.engine.add_request(item.request_id, item.prompt, item.params, item.priority,
                                         arrival=item.arrival, adapter=item.adapter, cache_salt=item.cache_salt)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - a refused request (RequestError) or a bug: its caller gets it
                 _post_to(item.loop, _settle, item.accepted, exc)
                 return
             self._streams[item.request_id] = (item.loop, item.queue)

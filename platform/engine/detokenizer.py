@@ -112,11 +112,6 @@ class IncrementalDetokenizer:
         """The stop string that matched, or None."""
         return self._matched_stop
 
-    @property
-    def emitted_text(self) -> str:
-        """The text handed out so far (the concatenation of all deltas and the finish() flush)."""
-        return self._text[: self._emitted]
-
     # ------------------------------------------------------------------ public API
 
     def add_tokens(self, new_token_ids: list[int]) -> DetokenizerUpdate:

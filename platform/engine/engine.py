@@ -3,9 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -14,49 +13,14 @@ from loramux.adapters.slots import SlotTable
 from loramux.engine.block_manager import BlockManager
 from loramux.engine.detokenizer import IncrementalDetokenizer
 from loramux.engine.model_runner import ModelRunner
+from loramux.engine.outputs import EngineConfig, RequestError, RequestOutput
 from loramux.engine.sampler import Sampler, SamplingRow
 from loramux.engine.sampling_params import SamplingParams
 from loramux.engine.scheduler import Scheduler
 from loramux.engine.sequence import FinishReason, Sequence
 from loramux.engine.spec_decode import build_verdict, propose_ngram, verify
 
-
-@dataclass
-class EngineConfig:
-    block_size: int = 16
-    num_blocks: int | None = None  # None: derived from kv_cache_bytes
-    kv_cache_bytes: int = 512 * 1024**2
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int = 4096
-    max_loras: int = 8  # device adapter slots; 0 disables LoRA
-    max_lora_rank: int = 32
-    priority_aging_s: float = 10.0  # waiting this long is worth one priority level
-    enable_prefix_caching: bool = True  # reuse the KV of shared prompt prefixes (per adapter version)
-    num_speculative_tokens: int = 0  # prompt-lookup draft length; 0 = no speculation
-    speculative_max_batch: int = 4  # speculate only while at most this many sequences decode
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request: the new text and tokens, and the state so far."""
-
-    request_id: str
-    delta_text: str
-    new_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    logprobs: list[float]
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    timings: dict[str, Any] = field(default_factory=dict)
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    adapter: str | None = None  # adapter name as requested
-
-
-class RequestError(ValueError):
-    """A request the engine cannot take (prompt too long, duplicate id, ...); the message says why."""
+__all__ = ["LLMEngine", "EngineConfig", "RequestOutput", "RequestError"]
 
 
 @dataclass
@@ -91,10 +55,11 @@ class LLMEngine:
         if config.max_loras > 0:
             from loramux.adapters.slot_pool import DeviceSlotPool
 
-            self.slot_pool = DeviceSlotPool(model, config.max_loras, config.max_lora_rank, dtype, device)
+            self.slot_pool = DeviceSlotPool(model, config.max_loras, config.max_lora_rank, dtype, device,
+                                            config.lora_impl)
         self.runner = ModelRunner(model, num_blocks, config.block_size, dtype, device,
                                   self.slot_pool.wrapper if self.slot_pool else None)
-        # Local adapter source: name -> adapter (the registry issue puts SQL and storage tiers behind this).
+        # Adapters by name (loaded from directories, or handed over by the server's adapter cache) and by digest.
         self.adapters: dict[str, LoRAAdapter] = {}
         self._by_digest: dict[str, LoRAAdapter] = {}
         self._evicting: set[str] = set()  # replaced or deleted versions: slot freed after their last request
@@ -107,7 +72,7 @@ class LLMEngine:
 
     # -- construction from settings --------------------------------------------------------------
     @classmethod
-    def from_settings(cls, settings, load_adapters: bool = True) -> "LLMEngine":
+    def from_settings(cls, settings, load_adapters: bool = True) -> LLMEngine:
         """The engine for `settings`; `load_adapters`: also load LORAMUX_ADAPTERS directly (without the
         registry, as the CLI does)."""
         from transformers import AutoTokenizer
@@ -124,7 +89,8 @@ class LLMEngine:
                               max_num_seqs=settings.max_num_seqs,
                               max_num_batched_tokens=settings.max_num_batched_tokens,
                               max_model_len=settings.max_model_len, max_loras=settings.max_loras,
-                              max_lora_rank=settings.max_lora_rank, priority_aging_s=settings.priority_aging_s,
+                              max_lora_rank=settings.max_lora_rank, lora_impl=settings.lora_impl,
+                              priority_aging_s=settings.priority_aging_s,
                               enable_prefix_caching=settings.prefix_caching,
                               num_speculative_tokens=settings.speculative_tokens,
                               speculative_max_batch=settings.speculative_max_batch)
@@ -341,23 +307,14 @@ class LLMEngine:
         merged = None
         for token, logprob in zip(verdict.tokens, verdict.logprobs):
             out = self._append_token(req, token, logprob, now)
-            if merged is None:
-                merged = out
-            else:
-                merged.delta_text += out.delta_text
-                merged.new_token_ids += out.new_token_ids
-                for name in ("text", "token_ids", "logprobs", "finished", "finish_reason", "timings",
-                             "num_cached_tokens"):
-                    setattr(merged, name, getattr(out, name))
+            merged = out if merged is None else merged.absorb(out)
             if out.finished:
                 break
         return merged
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         p = seq.params
-        return SamplingRow(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
-                           repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
-                           frequency_penalty=p.frequency_penalty, seed=p.seed,
+        return SamplingRow(**p.sampling_controls(),
                            prompt_token_ids=seq.prompt_token_ids if p.repetition_penalty != 1.0 else (),
                            output_token_ids=seq.output_token_ids)
 
@@ -391,7 +348,8 @@ class LLMEngine:
         t = req.seq.timings
         if req.seq.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and t.first_scheduled and t.finished:
             service = t.finished - t.first_scheduled
-            self._service_s_ewma = service if self._service_s_ewma is None else 0.8 * self._service_s_ewma + 0.2 * service
+            ewma = self._service_s_ewma
+            self._service_s_ewma = service if ewma is None else 0.8 * ewma + 0.2 * service
         if req.seq.adapter is not None:
             self._drop_if_unused(req.seq.adapter)
 

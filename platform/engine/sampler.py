@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from loramux.engine.sampling_params import SamplingControls
+
 __all__ = ["SamplingRow", "SamplerOutput", "Sampler", "apply_penalties"]
 
 # Temperatures below this are treated as greedy (dividing by them would overflow anyway).
@@ -33,7 +35,7 @@ _TOP_P_SLACK = 1e-6
 
 
 @dataclass
-class SamplingRow:
+class SamplingRow(SamplingControls):
     """Sampling parameters of one row (one request); plain Python, built by the engine per step.
 
     temperature: < 1e-5 (including <= 0) means greedy (argmax of the penalised logits).
@@ -50,14 +52,6 @@ class SamplingRow:
     output_token_ids: tokens generated so far by this request.
     """
 
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
 

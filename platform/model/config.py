@@ -52,7 +52,7 @@ class ModelConfig:
         return v * h + self.num_layers * per_layer + h + head
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         model_type = cfg.get("model_type", "llama")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(

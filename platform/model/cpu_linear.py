@@ -5,7 +5,7 @@ faster than a strided GEMM at batch 8 on the machines we measured (docs/performa
 """
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -23,7 +23,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-@lru_cache(maxsize=None)
+@cache
 def can_pack(in_features: int, out_features: int, dtype: torch.dtype, batch_hint: int) -> bool:
     """Whether to pack this shape: oneDNN is present and its packed matmul agrees with the plain one.
 

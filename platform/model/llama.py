@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loramux.model.attention import AttentionMetadata, KVCache, paged_attention
 from loramux.model import cpu_linear
+from loramux.model.attention import AttentionMetadata, KVCache, paged_attention
 from loramux.model.config import ModelConfig
 from loramux.model.rope import RotaryEmbedding, apply_rope
 

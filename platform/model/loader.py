@@ -134,15 +134,16 @@ def load_weights(model: LlamaModel, model_dir: Path) -> None:
                     key = name.removeprefix("model.")
                     tensor = f.get_tensor(name)
                     if key == "embed_tokens.weight":
-                        if cfg.tie_word_embeddings:
-                            put(model.lm_head.weight, tensor); loaded.add("lm_head.weight")
-                        else:
-                            put(model.embed_tokens.weight, tensor); loaded.add("embed_tokens.weight")
+                        tied = cfg.tie_word_embeddings  # tied: the embedding matrix is the output head's
+                        put(model.lm_head.weight if tied else model.embed_tokens.weight, tensor)
+                        loaded.add("lm_head.weight" if tied else "embed_tokens.weight")
                     elif name == "lm_head.weight":
                         if not cfg.tie_word_embeddings:
-                            put(model.lm_head.weight, tensor); loaded.add("lm_head.weight")
+                            put(model.lm_head.weight, tensor)
+                            loaded.add("lm_head.weight")
                     elif key == "norm.weight":
-                        put(model.norm.weight, tensor); loaded.add("norm.weight")
+                        put(model.norm.weight, tensor)
+                        loaded.add("norm.weight")
                     elif key.startswith("layers."):
                         _load_layer_tensor(model, key, tensor, put, loaded)
     # A merged parameter counts as loaded only when every one of its slices arrived.

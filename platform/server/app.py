@@ -11,18 +11,15 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from loramux.admin import api as admin_api
-from loramux.engine.async_engine import EngineDeadError
+from loramux.admin.routes import router as admin_router
 from loramux.server import native, openai_api
 from loramux.server.deps import ServicesDep, TenantDep
+from loramux.server.errors import install_error_handlers
 from loramux.server.metrics import ServerMetrics
-from loramux.server.openai_api import openai_error_body
 from loramux.server.ratelimit import RateLimiter
-from loramux.server.serving import ServeError, Server
+from loramux.server.serving import Server
 from loramux.services import base_model_id
 
 
@@ -49,33 +46,8 @@ def create_app(services_factory, ledger_hooks: list | None = None) -> FastAPI:
                   description="Multi-tenant LoRA serving: OpenAI-compatible API over one base model and many adapters.")
     app.include_router(openai_api.router)
     app.include_router(native.router)
-    app.include_router(admin_api.router)
-
-    @app.exception_handler(ServeError)
-    async def serve_error(request: Request, exc: ServeError):
-        headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))} if exc.retry_after_s is not None else None
-        return JSONResponse(openai_error_body(exc.status, str(exc), exc.code), status_code=exc.status, headers=headers)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException):
-        return JSONResponse(openai_error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, exc: RequestValidationError):
-        problems = []
-        for err in exc.errors():
-            where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
-            problems.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
-        first = exc.errors()[0].get("loc", ()) if exc.errors() else ()
-        param = ".".join(str(p) for p in first if p != "body") or None
-        return JSONResponse(openai_error_body(422, "invalid request: " + "; ".join(problems), "invalid_parameter",
-                                              param), status_code=422)
-
-    @app.exception_handler(EngineDeadError)
-    async def engine_dead(request: Request, exc: EngineDeadError):
-        return JSONResponse(openai_error_body(503, str(exc), "engine_stopped"), status_code=503,
-                            headers={"Retry-After": "5"})
+    app.include_router(admin_router)
+    install_error_handlers(app)
 
     @app.get("/health", tags=["ops"])
     async def health() -> dict:

@@ -36,8 +36,8 @@ import math
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 __all__ = ["Admission", "RateLimited", "RateLimiter", "RequestTooLarge", "TierLimits"]
 

@@ -11,32 +11,31 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from loramux.adapters.registry import BASE_MODEL_ALIAS, AdapterNotFoundError, AdapterVersionInfo
 from loramux.adapters.tiers import Acquired, AdapterLoadError
 from loramux.engine.engine import RequestError, RequestOutput
 from loramux.engine.sampling_params import SamplingParams
+from loramux.server.errors import ApiError, client_disconnected
 from loramux.server.logs import request_id_var
-from loramux.server.ratelimit import RateLimited, RequestTooLarge
+from loramux.server.params import GenerationParams, resolve_max_tokens
+from loramux.server.ratelimit import RateLimited, RateLimiter, RequestTooLarge, TierLimits
+from loramux.server.sse import guarded
 from loramux.tenancy import TenantContext
 from loramux.usage import RequestRecord
 
+if TYPE_CHECKING:
+    from loramux.server.metrics import ServerMetrics
+    from loramux.services import Services
+
 log = logging.getLogger(__name__)
-
-
-class ServeError(Exception):
-    """A request refused before it ran; the HTTP layer turns it into `status` with this message."""
-
-    def __init__(self, status: int, message: str, retry_after_s: float | None = None, code: str = "invalid_request"):
-        super().__init__(message)
-        self.status = status
-        self.retry_after_s = retry_after_s
-        self.code = code
 
 
 @dataclass
@@ -53,7 +52,7 @@ class Running:
     arrival: float
     _stream: AsyncIterator[RequestOutput]
     _first: RequestOutput
-    _on_end: Callable[["Running", RequestOutput | None, str], None]
+    _on_end: Callable[[Running, RequestOutput | None, str], None]
     _ended: bool = field(default=False, init=False)
     inter_token_s: list[float] = field(default_factory=list, init=False)
 
@@ -107,10 +106,10 @@ class Running:
             self.end(last, outcome)
 
     async def final(self) -> RequestOutput:
-        out = None
+        last = None
         async for out in self.outputs():
-            pass
-        return out
+            last = out
+        return last
 
     def end(self, last: RequestOutput | None, outcome: str) -> None:
         if not self._ended:
@@ -128,8 +127,8 @@ class Running:
 class Server:
     """Admission and bookkeeping around the engine for the HTTP routes."""
 
-    def __init__(self, services, limiter, metrics, ledger_hooks: list[Callable[[RequestRecord], None]],
-                 model_id: str):
+    def __init__(self, services: Services, limiter: RateLimiter, metrics: ServerMetrics,
+                 ledger_hooks: list[Callable[[RequestRecord], None]], model_id: str):
         self.services = services
         self.limiter = limiter
         self.metrics = metrics
@@ -145,13 +144,23 @@ class Server:
         if asked is None:
             return tier.default_timeout_s
         if asked > tier.max_timeout_s:
-            raise ServeError(400, f"timeout {asked:g} s is above the {tier.max_timeout_s:g} s maximum of tier "
+            raise ApiError(400, f"timeout {asked:g} s is above the {tier.max_timeout_s:g} s maximum of tier "
                                   f"{tier.name!r}", code="timeout_too_long")
         return asked
 
+    async def start_generation(self, tenant: TenantContext, model: str | None, prompt_ids: list[int],
+                               body: GenerationParams, arrival: float, *, id_prefix: str, max_tokens: int | None,
+                               default_max_tokens: int, default_temperature: float) -> Running:
+        """`start` for a route's parameters: resolve max_tokens against the context, apply the route's
+        defaults, make the request id (`<id_prefix>-<hex>`)."""
+        max_tokens = resolve_max_tokens(max_tokens, len(prompt_ids), self.services.engine.max_model_len,
+                                        default_max_tokens)
+        params = body.sampling_params(max_tokens, default_temperature)
+        return await self.start(tenant, model, prompt_ids, params, f"{id_prefix}-{uuid.uuid4().hex}", arrival)
+
     async def start(self, tenant: TenantContext, model: str | None, prompt_ids: list[int], params: SamplingParams,
                     request_id: str, arrival: float) -> Running:
-        """Admit and start a request, or raise ServeError (nothing is held afterwards)."""
+        """Admit and start a request, or raise ApiError (nothing is held afterwards)."""
         request_id_var.set(request_id)  # log lines of this request carry its id
         timeout = self._timeout(tenant, params.timeout_s)
         params.timeout_s = timeout
@@ -160,15 +169,15 @@ class Server:
                                            len(prompt_ids) + params.max_tokens)
         except RateLimited as exc:
             self.metrics.count_rejected(tenant.tier.name, "rate_limited")
-            raise ServeError(429, str(exc), retry_after_s=exc.retry_after_s, code="rate_limit_exceeded") from None
+            raise ApiError(429, str(exc), retry_after_s=exc.retry_after_s, code="rate_limit_exceeded") from None
         except RequestTooLarge as exc:
-            raise ServeError(400, str(exc), code="request_too_large") from None
+            raise ApiError(400, str(exc), code="request_too_large") from None
         lease = None
         try:
             wait = self.services.engine.estimated_queue_wait_s()
             if wait > timeout:
                 self.metrics.count_rejected(tenant.tier.name, "rejected")
-                raise ServeError(503, f"the server is saturated: the estimated queue wait of {wait:.1f} s exceeds "
+                raise ApiError(503, f"the server is saturated: the estimated queue wait of {wait:.1f} s exceeds "
                                       f"this request's {timeout:g} s timeout; retry later",
                                  retry_after_s=max(1.0, wait - timeout), code="overloaded")
             version, lease, fallback_reason = await self._adapter(tenant, model, arrival + timeout - time.monotonic())
@@ -179,7 +188,7 @@ class Server:
             try:
                 first = await anext(stream)
             except RequestError as exc:
-                raise ServeError(400, str(exc)) from None
+                raise ApiError(400, str(exc)) from None
         except BaseException:
             admission.release(0)
             if lease is not None:
@@ -197,14 +206,14 @@ class Server:
         try:
             version = await run_in_threadpool(registry.resolve, tenant.tenant_id, model)
         except AdapterNotFoundError:
-            raise ServeError(404, f"model {model!r} not found: use the base model ({self.model_id!r} or 'base') "
+            raise ApiError(404, f"model {model!r} not found: use the base model ({self.model_id!r} or 'base') "
                                   "or an adapter listed by GET /v1/models", code="model_not_found") from None
         try:
             return version, await cache.acquire(version, max(0.001, time_left)), None
         except (AdapterLoadError, TimeoutError) as exc:
             reason = f"adapter {version.label} could not be loaded: {exc}"
             if tenant.fallback in ("", "none"):
-                raise ServeError(503, reason, retry_after_s=5.0, code="adapter_unavailable") from None
+                raise ApiError(503, reason, retry_after_s=5.0, code="adapter_unavailable") from None
             log.warning("serving the fallback %r instead: %s", tenant.fallback, reason)
             if tenant.fallback == BASE_MODEL_ALIAS:
                 return None, None, reason
@@ -212,7 +221,7 @@ class Server:
                 fallback = await run_in_threadpool(registry.resolve, tenant.tenant_id, tenant.fallback)
                 return fallback, await cache.acquire(fallback, max(0.001, time_left)), reason
             except Exception as fallback_exc:  # noqa: BLE001
-                raise ServeError(503, f"{reason}; the fallback {tenant.fallback!r} failed too: {fallback_exc}",
+                raise ApiError(503, f"{reason}; the fallback {tenant.fallback!r} failed too: {fallback_exc}",
                                  retry_after_s=5.0, code="adapter_unavailable") from None
 
     def _finished(self, running: Running, last: RequestOutput | None, outcome: str) -> None:
@@ -247,9 +256,7 @@ class Server:
                 log.exception("ledger hook failed for request %s", running.request_id)
 
 
-def tenant_limits(tenant: TenantContext):
-    from loramux.server.ratelimit import TierLimits
-
+def tenant_limits(tenant: TenantContext) -> TierLimits:
     t = tenant.tier
     return TierLimits(requests_per_min=t.requests_per_min, tokens_per_min=t.tokens_per_min,
                       max_concurrent=t.max_concurrent)
@@ -276,6 +283,17 @@ async def until_disconnected(request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+async def respond(request, running: Running, *, stream: bool, final: Callable[[RequestOutput], Response],
+                  events: Callable[[], AsyncIterator[str]]) -> Response:
+    """The answer to a started request: `final(last output)` once it ends, or with `stream` the SSE
+    `events()`; either way the request ends (and frees what it holds) when the client goes away."""
+    if stream:
+        return RunningStreamingResponse(guarded(events(), running.request_id), running,
+                                        media_type="text/event-stream", headers=running.headers())
+    out = await collect_or_cancel(request, running)
+    return client_disconnected() if out is None else final(out)
 
 
 async def collect_or_cancel(request, running: Running) -> RequestOutput | None:

@@ -1,0 +1,41 @@
+"""Prices per base model, adapter and tier, by the time they take effect: /admin/prices."""
+from __future__ import annotations
+
+from datetime import datetime
+from decimal import Decimal
+
+from fastapi import APIRouter
+from pydantic import Field
+
+from loramux.admin.pricing import PriceInfo
+from loramux.admin.routes.schemas import Price, PriceList
+from loramux.server.bodies import RequestBody
+from loramux.server.deps import ServerDep, ServicesDep
+
+router = APIRouter(prefix="/prices")
+
+
+class PriceBody(RequestBody):
+    base_model: str | None = Field(default=None, description="default: the served base model")
+    adapter_id: str | None = None
+    tier: str | None = None
+    input_per_mtok: Decimal = Field(ge=0, description="USD per 1M prompt tokens (not cached)")
+    cached_input_per_mtok: Decimal = Field(ge=0, description="USD per 1M cached prompt tokens")
+    output_per_mtok: Decimal = Field(ge=0, description="USD per 1M completion tokens")
+    effective_from: datetime | None = Field(default=None, description="default: now; timezone required")
+
+
+@router.post("", status_code=201, response_model=Price)
+def set_price(body: PriceBody, services: ServicesDep, server: ServerDep) -> PriceInfo:
+    if body.tier is not None:
+        services.tenancy.tier(body.tier)  # UnknownTierError: 400
+    if body.adapter_id is not None:
+        services.registry.owner_of(body.adapter_id)  # AdapterNotFoundError: 404
+    return services.prices.set_price(
+        body.base_model or server.model_id, str(body.input_per_mtok), str(body.cached_input_per_mtok),
+        str(body.output_per_mtok), adapter_id=body.adapter_id, tier=body.tier, effective_from=body.effective_from)
+
+
+@router.get("", response_model=PriceList)
+def list_prices(services: ServicesDep, base_model: str | None = None) -> dict:
+    return {"prices": services.prices.list_prices(base_model)}

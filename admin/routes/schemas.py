@@ -1,0 +1,179 @@
+"""The admin API's response models: the JSON each /admin route returns, as its OpenAPI schema documents it."""
+from __future__ import annotations
+
+from datetime import datetime
+from decimal import Decimal
+from typing import Annotated
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PlainSerializer
+
+from loramux.tenancy import TierInfo
+
+# Times are `datetime.isoformat()` strings and prices plain decimal strings, never floats.
+IsoDatetime = Annotated[datetime, PlainSerializer(datetime.isoformat, return_type=str)]
+Money = Annotated[Decimal, PlainSerializer(str, return_type=str)]
+Cost = Annotated[Decimal, PlainSerializer(lambda d: format(d, "f"), return_type=str)]  # 12 decimals, never 0E-12
+
+
+class Out(BaseModel):
+    """A response read from the attributes of a data-access DTO (routes may return the DTO itself)."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+
+# -- tenants and their keys -------------------------------------------------------------------------
+class Tenant(Out):
+    id: str
+    name: str
+    tier: str
+    status: str
+    fallback: str = Field(description="'none', 'base' or an adapter reference")
+    created_at: IsoDatetime
+
+
+class TenantList(Out):
+    tenants: list[Tenant]
+
+
+class Key(Out):
+    """A key as listed: never the raw key."""
+
+    id: str
+    prefix: str
+    created_at: IsoDatetime
+    revoked_at: IsoDatetime | None
+
+
+class KeyList(Out):
+    keys: list[Key]
+
+
+class NewKey(Out):
+    """A key just made: `key` is the raw key, shown this once."""
+
+    id: str
+    key: str
+    prefix: str
+
+
+class RotatedKey(NewKey):
+    revoked: str = Field(description="id of the key this one replaces, revoked now")
+
+
+# -- adapters ---------------------------------------------------------------------------------------
+class UploadedAdapter(Out):
+    id: str = Field(validation_alias=AliasChoices("id", "adapter_id"))
+    name: str
+    version: int
+    digest: str
+    tenant_id: str
+    size_bytes: int
+
+
+class AdapterVersion(UploadedAdapter):
+    visibility: str
+    rank: int
+    alpha: float
+    use_rslora: bool
+    target_modules: list[str]
+    base_model: str
+    created_at: IsoDatetime
+
+
+class AdapterList(Out):
+    adapters: list[AdapterVersion] = Field(description="the latest version of each live adapter")
+
+
+class AdapterDetail(Out):
+    id: str
+    tenant_id: str
+    versions: list[AdapterVersion] = Field(description="every ready version, oldest first")
+    pinned: bool
+
+
+class DeletedAdapter(Out):
+    id: str
+    deleted_versions: list[int]
+
+
+class WarmedAdapter(Out):
+    id: str
+    version: int
+    loaded_from: str = Field(description="the tier it came from: store, disk or ram")
+    load_ms: float
+
+
+class PinState(Out):
+    id: str
+    pinned: bool
+
+
+# -- tiers and prices -------------------------------------------------------------------------------
+Tier = TierInfo  # the tenancy DTO is a dataclass: pydantic documents and serialises it as it is
+
+
+class TierList(Out):
+    tiers: list[Tier]
+
+
+class Price(Out):
+    id: int
+    base_model: str
+    adapter_id: str | None
+    tier: str | None
+    input_per_mtok: Money
+    cached_input_per_mtok: Money
+    output_per_mtok: Money
+    effective_from: IsoDatetime
+
+
+class PriceList(Out):
+    prices: list[Price]
+
+
+# -- admin keys -------------------------------------------------------------------------------------
+class AdminKey(Key):
+    name: str
+
+
+class AdminKeyList(Out):
+    keys: list[AdminKey]
+
+
+class RevokedAdminKey(Out):
+    id: str
+    revoked_at: IsoDatetime
+
+
+# -- billing ----------------------------------------------------------------------------------------
+class Counters(Out):
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    cost: Cost = Field(description="USD, exact, 12 decimals")
+
+
+class TenantCounters(Counters):
+    tenant_id: str
+
+
+class AdapterCounters(TenantCounters):
+    adapter_id: str | None = Field(description="null: the base model")
+
+
+class Period(Out):
+    start: str | None = Field(description="ISO 8601 UTC, inclusive; null: open")
+    end: str | None = Field(description="ISO 8601 UTC, exclusive; null: open")
+
+
+class BillingSummary(Out):
+    """Ledger totals over a period (see `loramux.admin.billing.summary`)."""
+
+    period: Period
+    tenant_id: str | None
+    currency: str
+    total: Counters
+    tenants: list[TenantCounters] = Field(description="by tenant id")
+    adapters: list[AdapterCounters] = Field(description="by tenant, then adapter id, the base model first")
+    outcomes: dict[str, int] = Field(description="requests by outcome")

@@ -1,0 +1,32 @@
+"""Tenant tiers (priority, rate limits, timeouts): /admin/tiers."""
+from __future__ import annotations
+
+from fastapi import APIRouter
+from pydantic import Field
+
+from loramux.admin.routes.schemas import Tier, TierList
+from loramux.server.bodies import RequestBody
+from loramux.server.deps import ServicesDep
+from loramux.tenancy import TierInfo
+
+router = APIRouter(prefix="/tiers")
+
+
+class TierBody(RequestBody):
+    priority: int = Field(ge=-100, le=100)
+    requests_per_min: int = Field(default=0, ge=0)
+    tokens_per_min: int = Field(default=0, ge=0)
+    max_concurrent: int = Field(default=0, ge=0)
+    default_timeout_s: float = Field(gt=0, le=86_400)
+    max_timeout_s: float = Field(gt=0, le=86_400)
+
+
+@router.get("", response_model=TierList)
+def list_tiers(services: ServicesDep) -> dict:
+    return {"tiers": services.tenancy.tiers()}
+
+
+@router.put("/{name}", response_model=Tier)
+def put_tier(name: str, body: TierBody, services: ServicesDep) -> TierInfo:
+    """Create or replace a tier (0 = unlimited for the per-minute and concurrency limits)."""
+    return services.tenancy.upsert_tier(TierInfo(name=name, **body.model_dump()))
