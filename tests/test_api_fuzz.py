@@ -1,7 +1,8 @@
 """Schemathesis against the live server's own OpenAPI schema: every operation, generated valid and
-invalid inputs, over real HTTP (uvicorn on 127.0.0.1), with a tenant key. No input may get a 5xx, and no
-stream may end in an error event (a failure after the headers went out never shows as a status code).
-The admin routes get the same tenant key, so they are only fuzzed up to their refusal (403)."""
+invalid inputs, over real HTTP (uvicorn on 127.0.0.1). No input may get a 5xx, and no stream may end in
+an error event (a failure after the headers went out never shows as a status code). Every operation is
+fuzzed with a tenant key (the admin routes only up to their refusal, 403), and the admin routes again
+with a valid admin key, their path ids often steered to real tenants, keys and adapters."""
 from __future__ import annotations
 
 import json
@@ -36,6 +37,11 @@ def fuzz_stack(tiny_dir, tokenizer, tmp_path_factory):
         path = write_peft_adapter(tmp / "alpha", cfg, 4, ["q_proj", "v_proj"], seed=0)
         files = adapter_files(path)
         server.services.registry.register(tenant.id, "alpha", files)
+        # The admin fuzz acts on its own tenant (its keys may be revoked, its adapter deleted).
+        target = server.services.tenancy.create_tenant("admin-fuzz-co", tier="standard")
+        server.services.tenancy.create_key(target.id)
+        server.services.registry.register(target.id, "beta", files)
+        server.admin_key = server.services.admin_keys.create("fuzz")[1]
         yield server, key
 
 
@@ -51,6 +57,9 @@ def api_schema(fuzz_stack):
 # work under pytest 9: it writes `node._nodeid`, which pytest 9 no longer has.)
 OPERATIONS = [(method.upper(), path) for path, methods in create_app(lambda: None).openapi()["paths"].items()
               for method in methods]
+
+
+ADMIN_OPERATIONS = [(m, p) for m, p in OPERATIONS if p.startswith("/admin")]
 
 
 # Models the generated `model` / `adapter_id` strings are swapped for (chosen by the string's length, so a
@@ -124,6 +133,41 @@ def test_no_input_gets_a_server_error(api_schema, fuzz_stack, method, path, mode
         case.body = shorten(path, case.body)
         case.call_and_validate(headers={"Authorization": f"Bearer {key}"}, timeout=60,
                                checks=[not_a_server_error, content_type_conformance, no_error_event])
+
+    run()
+
+
+def steer_admin_ids(services, case) -> None:
+    """Swap generated path ids for real ones about two times in three (chosen by the generated string, so
+    a case replays identically): random ids only ever reach the 404 path."""
+    params = case.path_parameters or {}
+    tenant = services.tenancy.tenant("admin-fuzz-co")
+    real = {"tenant_id": [tenant.id, "admin-fuzz-co"],
+            "key_id": [k.id for k in services.tenancy.list_keys(tenant.id)][-1:],
+            "adapter_id": [v.adapter_id for v in services.registry.list_all(tenant.id)][:1]}
+    for name, value in params.items():
+        choices = real.get(name) or []
+        if isinstance(value, str) and choices and len(value) % 3:
+            params[name] = choices[len(value) % len(choices)]
+
+
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=lambda m: m.value)
+@pytest.mark.parametrize(("method", "path"), ADMIN_OPERATIONS, ids=[f"{m} {p}" for m, p in ADMIN_OPERATIONS])
+def test_no_admin_input_gets_a_server_error(api_schema, fuzz_stack, method, path, mode):
+    server, _ = fuzz_stack
+    operation = api_schema[path][method]
+    if mode is GenerationMode.NEGATIVE and not (operation.body or operation.query or operation.headers
+                                                or operation.path_parameters):
+        pytest.skip("nothing to send wrong")
+    strategy = operation.as_strategy(generation_mode=mode)
+
+    @given(strategy)
+    @settings(max_examples=EXAMPLES, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large])
+    def run(case):
+        steer_admin_ids(server.services, case)
+        case.call_and_validate(headers={"Authorization": f"Bearer {server.admin_key}"}, timeout=60,
+                               checks=[not_a_server_error, content_type_conformance])
 
     run()
 
