@@ -1,44 +1,69 @@
 """The cost ledger: one row per finished request, priced at the price in force when it ran, written
-exactly once and never lost.
+exactly once and never lost, even by kill -9.
 
 `write_records` prices records and inserts them in one transaction with INSERT ... ON CONFLICT
-(request_id) DO NOTHING, so replaying records is harmless. `LedgerWriter` is the request path's hook: its
-`submit` only appends to a bounded in-memory buffer (or, when that is full, to a JSON-lines spool file
-that is fsync'd), and a background thread writes batches to SQL. While the database is down the thread
-keeps its batch, logs once, and retries with exponential backoff; a batch whose commit outcome is
-unknown is simply written again. `close()` writes what it can and spools the rest; the next `start()`
-replays the spool. Records that can never be written (invalid data) go to `<spool>.rejected`.
+(request_id) DO NOTHING, so writing a record again is harmless.
 
-Record checks and row pricing live in `ledger_records`, the spool and rejected files in `ledger_spool`.
+`LedgerWriter` is the request path's hook. `submit(record)` never blocks and never raises: it checks and
+encodes the record, queues its line for the write-ahead log (`ledger_wal`: JSON lines in the data dir)
+and returns a `concurrent.futures.Future`. The "ledger-wal" thread writes whatever queued up meanwhile
+with one fsync (group commit, off the event loop), then resolves those futures. THE PROMISE: a record
+whose future resolved to True is written to SQL exactly once, whatever happens to the process afterwards
+(kill -9, OOM, power loss), provided the next start uses the same data dir. So the server sends a
+request's final response only after `await durable(ledger.submit(record))`. A record whose future had
+not resolved when the process died is billed at most once (its client never got a final response).
+
+The "ledger-writer" thread writes the log to SQL in order, up to `batch_size` rows a transaction (a
+smaller batch waits up to `linger_s` for more, except while flushing): from memory for those it keeps
+there (at most `max_buffer`), from the file for the others (replayed after a restart, or while the
+database is down: then the log grows on disk while memory holds one batch). After each commit, segments
+wholly in SQL are deleted and an active segment wholly in SQL is emptied. While the database is down the
+thread keeps its batch, logs once, and retries with exponential backoff; a batch whose commit outcome is
+unknown is simply written again. A line cut short by a crash (never acknowledged) and records that can
+never be written (invalid data) go to `<spool>.rejected`. `close()` writes what it can within `timeout`;
+the rest stays in the log for the next `start()`.
+
+Record checks and row pricing live in `ledger_records`, the line format and rejected file in
+`ledger_spool`, the log's files and its group commit in `ledger_wal`.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field, fields
 from datetime import datetime
 from pathlib import Path
 
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, StatementError
 
-from loramux.admin.ledger_records import LedgerRecordError, check_record, ledger_row
-from loramux.admin.ledger_spool import RejectedFile, SpoolFile
-from loramux.admin.pricing import PriceInfo, load_prices, price_generation
+from loramux.admin.ledger_records import (
+    PRICE_RELOAD_S,
+    LedgerRecordError,
+    PriceCache,
+    check_record,
+    ledger_row,
+    loose,
+    short_error,
+    write_batch,
+)
+from loramux.admin.ledger_spool import RejectedFile, encode
+from loramux.admin.ledger_wal import SEGMENT_BYTES, Entry, GroupCommit, Position, WriteAheadLog, place
+from loramux.admin.pricing import PriceInfo, load_prices
 from loramux.db import Database
 from loramux.db.models import LedgerEntry
 from loramux.usage import RequestRecord
 
-__all__ = ["PRICE_RELOAD_S", "LedgerRecordError", "LedgerWriter", "check_record", "write_records"]
+__all__ = ["PRICE_RELOAD_S", "LedgerRecordError", "LedgerWriter", "check_record", "durable", "write_records"]
 
 log = logging.getLogger(__name__)
 
-PRICE_RELOAD_S = 1.0  # the writer reloads the price table at most this often (and when this process sets a price)
 _TABLE = LedgerEntry.__table__
 _RECORD_FIELDS = [f.name for f in fields(RequestRecord)]
 
@@ -72,6 +97,14 @@ def write_records(db: Database, records: Sequence[RequestRecord],
     return inserted, len(records) - inserted
 
 
+async def durable(future: Future, timeout: float | None = None) -> bool:
+    """Await a `LedgerWriter.submit` future on the event loop: True once the record's line is fsync'd in
+    the write-ahead log (it will be billed exactly once), False when it was refused as invalid. Raises
+    asyncio.TimeoutError after `timeout` s (the record may still be stored later; the future is not
+    cancelled), or the error that kept it from being stored."""
+    return await asyncio.wait_for(asyncio.wrap_future(future), timeout)
+
+
 # --- the writer ---------------------------------------------------------------------------------------
 def _decode(line: bytes) -> RequestRecord:
     data = json.loads(line)
@@ -83,35 +116,23 @@ def _decode(line: bytes) -> RequestRecord:
     return record
 
 
-def _short(exc: BaseException) -> str:
-    text = str(getattr(exc, "orig", None) or exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:200]
-
-
-def _is_data_error(exc: BaseException) -> bool:
-    """True when a write failed because of the rows themselves (retrying cannot help), not the database."""
-    if isinstance(exc, DBAPIError):
-        return not exc.connection_invalidated and isinstance(exc, (DataError, IntegrityError))
-    if isinstance(exc, StatementError):  # raised while binding parameters, before reaching the database
-        return isinstance(exc.orig, (ValueError, TypeError, ArithmeticError))
-    return isinstance(exc, (ValueError, TypeError, ArithmeticError))
-
-
 @dataclass
 class _Batch:
-    source: str  # "buffer" | "spool"
     records: list[RequestRecord]
-    first_seq: int = 0  # buffer: sequence numbers of the first and last record
-    last_seq: int = 0
-    epoch: int = 0  # spool: the spool file generation and the offset just past the batch's last line
-    end_offset: int = 0
-    lines: int = 0  # spool lines consumed (records + unreadable ones)
-    bad: list[dict] = field(default_factory=list)  # unreadable spool lines, for the rejected file
+    lines: int  # log lines the batch covers (records + unreadable ones)
+    end: Position | None = None  # position just past its last line (None: not read from the file yet)
+    start: Position | None = None  # a batch read from the file: where it begins
+    bad: list[dict] = field(default_factory=list)  # unreadable lines, for the rejected file
 
 
 class LedgerWriter:
     def __init__(self, db: Database, spool_path: Path, *, max_buffer: int = 10_000, batch_size: int = 500,
-                 retry_initial_s: float = 0.2, retry_max_s: float = 5.0):
+                 retry_initial_s: float = 0.2, retry_max_s: float = 5.0, segment_bytes: int = SEGMENT_BYTES,
+                 linger_s: float = 0.05):
+        """`spool_path` is the log's active segment (sealed ones sit next to it); `max_buffer` records at
+        most are kept in memory for SQL, the others are read back from the log; `segment_bytes`: the
+        active segment is sealed past this size (and deleted once all of it is in SQL); `linger_s`: a
+        batch smaller than `batch_size` waits up to this long for more rows (not while flushing)."""
         if max_buffer < 1 or batch_size < 1:
             raise ValueError("max_buffer and batch_size must be at least 1")
         if not 0 < retry_initial_s <= retry_max_s:
@@ -119,133 +140,194 @@ class LedgerWriter:
         self.db = db
         self.spool_path = Path(spool_path)
         self.rejected_path = self.spool_path.with_name(self.spool_path.name + ".rejected")
-        self._spool = SpoolFile(self.spool_path)  # [offset, size) of it is not yet in SQL
+        self._wal = WriteAheadLog(self.spool_path, segment_bytes)
         self._rejected = RejectedFile(self.rejected_path)
         self.max_buffer, self.batch_size = max_buffer, batch_size
-        self.retry_initial_s, self.retry_max_s = retry_initial_s, retry_max_s
-        self._cond = threading.Condition()
+        self.retry_initial_s, self.retry_max_s, self.linger_s = retry_initial_s, retry_max_s, linger_s
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)  # the SQL thread and flush() wait here
+        self._commit = GroupCommit(self._wal, self._lock, self._appended, retry_initial_s, retry_max_s)
         self._wake = threading.Event()  # cuts a retry backoff short (flush, close)
         self._state = "new"  # new | running | closed
         self._thread: threading.Thread | None = None
-        self._run_id = 0  # each start() runs a new thread; an older one still stuck in the database just ends
-        self._stopping = False
-        self._buffer: deque[tuple[int, RequestRecord]] = deque()
-        self._seq = 0
+        self._run_id = 0  # each start() runs a new SQL thread; an older one still stuck in the database just ends
+        self._stopping = self._idle = False
+        self._flushing, self._linger_until = 0, None  # flush() callers waiting; when a gathered batch goes
+        # Log lines are numbered 1, 2, ... in file order (replayed ones first): `_seq` accepted, `_durable`
+        # fsync'd, `_committed` in SQL (or rejected), `_settled` committed and trimmed; each a prefix of the last.
+        self._seq = self._durable = self._committed = self._settled = 0
+        self._ram: deque[Entry] = deque()  # kept in memory until in SQL, in line order (not contiguous)
+        self._cursor: Position = (0, 0)  # log position of line `_committed + 1`
         self._inflight: _Batch | None = None
-        self._spool_next = False  # alternate buffer and spool batches so neither starves
-        self._prices: list[PriceInfo] | None = None
-        self._prices_at = 0.0
-        self._prices_generation = -1
+        self._prices = PriceCache(PRICE_RELOAD_S)
         self._failing = False
         self._counts = dict(written=0, duplicates=0, failures=0, rejected=0, lost=0)
         self._last_error: str | None = None
 
     # -- the request path ------------------------------------------------------------------------------
-    def submit(self, record: RequestRecord) -> None:
-        """Hand over one finished request. Never blocks on SQL and never raises."""
+    def submit(self, record: RequestRecord) -> Future:
+        """Hand over one finished request; never blocks on disk or SQL and never raises. The returned
+        future resolves to True once the record's line is fsync'd in the log (from then on it is billed
+        exactly once, even after kill -9), to False when the record was refused as invalid (it is kept in
+        the rejected file), or to the exception that kept it from being stored. Await it before the final
+        response: `await durable(writer.submit(record))`. Before `start()` the line waits in memory; after
+        `close()` it is appended and fsync'd on the calling thread."""
+        future: Future = Future()
+        future.set_running_or_notify_cancel()  # cannot be cancelled (asyncio.wait_for timing out would try)
         try:
             try:
                 check_record(record)
-            except LedgerRecordError as exc:
+                line = encode(record)
+            except (LedgerRecordError, ValueError, TypeError) as exc:
                 log.error("ledger: record refused (%s); kept in %s", exc, self.rejected_path)
-                self._reject([{"error": str(exc), "record": _loose(record)}])
-                return
-            with self._cond:
-                in_memory = len(self._buffer) + self._inflight_buffered()
-                if self._state != "closed" and in_memory < self.max_buffer:
+                self._reject([{"error": str(exc), "record": loose(record)}])
+                future.set_result(False)
+                return future
+            with self._lock:
+                if self._state == "closed":
+                    self._wal.append_closed(line)
                     self._seq += 1
-                    self._buffer.append((self._seq, record))
+                    self._durable = self._seq
                 else:
-                    self._spool.append([record])
-                    if self._state == "closed":
-                        self._spool.close()
-                self._cond.notify_all()
-        except Exception:  # noqa: BLE001 - the request path must never fail because of the ledger
-            log.exception("ledger: could not keep the record of request %s",
-                          getattr(record, "request_id", "?"))
-            with self._cond:
+                    if not self._wal.is_open:
+                        self._open_wal()
+                    self._seq += 1
+                    entry = Entry(self._seq, line, record, future)
+                    self._commit.put(entry)
+                    if len(self._ram) < self.max_buffer:
+                        self._ram.append(entry)
+                    return future
+            future.set_result(True)
+        except Exception as exc:  # noqa: BLE001 - the request path must never fail because of the ledger
+            log.exception("ledger: could not keep the record of request %s", getattr(record, "request_id", "?"))
+            with self._lock:
                 self._counts["lost"] += 1
+            if not future.done():
+                future.set_exception(exc)
+        return future
 
     # -- control ---------------------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the writer thread; it begins with the spool file left by an earlier run, if any."""
-        with self._cond:
+        """Start the WAL and SQL threads; the SQL thread begins with what an earlier run left in the log."""
+        with self._lock:
             if self._state == "running":
                 return
-            self._spool.open()
+            if not self._wal.is_open:
+                self._open_wal()
             self._stopping = False
             self._state = "running"
-            self._spool_next = True
             self._run_id += 1
+            self._commit.start()
             self._thread = threading.Thread(target=self._run, args=(self._run_id,), name="ledger-writer",
                                             daemon=True)
             self._thread.start()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every record submitted so far is in SQL (True), or `timeout` seconds (False)."""
-        with self._cond:
-            target = (self._seq, self._spool.epoch, self._spool.size)
-            if self._state != "running":
-                return self._flushed(target)
-            self._wake.set()  # skip the rest of a retry backoff
-            done = self._cond.wait_for(lambda: self._state != "running" or self._flushed(target), timeout)
-            return bool(done) and self._flushed(target)
+        with self._lock:
+            target = self._seq
+            if self._state == "running":
+                self._wake.set()  # skip the rest of a retry backoff
+                self._flushing += 1  # and do not wait for fuller batches
+                self._cond.notify_all()
+                try:
+                    self._cond.wait_for(lambda: self._state != "running" or self._settled >= target, timeout)
+                finally:
+                    self._flushing -= 1
+            return self._settled >= target
 
     def close(self, timeout: float = 10.0) -> None:
-        """Flush for up to `timeout` seconds, stop the thread, and spool whatever is not in SQL yet."""
+        """Flush for up to `timeout` seconds, then stop the threads; what is not in SQL stays in the log."""
         deadline = time.monotonic() + timeout
-        with self._cond:
+        with self._lock:
             if self._state == "closed":
                 return
             running = self._state == "running"
         if running and not self.flush(timeout):
-            log.warning("ledger: database not reachable at shutdown; unwritten records go to %s", self.spool_path)
-        with self._cond:
+            log.warning("ledger: database not reachable at shutdown; unwritten records stay in %s", self.spool_path)
+        with self._lock:
             self._stopping = True
             self._cond.notify_all()
         self._wake.set()
-        thread = self._thread
+        thread, stuck = self._thread, False
         if thread is not None:
             thread.join(max(0.2, deadline - time.monotonic()))
             if thread.is_alive():
-                log.warning("ledger: writer thread still busy in the database at shutdown; its batch is spooled "
-                            "too (written at most once on replay)")
-        with self._cond:
+                log.warning("ledger: writer thread still busy in the database at shutdown; its batch stays in "
+                            "the log too (written at most once on replay)")
+            stuck = not self._commit.stop(max(1.0, deadline - time.monotonic()))
+        done: list[Entry] = []
+        with self._lock:
             self._state = "closed"
-            leftovers = [r for _, r in self._buffer]
-            if self._inflight is not None and self._inflight.source == "buffer":
-                leftovers = self._inflight.records + leftovers
+            self._run_id += 1
+            leftovers, self._commit.pending = self._commit.pending, []
             try:
-                self._spool.compact(leftovers)
-                self._buffer.clear()
-                self._inflight = None
-            except Exception:  # noqa: BLE001
-                log.exception("ledger: could not spool %d unwritten records to %s", len(leftovers), self.spool_path)
-            self._spool.close()
+                if stuck:
+                    raise OSError("the WAL thread is stuck in a write")
+                if leftovers:  # never started, or the log could not be written until now
+                    place(leftovers, *self._wal.append([e.line for e in leftovers]))
+                    self._appended(leftovers[-1].seq)
+                    done = leftovers
+                self._wal.close(self._cursor)
+            except Exception as exc:  # noqa: BLE001
+                log.exception("ledger: could not close the log %s cleanly", self.spool_path)
+                lost = [] if done else leftovers
+                self._counts["lost"] += len(lost)
+                for e in lost:
+                    e.future.set_exception(exc)
+            self._ram.clear()
+            self._inflight = None
             self._cond.notify_all()
+        for e in done:
+            e.future.set_result(True)
 
     def stats(self) -> dict:
-        with self._cond:
-            return {**self._counts, "buffered": len(self._buffer) + self._inflight_buffered(),
-                    "spooled": self._spool.pending, "last_error": self._last_error}
+        """written / duplicates / rejected / lost rows, failures (SQL) and wal_failures; buffered: records
+        kept in memory for SQL; spooled: records not in SQL that are only in the log (or queued for it)."""
+        with self._lock:
+            return {**self._counts, "wal_failures": self._commit.failures, "buffered": len(self._ram),
+                    "spooled": max(0, self._seq - self._committed - len(self._ram)), "last_error": self._last_error,
+                    "wal_syncs": self._wal.syncs, "wal_lines": self._wal.appended}
 
-    # -- the writer thread -----------------------------------------------------------------------------
+    # -- the log ---------------------------------------------------------------------------------------
+    def _open_wal(self) -> None:
+        """Under the lock: open the log; its lines left by an earlier run come first."""
+        replayed = self._wal.open()
+        self._committed = self._settled = self._seq  # what an earlier open counted is in the files again
+        self._seq += replayed
+        self._durable = self._seq
+        self._cursor = self._wal.start_position()
+        if replayed:
+            log.warning("ledger: replaying %d records from %s", replayed, self.spool_path)
+
+    def _appended(self, seq: int) -> None:
+        """Under the lock: every line up to `seq` is fsync'd (and placed)."""
+        self._durable = seq
+        if self._idle or self._durable - self._committed >= self.batch_size:
+            self._cond.notify_all()  # else the SQL thread is busy, or gathering a batch and wakes by itself
+
+    # -- the SQL thread --------------------------------------------------------------------------------
     def _run(self, run_id: int) -> None:
         backoff = self.retry_initial_s
         while True:
             try:
-                with self._cond:
+                with self._lock:
                     while True:
                         if self._stopping or run_id != self._run_id:
                             return
-                        batch = self._next_batch()
+                        wait = self._gather()
+                        batch = None if wait else self._next_batch()
                         if batch is not None:
                             break
-                        self._cond.wait()
+                        self._idle = not wait  # no work: a group commit wakes it
+                        self._cond.wait(wait or None)
+                        self._idle = False
+                if batch.end is None:
+                    self._read(batch)
                 inserted, duplicates, rejected = self._write(batch.records)
             except Exception as exc:  # noqa: BLE001 - any failure: keep the batch and retry
                 self._failed(exc)
-                with self._cond:
+                with self._lock:
                     if self._stopping or run_id != self._run_id:
                         return
                 self._wake.wait(backoff)
@@ -254,73 +336,89 @@ class LedgerWriter:
                 continue
             backoff = self.retry_initial_s
             try:
-                self._done(batch, inserted, duplicates, rejected)
+                self._done(run_id, batch, inserted, duplicates, rejected)
             except Exception:  # noqa: BLE001 - bookkeeping of a committed batch; the rows are in SQL
                 log.exception("ledger: bookkeeping after a committed batch failed")
-                with self._cond:
+                with self._lock:
                     if self._inflight is batch:
                         self._inflight = None
                     self._cond.notify_all()
 
+    def _gather(self) -> float | None:
+        """Under the lock: how long to wait for a fuller batch before writing (fewer transactions, less time
+        holding the GIL away from the event loop); 0: write now."""
+        if self._inflight is not None or self._stopping or self._flushing or not self.linger_s:
+            return 0
+        backlog = self._durable - self._committed
+        if backlog == 0 or backlog >= self.batch_size:
+            self._linger_until = None
+            return 0
+        now = time.monotonic()
+        if self._linger_until is None:
+            self._linger_until = now + self.linger_s
+        if now >= self._linger_until:
+            self._linger_until = None
+            return 0
+        return self._linger_until - now
+
+    def _next_batch(self) -> _Batch | None:
+        """Under the lock: the batch to write next (the failed one first), in log order."""
+        if self._inflight is not None:
+            return self._inflight
+        first = self._committed + 1
+        if first > self._durable:
+            return None
+        if self._ram and self._ram[0].seq == first:  # in memory: no need to read the file
+            take = []
+            for e in self._ram:
+                if e.seq != first + len(take) or e.seq > self._durable or len(take) >= self.batch_size:
+                    break
+                take.append(e)
+            batch = _Batch([e.record for e in take], len(take), end=take[-1].end)
+        else:  # up to the next record kept in memory, from the file
+            stop = min(self._ram[0].seq if self._ram else first + self.batch_size, self._durable + 1)
+            batch = _Batch([], min(self.batch_size, stop - first), start=self._cursor)
+        self._inflight = batch
+        return batch
+
+    def _read(self, batch: _Batch) -> None:
+        lines, end = self._wal.read_lines(batch.start, batch.lines)
+        records, bad = [], []
+        for line in lines:
+            try:
+                records.append(_decode(line))
+            except Exception as exc:  # noqa: BLE001
+                log.error("ledger: unreadable log line (%s); kept in %s", short_error(exc), self.rejected_path)
+                bad.append({"error": short_error(exc), "line": line.decode("utf-8", "replace").rstrip("\n")})
+        if len(lines) < batch.lines:  # cannot happen unless someone else changed the files
+            log.error("ledger: the log %s is shorter than written; %d records may be missing", self.spool_path,
+                      batch.lines - len(lines))
+            with self._lock:
+                self._counts["lost"] += batch.lines - len(lines)
+        batch.records, batch.bad, batch.end = records, bad, end
+
     def _write(self, records: list[RequestRecord]) -> tuple[int, int, list[dict]]:
         if not records:
             return 0, 0, []
-        prices = self._current_prices()
-        try:
-            inserted, duplicates = write_records(self.db, records, prices)
-            return inserted, duplicates, []
-        except Exception as exc:  # noqa: BLE001
-            if not _is_data_error(exc):
-                raise
-            log.error("ledger: a batch of %d rows was refused (%s); writing them one by one", len(records),
-                      _short(exc))
-        inserted = duplicates = 0
-        rejected = []
-        for record in records:
-            try:
-                i, d = write_records(self.db, [record], prices)
-            except Exception as exc:  # noqa: BLE001
-                if not _is_data_error(exc):
-                    raise
-                log.error("ledger: request %s refused by the database (%s); kept in %s", record.request_id,
-                          _short(exc), self.rejected_path)
-                rejected.append({"error": _short(exc), "record": _loose(record)})
-                continue
-            inserted += i
-            duplicates += d
-        return inserted, duplicates, rejected
-
-    def _current_prices(self) -> list[PriceInfo]:
-        generation = price_generation()
-        with self._cond:
-            fresh = (self._prices is not None and generation == self._prices_generation
-                     and time.monotonic() - self._prices_at < PRICE_RELOAD_S)
-            if fresh:
-                return self._prices
-        loaded_at = time.monotonic()
-        with self.db.session() as session:
-            prices = load_prices(session)
-        with self._cond:
-            self._prices, self._prices_at, self._prices_generation = prices, loaded_at, generation
-        return prices
+        prices = self._prices.get(self.db)
+        return write_batch(lambda batch: write_records(self.db, batch, prices), records, self.rejected_path)
 
     def _failed(self, exc: BaseException) -> None:
-        with self._cond:
+        with self._lock:
             self._counts["failures"] += 1
-            self._last_error = _short(exc)
-            first = not self._failing
-            self._failing = True
-            pending = len(self._buffer) + self._inflight_buffered() + self._spool.pending
+            self._last_error = short_error(exc)
+            first, self._failing = not self._failing, True
+            pending = self._seq - self._committed
         if first:
             log.warning("ledger: database write failed (%s); %d records kept, retrying with backoff up to %.1fs",
                         self._last_error, pending, self.retry_max_s)
         else:
             log.debug("ledger: retry failed: %s", self._last_error)
 
-    def _done(self, batch: _Batch, inserted: int, duplicates: int, rejected: list[dict]) -> None:
+    def _done(self, run_id: int, batch: _Batch, inserted: int, duplicates: int, rejected: list[dict]) -> None:
         if rejected or batch.bad:
-            self._reject(rejected + batch.bad)  # before the spool lines are dropped
-        with self._cond:
+            self._reject(rejected + batch.bad)  # before the log lines are dropped
+        with self._lock:
             self._counts["written"] += inserted
             self._counts["duplicates"] += duplicates
             if self._failing:
@@ -329,67 +427,23 @@ class LedgerWriter:
                             self._counts["failures"])
             if self._inflight is batch:
                 self._inflight = None
-            if (batch.source == "spool" and self._state != "closed" and batch.epoch == self._spool.epoch
-                    and batch.end_offset > self._spool.offset):
-                self._spool.commit(batch.end_offset, batch.lines)
+            if run_id != self._run_id:  # closed meanwhile: the log is no longer ours to trim
+                return
+            self._committed += batch.lines
+            self._cursor = cursor = batch.end
+            while self._ram and self._ram[0].seq <= self._committed:
+                self._ram.popleft()
+            committed = self._committed
+        cursor = self._wal.trim(cursor)  # outside the lock: it may wait for an fsync in progress
+        with self._lock:
+            if run_id == self._run_id:
+                self._cursor = cursor
+                self._settled = committed
             self._cond.notify_all()
-
-    # -- state, under self._cond -----------------------------------------------------------------------
-    def _inflight_buffered(self) -> int:
-        batch = self._inflight
-        return len(batch.records) if batch is not None and batch.source == "buffer" else 0
-
-    def _flushed(self, target: tuple[int, int, int]) -> bool:
-        seq, epoch, size = target
-        if self._inflight is not None and self._inflight.source == "buffer":
-            oldest = self._inflight.first_seq
-        else:
-            oldest = self._buffer[0][0] if self._buffer else seq + 1
-        spool_done = self._spool.pending == 0 or (self._state != "closed" and (
-            epoch != self._spool.epoch or self._spool.offset >= size))
-        return oldest > seq and spool_done
-
-    def _next_batch(self) -> _Batch | None:
-        if self._inflight is not None:
-            return self._inflight  # a failed batch is retried before anything else
-        spool_ready = self._spool.ready
-        if self._buffer and not (spool_ready and self._spool_next):
-            take = [self._buffer.popleft() for _ in range(min(self.batch_size, len(self._buffer)))]
-            batch = _Batch("buffer", [r for _, r in take], first_seq=take[0][0], last_seq=take[-1][0])
-        elif spool_ready:
-            batch = self._read_spool()
-            if batch.lines == 0:  # the file is shorter than written: changed by someone else
-                log.error("ledger: spool file %s shrank unexpectedly; %d records may be missing", self.spool_path,
-                          self._spool.pending)
-                self._spool.forget_unread()
-                return self._next_batch()
-        else:
-            return None
-        self._spool_next = batch.source == "buffer"
-        self._inflight = batch
-        return batch
-
-    def _read_spool(self) -> _Batch:
-        """The next batch_size lines of the spool from the committed offset."""
-        batch = _Batch("spool", [], epoch=self._spool.epoch, end_offset=self._spool.offset)
-        for line, end_offset in self._spool.read_lines(self.batch_size):
-            batch.lines, batch.end_offset = batch.lines + 1, end_offset
-            try:
-                batch.records.append(_decode(line))
-            except Exception as exc:  # noqa: BLE001
-                log.error("ledger: unreadable spool line (%s); kept in %s", _short(exc), self.rejected_path)
-                batch.bad.append({"error": _short(exc), "line": line.decode("utf-8", "replace").rstrip("\n")})
-        return batch
 
     # -- the rejected file -----------------------------------------------------------------------------
     def _reject(self, entries: list[dict]) -> None:
         self._rejected.append(entries)
-        with self._cond:
+        with self._lock:
             self._counts["rejected"] += len(entries)
 
-
-def _loose(record) -> object:
-    """As much of a (possibly malformed) record as JSON can hold."""
-    if isinstance(record, RequestRecord):
-        return {k: getattr(record, k) for k in _RECORD_FIELDS}
-    return repr(record)[:2000]

@@ -1,23 +1,32 @@
 """What a ledger row is made of: `check_record` (does a RequestRecord fit the ledger table on every
-backend?) and `ledger_row` (the row of a record, priced at the price in force when it ran).
+backend?) and `ledger_row` (the row of a record, priced at the price in force when it ran); the writer's
+price cache, and how it tells a row the database refuses from a database that is down.
 
-`loramux.admin.ledger` re-exports both names and calls them through its own namespace.
+`loramux.admin.ledger` re-exports `check_record` and calls it through its own namespace.
 """
 from __future__ import annotations
 
+import logging
 import math
+import time
 from collections.abc import Sequence
+from dataclasses import fields
 from datetime import datetime
 
 from sqlalchemy import String
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, StatementError
 
-from loramux.admin.pricing import PriceInfo, cost_of, price_for
+from loramux.admin.pricing import PriceInfo, cost_of, load_prices, price_for, price_generation
 from loramux.db.models import LedgerEntry, Money
 from loramux.usage import RequestRecord
 
+log = logging.getLogger("loramux.admin.ledger")  # the writer's own logger: these are its messages
+
+PRICE_RELOAD_S = 1.0  # the writer reloads the price table at most this often (and when this process sets a price)
 _INT32_MAX = 2**31 - 1
 _ZERO = Money.SCALE * 0
 _STRINGS = {c.name: c.type.length for c in LedgerEntry.__table__.columns if isinstance(c.type, String)}
+_RECORD_FIELDS = [f.name for f in fields(RequestRecord)]
 _INTS = ("prompt_tokens", "cached_tokens", "completion_tokens", "adapter_version")
 
 
@@ -77,3 +86,72 @@ def ledger_row(record: RequestRecord, prices: Sequence[PriceInfo]) -> dict:
         output_per_mtok=price.output_per_mtok if price else _ZERO,
         cost=cost_of(record.prompt_tokens, record.cached_tokens, record.completion_tokens, price),
         created_at=record.created_at)
+
+
+def short_error(exc: BaseException) -> str:
+    text = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:200]
+
+
+def is_data_error(exc: BaseException) -> bool:
+    """True when a write failed because of the rows themselves (retrying cannot help), not the database."""
+    if isinstance(exc, DBAPIError):
+        return not exc.connection_invalidated and isinstance(exc, (DataError, IntegrityError))
+    if isinstance(exc, StatementError):  # raised while binding parameters, before reaching the database
+        return isinstance(exc.orig, (ValueError, TypeError, ArithmeticError))
+    return isinstance(exc, (ValueError, TypeError, ArithmeticError))
+
+
+def loose(record) -> object:
+    """As much of a (possibly malformed) record as JSON can hold."""
+    if isinstance(record, RequestRecord):
+        return {k: getattr(record, k) for k in _RECORD_FIELDS}
+    return repr(record)[:2000]
+
+
+def write_batch(write, records: list[RequestRecord], rejected_path) -> tuple[int, int, list[dict]]:
+    """`write(records)`; when the database refuses the batch as data, `write([record])` each record.
+    Returns (inserted, duplicates, rejected entries for the records the database refuses); any other error
+    propagates (the batch is retried)."""
+    try:
+        return (*write(records), [])
+    except Exception as exc:  # noqa: BLE001
+        if not is_data_error(exc):
+            raise
+        log.error("ledger: a batch of %d rows was refused (%s); writing them one by one", len(records),
+                  short_error(exc))
+    inserted = duplicates = 0
+    rejected = []
+    for record in records:
+        try:
+            i, d = write([record])
+        except Exception as exc:  # noqa: BLE001
+            if not is_data_error(exc):
+                raise
+            log.error("ledger: request %s refused by the database (%s); kept in %s", record.request_id,
+                      short_error(exc), rejected_path)
+            rejected.append({"error": short_error(exc), "record": loose(record)})
+            continue
+        inserted += i
+        duplicates += d
+    return inserted, duplicates, rejected
+
+
+class PriceCache:
+    """The price table as the writer's SQL thread sees it: reloaded at most every `reload_s` seconds, and at
+    once after a price was set in this process (one thread uses it)."""
+
+    def __init__(self, reload_s: float):
+        self.reload_s = reload_s
+        self._prices: list[PriceInfo] | None = None
+        self._at, self._generation = 0.0, -1
+
+    def get(self, db) -> list[PriceInfo]:
+        generation = price_generation()
+        if (self._prices is None or generation != self._generation
+                or time.monotonic() - self._at >= self.reload_s):
+            loaded_at = time.monotonic()
+            with db.session() as session:
+                self._prices = load_prices(session)
+            self._at, self._generation = loaded_at, generation
+        return self._prices

@@ -372,12 +372,12 @@ def test_buffer_overflow_goes_to_the_spool_and_is_written_after_recovery(pg, tmp
     proxy.set_mode("refuse")
     writer.start()
     try:
-        for i in range(20):
-            writer.submit(record(i))
+        futures = [writer.submit(record(i)) for i in range(20)]
         stats = writer.stats()
         assert (stats["buffered"], stats["spooled"]) == (5, 15)  # memory stays bounded
+        assert all(f.result(10) for f in futures)  # each one fsync'd in the write-ahead log, which holds
         assert [json.loads(line)["request_id"] for line in spool.read_text().splitlines()] == [
-            f"req-{i}" for i in range(5, 20)]
+            f"req-{i}" for i in range(20)]  # every record (the old spool held only the 15 past the buffer)
         wait_until(lambda: writer.stats()["failures"] >= 1)
         assert row_count(direct) == 0
         proxy.set_mode("pass")
