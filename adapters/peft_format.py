@@ -3,8 +3,9 @@
 Supported: peft_type LORA, r, lora_alpha, use_rslora, target_modules any subset of the q/k/v/o/gate/up/down
 projections (names or a regex, as PEFT accepts). Refused with a clear message for now: DoRA, embedding /
 lm_head targets, per-module rank or alpha patterns, layer subsets, fan_in_fan_out, trained biases.
-Every check lives in `validation.py` (the same path as uploads); this module turns a validated adapter into
-the float32 `LoRAAdapter` the engine serves, with its content digest.
+Every check lives in `validation.py` (the same path as uploads, base-model rule included: give
+`base_model_id`, the served model's name, to have `base_model_name_or_path` checked exactly as an upload's);
+this module turns a validated adapter into the float32 `LoRAAdapter` the engine serves, with its content digest.
 """
 from __future__ import annotations
 
@@ -67,13 +68,15 @@ def parse_config(raw: bytes | str) -> dict:
 
 
 def build_adapter(name: str, config_raw: bytes | str, weights_raw: bytes, cfg: ModelConfig,
-                  max_rank: int | None = None) -> LoRAAdapter:
-    """Validate the two files against the base model and return the adapter (float32 on CPU)."""
+                  max_rank: int | None = None, *, base_model_id: str | None = None,
+                  allow_base_mismatch: bool = False) -> LoRAAdapter:
+    """Validate the two files against the base model and return the adapter (float32 on CPU). With
+    `base_model_id`, the config's base model is checked by `validation.check_base_model`, as an upload's is."""
     if isinstance(config_raw, str):
         config_raw = config_raw.encode()
     limits = _LOCAL_LIMITS if max_rank is None else replace(_LOCAL_LIMITS, max_rank=max_rank)
     validated = validate_adapter_files({"adapter_config.json": config_raw, "adapter_model.safetensors": weights_raw},
-                                       cfg, limits)
+                                       cfg, limits, base_model_id, allow_base_mismatch)
     return _to_lora_adapter(name, validated, hashlib.sha256(weights_raw).digest())
 
 
@@ -100,15 +103,17 @@ _PICKLE_GLOBS = ("adapter_model.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.pic
 
 
 def load_adapter_dir(path: str | Path, cfg: ModelConfig, name: str | None = None,
-                     max_rank: int | None = None) -> LoRAAdapter:
-    """Load and validate a PEFT adapter directory (other files in it, e.g. README.md, are ignored)."""
+                     max_rank: int | None = None, *, base_model_id: str | None = None,
+                     allow_base_mismatch: bool = False) -> LoRAAdapter:
+    """Load and validate a PEFT adapter directory (other files in it, e.g. README.md, are ignored). With
+    `base_model_id`, the config's base model is checked by `validation.check_base_model`, as an upload's is."""
     path = Path(path)
     files: dict[str, Path] = {f: path / f for f in ALLOWED_FILENAMES if (path / f).is_file()}
     if "adapter_model.safetensors" not in files:  # hand pickle weights to the validator, which refuses them
         files.update({p.name: p for pattern in _PICKLE_GLOBS for p in sorted(path.glob(pattern))[:1]})
     limits = _LOCAL_LIMITS if max_rank is None else replace(_LOCAL_LIMITS, max_rank=max_rank)
     try:
-        validated = validate_adapter_files(files, cfg, limits)
+        validated = validate_adapter_files(files, cfg, limits, base_model_id, allow_base_mismatch)
     except AdapterValidationError as exc:
         if exc.code == "missing_file":
             raise AdapterValidationError(exc.code, f"{path.name}: {exc}") from None

@@ -5,16 +5,31 @@ from its digest, then commits the rows; a failure at any point leaves neither ro
 `resolve` answers "not found" identically for an adapter that does not exist and one the tenant may not
 see. Deleting is soft for rows (history and billing keep their references) and hard for blobs no live
 version still uses; listeners (the cache tiers) are told so they drop their copies.
+
+Blob lifecycle. Blobs are shared by digest (two uploads of the same bytes are one object), so deleting
+one adapter must never remove bytes another upload is about to reference. Every decision about a blob's
+fate takes the lock of its `adapter_blobs` row (an UPDATE: a row lock on PostgreSQL, the write lock on
+SQLite) and all of it lives in three functions here:
+
+- `_reserve_blob`: before its `put`, an upload adds itself to the row's `pending` count and commits;
+- `_insert_version` removes the reservation in the same transaction that inserts the version row;
+- `_drop_blob_if_unused` (delete, a failed upload, `collect_garbage`): with the row locked, deletes the
+  blob only when no ready version uses the digest and no upload is pending, then drops the row.
+
+So a delete that races an upload of the same bytes either runs first (the upload then writes the blob
+again) or sees the reservation and keeps the blob. A reservation older than the grace period
+(`DEFAULT_GC_GRACE_S`) is an upload that died between its put and its insert; `collect_garbage` removes
+such blobs, and blobs a store outage left behind.
 """
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 
-from sqlalchemy import func, select
+from sqlalchemy import case, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -22,17 +37,21 @@ from loramux.adapters.blob import pack, unpack
 from loramux.adapters.store import ObjectStore, StoreError, blob_key
 from loramux.adapters.validation import UploadLimits, validate_adapter_files
 from loramux.db import Adapter, AdapterVersion, Database, Tenant
-from loramux.db.models import utcnow
+from loramux.db.models import AdapterBlob, utcnow
 from loramux.model.config import ModelConfig
 from loramux.names import BASE_MODEL_ALIAS, InvalidNameError, check_name
 from loramux.tenancy import Tenancy
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AdapterNotFoundError", "AdapterRegistry", "AdapterVersionInfo", "BASE_MODEL_ALIAS", "InvalidNameError",
-           "RegistryError"]
+__all__ = ["AdapterNotFoundError", "AdapterRegistry", "AdapterVersionInfo", "BASE_MODEL_ALIAS", "DEFAULT_GC_GRACE_S",
+           "InvalidNameError", "RegistryError", "collect_garbage"]
 
 VISIBILITIES = ("private", "public")
+# How long an upload may hold its blob reservation (between its put and its version insert) before it
+# counts as abandoned; far longer than any upload takes, so no live upload ever loses its blob.
+DEFAULT_GC_GRACE_S = 3600.0
+_MAX_VERSION_DIGITS = 9  # versions are SQL INTEGERs: a longer number is no version there is
 
 
 class RegistryError(Exception):
@@ -59,8 +78,9 @@ class AdapterVersionInfo:
     alpha: float
     use_rslora: bool
     target_modules: tuple[str, ...]
-    base_model: str
+    base_model: str  # the model this server served at upload
     created_at: datetime
+    claimed_base_model: str | None = None  # base_model_name_or_path from the adapter's config
 
     @property
     def label(self) -> str:
@@ -72,7 +92,7 @@ def _version_info(a: Adapter, v: AdapterVersion) -> AdapterVersionInfo:
         adapter_id=a.id, tenant_id=a.tenant_id, name=a.name, visibility=a.visibility, version=v.version,
         digest=v.digest, storage_key=v.storage_key, size_bytes=v.size_bytes, rank=v.rank, alpha=v.alpha,
         use_rslora=v.use_rslora, target_modules=tuple(v.target_modules), base_model=v.base_model,
-        created_at=v.created_at)
+        created_at=v.created_at, claimed_base_model=v.claimed_base_model)
 
 
 def _check_visibility(visibility: str) -> None:
@@ -99,28 +119,51 @@ class AdapterRegistry:
 
     # -- adapters --------------------------------------------------------------------------------
     def register(self, tenant_id: str, name: str, files: Mapping[str, bytes | Path],
-                 visibility: str = "private") -> AdapterVersionInfo:
+                 visibility: str = "private", allow_base_mismatch: bool = False) -> AdapterVersionInfo:
         """Validate and store an upload as the next version of `name` (created when new). Uploading the
-        bytes of the current version again returns that version instead of adding an identical one."""
+        bytes of the current version again returns that version instead of adding an identical one.
+        `allow_base_mismatch`: accept a config naming another hub model (the operator knows the shapes match)."""
         check_name(name)
         _check_visibility(visibility)
         self.tenancy.tenant(tenant_id)
-        valid = validate_adapter_files(files, self.base_config, self.limits, self.base_model_id)
+        valid = validate_adapter_files(files, self.base_config, self.limits, self.base_model_id, allow_base_mismatch)
+        claimed_base = valid.base_model
         blob, digest = pack(valid.rank, valid.alpha, valid.use_rslora, valid.target_modules, valid.tensors)
         del valid
         key = blob_key(digest)
-        self.store.put(key, blob)
+        _reserve_blob(self.db, digest, key)
         try:
-            return self._insert_version(tenant_id, name, visibility, digest, key, len(blob), blob)
+            self.store.put(key, blob)
+            return self._insert_version(tenant_id, name, visibility, digest, key, len(blob), blob, claimed_base)
         except BaseException:
-            self._delete_blob_if_unused(digest, key)
+            self._after_failed_upload(digest, key)
             raise
 
-    def _insert_version(self, tenant_id, name, visibility, digest, key, size, blob) -> AdapterVersionInfo:
+    def _after_failed_upload(self, digest: str, key: str) -> None:
+        """Give back the failed upload's reservation; remove the blob if nothing else uses or reserves it."""
+        try:
+            unused = _drop_blob_if_unused(self.db, self.store, digest, key, release=True)
+        except Exception:  # noqa: BLE001 - never hide the upload's own error; `loramux db gc` cleans up
+            log.exception("could not clean up after a failed upload of blob %s", key)
+            return
+        if unused:
+            self._tell_deleted(digest)
+
+    def _insert_version(self, tenant_id, name, visibility, digest, key, size, blob,
+                        claimed_base: str | None = None) -> AdapterVersionInfo:
         meta = unpack(blob, name)  # the normalised config, as the engine will see it
         for attempt in range(5):  # two uploads of one name racing for the same version number
             try:
                 with self.db.session() as s:
+                    # First, with the blob's row locked: this upload's reservation becomes its version row,
+                    # atomically (a delete that locks the row next sees the version, one before saw the reservation).
+                    mine = (AdapterBlob.digest == digest) & (AdapterBlob.pending > 0)
+                    released = s.execute(update(AdapterBlob).where(mine)
+                                         .values(pending=AdapterBlob.pending - 1, updated_at=utcnow())
+                                         .execution_options(synchronize_session=False)).rowcount
+                    if not released:
+                        raise RegistryError("the upload took longer than the blob grace period and its stored "
+                                            "weights were collected; upload it again")
                     adapter = s.scalar(select(Adapter).where(Adapter.tenant_id == tenant_id, Adapter.name == name,
                                                              Adapter.deleted_at.is_(None)))
                     if adapter is None:
@@ -135,7 +178,8 @@ class AdapterRegistry:
                     version = AdapterVersion(
                         adapter_id=adapter.id, version=latest + 1, digest=digest, storage_key=key, size_bytes=size,
                         rank=meta.rank, alpha=meta.alpha, use_rslora=meta.use_rslora,
-                        target_modules=list(meta.target_modules), base_model=self.base_model_id, status="ready")
+                        target_modules=list(meta.target_modules), base_model=self.base_model_id,
+                        claimed_base_model=claimed_base, status="ready")
                     s.add(version)
                     s.flush()
                     return _version_info(adapter, version)
@@ -166,7 +210,8 @@ class AdapterRegistry:
         base_ref, _, version_text = ref.partition("@")
         version = None
         if version_text:
-            if not version_text.isdigit():
+            # ASCII digits only ('²'.isdigit() is true), and no number too big for the SQL INTEGER column.
+            if not (version_text.isascii() and version_text.isdigit()) or len(version_text) > _MAX_VERSION_DIGITS:
                 raise not_found
             version = int(version_text)
         live = select(Adapter).where(Adapter.deleted_at.is_(None))
@@ -255,34 +300,105 @@ class AdapterRegistry:
                 if v.status == "ready":
                     gone.append(_version_info(adapter, v))
                     v.status = "deleted"
-        for info in gone:
-            self._delete_blob_if_unused(info.digest, info.storage_key)
+        for digest, key in dict.fromkeys((info.digest, info.storage_key) for info in gone):
+            try:
+                unused = _drop_blob_if_unused(self.db, self.store, digest, key)
+            except Exception:  # noqa: BLE001 - the rows are deleted; `loramux db gc` removes the blob later
+                log.exception("could not check blob %s after deleting adapter %s", key, ref)
+                continue
+            if unused:
+                self._tell_deleted(digest)
         return gone
 
-    def _delete_blob_if_unused(self, digest: str, key: str) -> None:
-        with self.db.session() as s:
-            in_use = s.scalar(select(func.count()).select_from(AdapterVersion)
-                              .where(AdapterVersion.digest == digest, AdapterVersion.status == "ready"))
-        if in_use:
-            return
-        try:
-            self.store.delete(key)
-        except StoreError:
-            log.warning("could not delete blob %s from the store; `loramux db gc` removes it later", key)
+    def _tell_deleted(self, digest: str) -> None:
         for listener in self._delete_listeners:
             listener(digest)
 
-    def collect_garbage(self) -> list[str]:
+    def collect_garbage(self, grace_s: float = DEFAULT_GC_GRACE_S) -> list[str]:
         """See the module function `collect_garbage`."""
-        return collect_garbage(self.db, self.store)
+        return collect_garbage(self.db, self.store, grace_s)
 
 
-def collect_garbage(db: Database, store: ObjectStore) -> list[str]:
-    """Delete store blobs that no ready version references (left by a store outage during a delete);
-    return their keys. `loramux db gc` runs it."""
+# -- the blob lifecycle: the only code that decides whether a blob may be deleted -------------------------
+
+def _reserve_blob(db: Database, digest: str, key: str) -> None:
+    """Record (and commit) an upload about to write the blob, before it writes it."""
+    for attempt in range(5):
+        try:
+            with db.session() as s:
+                done = s.execute(update(AdapterBlob).where(AdapterBlob.digest == digest)
+                                 .values(pending=AdapterBlob.pending + 1, updated_at=utcnow())
+                                 .execution_options(synchronize_session=False)).rowcount
+                if not done:
+                    s.add(AdapterBlob(digest=digest, storage_key=key, pending=1, updated_at=utcnow()))
+            return
+        except IntegrityError:  # another upload of the same bytes created the row a moment ago
+            if attempt == 4:
+                raise
+
+
+def _drop_blob_if_unused(db: Database, store: ObjectStore, digest: str, key: str,
+                         grace_s: float = DEFAULT_GC_GRACE_S, release: bool = False) -> bool:
+    """With the blob's row locked: delete the blob if no ready version uses `digest` and no upload younger
+    than `grace_s` has reserved it (`release`: first give back the caller's own reservation). Returns whether
+    the digest is unused (its blob deleted, or left for `collect_garbage` when the store failed)."""
+    for attempt in range(5):
+        try:
+            with db.session() as s:
+                now = utcnow()
+                pending = (case((AdapterBlob.pending > 0, AdapterBlob.pending - 1), else_=0) if release
+                           else AdapterBlob.pending)
+                locked = s.execute(update(AdapterBlob).where(AdapterBlob.digest == digest).values(pending=pending)
+                                   .execution_options(synchronize_session=False)).rowcount
+                if not locked:  # a blob from before this table, or a leftover: lock a new row for it
+                    s.add(AdapterBlob(digest=digest, storage_key=key, pending=0, updated_at=now))
+                    s.flush()
+                row = s.scalar(select(AdapterBlob).where(AdapterBlob.digest == digest))
+                in_use = s.scalar(select(func.count()).select_from(AdapterVersion)
+                                  .where(AdapterVersion.digest == digest, AdapterVersion.status == "ready"))
+                if in_use or (row.pending > 0 and row.updated_at > now - timedelta(seconds=grace_s)):
+                    return False
+                try:
+                    store.delete(key)
+                except StoreError:
+                    log.warning("could not delete blob %s from the store; `loramux db gc` removes it later", key)
+                    row.pending, row.updated_at = 0, now
+                    return True
+                s.delete(row)
+                return True
+        except IntegrityError:  # an upload created the row while this call tried to: lock that one
+            if attempt == 4:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _digest_of(key: str) -> str | None:
+    digest = key.rsplit("/", 1)[-1]
+    try:
+        return digest if blob_key(digest) == key else None
+    except ValueError:
+        return None
+
+
+def collect_garbage(db: Database, store: ObjectStore, grace_s: float = DEFAULT_GC_GRACE_S) -> list[str]:
+    """Delete store blobs that no ready version references and no upload younger than `grace_s` seconds
+    has reserved (left by a store outage during a delete, or by an upload that died between its put and
+    its insert); return their keys. `loramux db gc` runs it."""
     with db.session() as s:
         live = set(s.scalars(select(AdapterVersion.storage_key).where(AdapterVersion.status == "ready")))
-    removed = [k for k in store.list_keys("blobs/") if k not in live]
-    for key in removed:
-        store.delete(key)
+        rows = {r.storage_key: r.digest for r in s.scalars(select(AdapterBlob))}
+    removed = []
+    for key in store.list_keys("blobs/"):
+        if key in live:
+            continue
+        digest = _digest_of(key)
+        if digest is None:  # not a name the registry makes: nothing references or reserves it
+            store.delete(key)
+            removed.append(key)
+        elif _drop_blob_if_unused(db, store, digest, key, grace_s):
+            removed.append(key)
+        rows.pop(key, None)
+    for key, digest in rows.items():  # rows of blobs the store no longer has (e.g. an upload died before its put)
+        if key not in live:
+            _drop_blob_if_unused(db, store, digest, key, grace_s)
     return removed

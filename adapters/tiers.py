@@ -28,12 +28,20 @@ log = logging.getLogger(__name__)
 
 
 class AdapterLoadError(RuntimeError):
-    """An adapter version could not be brought into host RAM; the message names it and says why."""
+    """An adapter version could not be brought into host RAM. The message is shown to tenants (503 bodies), so
+    it only names the version: store errors name the store URL, bucket and key, which stay in `detail` and
+    in the log."""
 
-    def __init__(self, message: str, version: AdapterVersionInfo, retryable: bool = True):
+    def __init__(self, version: AdapterVersionInfo, detail: str, retryable: bool = True):
+        message = (f"adapter {version.label} could not be loaded from storage; retry later" if retryable else
+                   f"adapter {version.label} could not be loaded from storage: its stored weights are missing")
         super().__init__(message)
         self.version = version
+        self.detail = detail
         self.retryable = retryable
+
+    def __reduce__(self):
+        return type(self), (self.version, self.detail, self.retryable)
 
 
 class DiskCache:
@@ -59,6 +67,10 @@ class DiskCache:
 
     @property
     def nbytes(self) -> int:
+        with self._lock:
+            return self._total()
+
+    def _total(self) -> int:  # caller holds the lock
         return sum(self._sizes.values())
 
     def __contains__(self, digest: str) -> bool:
@@ -92,7 +104,7 @@ class DiskCache:
         with self._lock:
             self._sizes[digest] = len(data)
             self._sizes.move_to_end(digest)
-            while self.nbytes > self.budget:
+            while self._total() > self.budget:
                 victim, _ = self._sizes.popitem(last=False)
                 self._path(victim).unlink(missing_ok=True)
 
@@ -198,22 +210,27 @@ class AdapterCache:
                 with self._lock:
                     self.downloads += 1
                 data = self.store.get(version.storage_key)
-            except BlobNotFoundError:
-                raise AdapterLoadError(f"adapter {version.label}: its weights are missing from the object store",
-                                       version, retryable=False) from None
+            except BlobNotFoundError as exc:
+                raise self._failed(version, f"its weights are missing from the object store ({exc})",
+                                   retryable=False) from None
             except StoreError as exc:
-                raise AdapterLoadError(f"adapter {version.label}: the object store is unavailable ({exc})",
-                                       version) from None
+                raise self._failed(version, f"the object store failed ({exc})") from None
         try:
             adapter = unpack(data, version.name, version.digest)
         except DigestMismatchError as exc:
-            raise AdapterLoadError(f"adapter {version.label}: {exc}", version) from None
+            raise self._failed(version, str(exc)) from None
         if tier == "store":
             try:
                 self.disk.put(version.digest, data)
             except OSError as exc:  # a full disk slows later loads down but must not fail this one
                 log.warning("could not cache adapter %s on disk: %s", version.label, exc)
         return adapter, tier
+
+    @staticmethod
+    def _failed(version: AdapterVersionInfo, detail: str, retryable: bool = True) -> AdapterLoadError:
+        """The error for tenants (generic) with the detail for operators, logged here."""
+        log.warning("adapter %s (%s): load failed: %s", version.label, version.storage_key, detail)
+        return AdapterLoadError(version, detail, retryable)
 
     def _start(self, version: AdapterVersionInfo) -> concurrent.futures.Future:
         """The in-flight load of `version`, starting one if none runs (caller holds the lock)."""
@@ -306,9 +323,12 @@ class AdapterCache:
         concurrent.futures.wait(futures, timeout)
 
     def stats(self) -> dict:
-        return {"host_bytes": self.host.nbytes, "host_budget_bytes": self.host.budget,
-                "disk_bytes": self.disk.nbytes, "disk_budget_bytes": self.disk.budget,
-                "hits": dict(self.hits), "downloads": self.downloads, "load_failures": self.failures}
+        """Sizes and counters; read under the locks of the threads that change them (loads, other requests)."""
+        disk_bytes = self.disk.nbytes  # under the disk cache's own lock
+        with self._lock:  # the host cache and the counters only change under this lock
+            return {"host_bytes": self.host.nbytes, "host_budget_bytes": self.host.budget,
+                    "disk_bytes": disk_bytes, "disk_budget_bytes": self.disk.budget,
+                    "hits": dict(self.hits), "downloads": self.downloads, "load_failures": self.failures}
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

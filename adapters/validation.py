@@ -22,6 +22,16 @@ with a stable `code`:
              no_lora_weights, target_mismatch, missing_tensor, non_finite
 
 Messages never contain server paths (file contents given as paths are only ever named by their upload name).
+
+A `target_modules` regex comes from the client, so it never runs on Python's backtracking `re` (a pattern
+such as `(?:.*){60}z` would hold the GIL for minutes): it is compiled with RE2 (google-re2, linear time,
+bounded memory), capped at `MAX_TARGET_PATTERN_CHARS`, and matched whole (`fullmatch`, as PEFT does) against
+the base model's own module names (`model.layers.<i>.self_attn.q_proj`, ...), under a deadline. Without
+google-re2 installed, regex target_modules are refused (a list of module names always works).
+
+The base model a config names (`base_model_name_or_path`) is checked by `check_base_model`, the one rule of
+uploads and of local adapter directories: shapes prove compatibility, so only a clearly different hub
+model id (`org/name` whose name differs from the served model's) is refused, unless the caller allows it.
 """
 from __future__ import annotations
 
@@ -29,11 +39,17 @@ import json
 import math
 import os
 import re
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+try:  # linear-time regex engine for client-given target_modules patterns (see the module docstring)
+    import re2
+except ImportError:  # pragma: no cover - google-re2 is a dependency; without it regex targets are refused
+    re2 = None
 
 from loramux.adapters.safetensors_header import ByteSource, TensorEntry, looks_like_pickle, parse_header, read_tensor
 from loramux.adapters.validation_common import (
@@ -49,10 +65,22 @@ from loramux.adapters.validation_common import (
 from loramux.model.config import ModelConfig
 
 __all__ = ["TARGETS", "ALLOWED_FILENAMES", "CONFIG_FILE", "WEIGHTS_FILE", "AdapterFormatError",
-           "AdapterValidationError", "UploadLimits", "ValidatedAdapter", "projection_shapes", "validate_config",
-           "validate_adapter_files"]
+           "AdapterValidationError", "UploadLimits", "ValidatedAdapter", "check_base_model", "module_names",
+           "projection_shapes", "validate_config", "validate_adapter_files"]
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_SECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+             "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+MAX_TARGET_PATTERN_CHARS = 1000
+_PATTERN_DEADLINE_S = 1.0  # matching is linear and bounded by construction; this is a second guard
+_RE2_MAX_MEM = 8 << 20  # bytes RE2 may use for one compiled pattern (a larger program fails to compile)
+_PATTERN_HELP = ("patterns use RE2 syntax (no lookaround or backreferences, repetition counts up to 1000) and "
+                 "are matched whole (fullmatch, as PEFT does) against module names such as "
+                 "'model.layers.0.self_attn.q_proj'; or give target_modules as a list such as "
+                 "[\"q_proj\", \"v_proj\"]")
+# `org/name` as on the Hugging Face Hub: the one form of base_model_name_or_path that names a model clearly.
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
+MAX_BASE_MODEL_CHARS = 500  # what is recorded of base_model_name_or_path (AdapterVersion.claimed_base_model)
 
 _TENSOR_NAME = re.compile(
     r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
@@ -75,6 +103,7 @@ class ValidatedAdapter:
     target_modules: tuple[str, ...]
     tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
     nbytes: int
+    base_model: str | None = None  # base_model_name_or_path as the config claims it (printable, capped)
 
 
 def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -82,6 +111,11 @@ def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     h, i = cfg.hidden_size, cfg.intermediate_size
     return {"q_proj": (h, cfg.q_size), "k_proj": (h, cfg.kv_size), "v_proj": (h, cfg.kv_size),
             "o_proj": (cfg.q_size, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+def module_names(cfg: ModelConfig) -> dict[tuple[int, str], str]:
+    """The base model's own name of each LoRA-targetable module (what PEFT matches a regex against)."""
+    return {(layer, t): f"model.layers.{layer}.{_SECTIONS[t]}.{t}" for layer in range(cfg.num_layers) for t in TARGETS}
 
 
 # ----------------------------------------------------------------------------------------------- file names
@@ -105,21 +139,63 @@ def _check_filename(name) -> None:
 
 # ----------------------------------------------------------------------------------------------- config
 
-def _targets_from_config(config: Mapping) -> set[str] | str:
+@dataclass(frozen=True)
+class _TargetPattern:
+    """A `target_modules` regex string, compiled with RE2."""
+
+    source: str
+    compiled: object
+
+    def matches(self, name: str) -> bool:
+        return self.compiled.fullmatch(name) is not None
+
+
+def _compile_target_pattern(pattern: str) -> _TargetPattern:
+    if len(pattern) > MAX_TARGET_PATTERN_CHARS:
+        raise fail("bad_option", f"target_modules pattern is {len(pattern)} characters, above the limit of "
+                                  f"{MAX_TARGET_PATTERN_CHARS}; {_PATTERN_HELP}")
+    if re2 is None:
+        raise fail("bad_option", "this server cannot check target_modules patterns (google-re2 is not installed); "
+                                  "give target_modules as a list such as [\"q_proj\", \"v_proj\"]")
+    options = re2.Options()
+    options.log_errors = False
+    options.max_mem = _RE2_MAX_MEM
+    try:
+        compiled = re2.compile(pattern, options)
+    except Exception as exc:  # noqa: BLE001 - re2.error, or text RE2 cannot encode (lone surrogates)
+        reason = exc.args[0] if exc.args else type(exc).__name__
+        if isinstance(reason, bytes):
+            reason = reason.decode("utf-8", "replace")
+        raise fail("bad_option", f"target_modules {show(pattern)} is not a supported regular expression "
+                                  f"({show(str(reason), 80)}): {_PATTERN_HELP}") from None
+    return _TargetPattern(pattern, compiled)
+
+
+def _targets_from_config(config: Mapping) -> set[str] | _TargetPattern:
     targets = config.get("target_modules")
     if targets is None:
         raise fail("bad_option", f"{CONFIG_FILE} has no target_modules")
     if isinstance(targets, str):
-        try:
-            re.compile(targets)
-        except re.error as exc:
-            raise fail("bad_option", f"target_modules {show(targets)} is not a valid regular expression: "
-                                      f"{exc}") from None
-        return targets  # a regex over module names, as in PEFT
+        if targets == "all-linear":  # PEFT's shorthand: every linear layer but the output head
+            return set(TARGETS)
+        return _compile_target_pattern(targets)  # a regex over module names, as in PEFT
     if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
         raise fail("bad_option", f"target_modules must be a list of module names or a regex string, got "
                                   f"{show(targets)}")
     return {t.split(".")[-1] for t in targets}
+
+
+def _pattern_targets(pattern: _TargetPattern, base: ModelConfig) -> dict[str, set[int]]:
+    """target -> the layers whose module the pattern matches, within `_PATTERN_DEADLINE_S`."""
+    deadline = time.monotonic() + _PATTERN_DEADLINE_S
+    selected: dict[str, set[int]] = {}
+    for (layer, target), name in module_names(base).items():
+        if time.monotonic() > deadline:
+            raise fail("bad_option", f"target_modules pattern {show(pattern.source)} took too long to match; "
+                                      f"{_PATTERN_HELP}")
+        if pattern.matches(name):
+            selected.setdefault(target, set()).add(layer)
+    return selected
 
 
 def _find_code_hook(value, depth: int = 0) -> str | None:
@@ -196,26 +272,43 @@ def _positive_finite(x: int | float) -> bool:
         return False
 
 
-def _check_base_model(config: Mapping, base_model_id: str | None) -> None:
-    claimed = config.get("base_model_name_or_path")
-    if not base_model_id or claimed in (None, ""):
-        return
+def _printable(text: str) -> str:
+    """`text` with control characters and lone surrogates replaced (safe for SQL text columns and JSON)."""
+    return "".join(c if c.isprintable() else "?" for c in text)
+
+
+def _last_component(name: str) -> str:
+    return re.split(r"[/\\]", name.strip().rstrip("/\\"))[-1].lower()
+
+
+def check_base_model(claimed, base_model_id: str | None, allow_mismatch: bool = False) -> str | None:
+    """The one base-model rule (uploads, `load_adapter_dir`, `build_adapter`): return what to record of the
+    config's `base_model_name_or_path` (None when it records none), or raise `base_model_mismatch`.
+
+    The shapes, checked tensor by tensor, are what proves an adapter fits this base model; the name is only
+    a hint. Accepted: no name, a local path (an adapter trained from a local copy records where that copy
+    was), a bare name, and any name whose last path component is the served model's name. Refused: a hub
+    id (`org/name`) whose name differs from the served model's, unless `allow_mismatch`."""
+    if claimed is None or claimed == "":
+        return None
     if not isinstance(claimed, str):
         raise fail("bad_option", f"base_model_name_or_path must be a string, got {show(claimed)}")
-
-    def last(name: str) -> str:
-        return re.split(r"[/\\]", name.rstrip("/\\"))[-1].lower()
-
-    if last(claimed) != last(base_model_id):
-        served = re.split(r"[/\\]", base_model_id.rstrip("/\\"))[-1]  # never a server path
-        raise fail("base_model_mismatch", f"the adapter was trained for base model {show(claimed)} "
-                                           f"(base_model_name_or_path) but this server serves {served!r}; "
-                                           "train the adapter on that base model")
+    recorded = _printable(claimed)[:MAX_BASE_MODEL_CHARS]
+    if allow_mismatch or not base_model_id or not _HUB_ID.fullmatch(claimed.strip()):
+        return recorded
+    if _last_component(claimed) == _last_component(base_model_id):
+        return recorded
+    served = re.split(r"[/\\]", base_model_id.rstrip("/\\"))[-1]  # never a server path
+    raise fail("base_model_mismatch",
+               f"the adapter was trained for base model {show(claimed)} (base_model_name_or_path) but this "
+               f"server serves {served!r}. If it was trained on {served!r}, set base_model_name_or_path in "
+               f"{CONFIG_FILE} to {served!r} (or to the local path of the copy it was trained from); if you "
+               "know the shapes and weights match, upload it with allow_base_mismatch=true")
 
 
 # ----------------------------------------------------------------------------------------------- weights
 
-def _check_entries(entries: list[TensorEntry], base: ModelConfig, rank: int, declared: set[str] | str
+def _check_entries(entries: list[TensorEntry], base: ModelConfig, rank: int, declared: set[str] | _TargetPattern
                    ) -> tuple[list[str], dict[tuple[int, str], dict[str, TensorEntry]]]:
     shapes = projection_shapes(base)
     found: dict[tuple[int, str], dict[str, TensorEntry]] = {}
@@ -250,9 +343,18 @@ def _check_entries(entries: list[TensorEntry], base: ModelConfig, rank: int, dec
         if set(targets) != declared & set(TARGETS) or declared - set(TARGETS):
             raise fail("target_mismatch", f"weights target {targets} but {CONFIG_FILE} declares "
                                            f"{sorted(declared)}; they must be the same projections")
-    elif not all(re.fullmatch(declared, t) or re.search(declared, t) for t in targets):
-        raise fail("target_mismatch", f"weights target {targets}, which the target_modules pattern "
-                                       f"{show(declared)} does not match")
+    else:
+        selected = _pattern_targets(declared, base)
+        if set(targets) != set(selected):
+            chosen = sorted(selected, key=TARGETS.index)
+            raise fail("target_mismatch", f"weights target {targets} but the target_modules pattern "
+                                           f"{show(declared.source)} selects {chosen} of this base model; they must "
+                                           f"be the same projections ({_PATTERN_HELP})")
+        partial = [t for t in targets if len(selected[t]) != base.num_layers]
+        if partial:
+            raise fail("unsupported_option", f"the target_modules pattern {show(declared.source)} selects "
+                                              f"{partial[0]} in only some layers; layer subsets are not supported "
+                                              "yet, the adapter must cover every layer")
     for key in [(layer, t) for layer in range(base.num_layers) for t in targets]:
         pair = found.get(key, {})
         if set(pair) != {"A", "B"}:
@@ -264,9 +366,10 @@ def _check_entries(entries: list[TensorEntry], base: ModelConfig, rank: int, dec
 # ----------------------------------------------------------------------------------------------- entry point
 
 def validate_adapter_files(files: Mapping[str, bytes | Path], base: ModelConfig, limits: UploadLimits = UploadLimits(),
-                           base_model_id: str | None = None) -> ValidatedAdapter:
+                           base_model_id: str | None = None, allow_base_mismatch: bool = False) -> ValidatedAdapter:
     """Validate an adapter upload (client file name -> bytes, or path of a temp file holding them) against
-    the base model; return its config and tensors or raise `AdapterValidationError`."""
+    the base model; return its config and tensors or raise `AdapterValidationError`. `base_model_id` is the
+    served model's name (None: the config's base model is recorded, not checked; see `check_base_model`)."""
     for name in files:
         _check_filename(name)
     for name in ALLOWED_FILENAMES:
@@ -285,7 +388,7 @@ def validate_adapter_files(files: Mapping[str, bytes | Path], base: ModelConfig,
             raise fail("pickle_refused", f"pickle weights are refused: save the adapter as safetensors "
                                           f"({WEIGHTS_FILE} holds a {kind} file)")
         config = validate_config(config_src.read(0, config_src.size), limits.max_rank)
-        _check_base_model(config, base_model_id)
+        claimed_base = check_base_model(config.get("base_model_name_or_path"), base_model_id, allow_base_mismatch)
         rank, declared = config["r"], _targets_from_config(config)
 
         entries, data_start = parse_header(weights_src, limits)
@@ -298,4 +401,4 @@ def validate_adapter_files(files: Mapping[str, bytes | Path], base: ModelConfig,
             nbytes += a.numel() * a.element_size() + b.numel() * b.element_size()
     return ValidatedAdapter(config=config, rank=rank, alpha=float(config["lora_alpha"]),
                             use_rslora=bool(config.get("use_rslora", False)), target_modules=tuple(targets),
-                            tensors=tensors, nbytes=nbytes)
+                            tensors=tensors, nbytes=nbytes, base_model=claimed_base)

@@ -272,8 +272,17 @@ def _convert(rows: list, converters: list[Callable]) -> Iterator[list]:
         yield [None if v is None else f(v) for f, v in zip(converters, row)]
 
 
+# A spreadsheet runs a cell that starts with one of these as a formula (CSV injection): text cells that do
+# get a leading single quote, which spreadsheets show as text. Numbers, money and times are never touched.
+_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def _csv_text(value: str) -> str:
+    return "'" + value if value.startswith(_FORMULA_STARTS) else value
+
+
 def _csv(batches: Iterator[list]) -> Iterator[bytes]:
-    converters = [_TEXT[k] for k in _KINDS]
+    converters = [_csv_text if k == "str" else _TEXT[k] for k in _KINDS]
 
     def encode(rows) -> bytes:
         buffer = io.StringIO()
@@ -358,7 +367,9 @@ def export(db: Database, fmt: str, tenant_id: str | None = None, period: Period 
     time, in one transaction (closing the iterator early ends it).
 
     csv: a header row, then one line per entry; money as plain decimals with 12 places, times ISO 8601
-    UTC, booleans true/false, NULL empty. jsonl: one object per line, money as strings, NULL null.
+    UTC, booleans true/false, NULL empty; a text cell starting with = + - @ (or a tab or carriage return) gets
+    a leading ' so that spreadsheets do not run it as a formula. jsonl: one object per line, money as strings,
+    NULL null.
     parquet: decimal128(30, 12) money, timestamp[us, UTC] times, one row group per batch."""
     writer = _WRITERS[_check_format(fmt)]
     _check_query(tenant_id, period)

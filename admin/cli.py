@@ -28,6 +28,8 @@ def add_parser(sub) -> None:
     up.add_argument("name")
     up.add_argument("directory")
     up.add_argument("--public", action="store_true")
+    up.add_argument("--allow-base-mismatch", action="store_true",
+                    help="accept a base_model_name_or_path that names another model (the shapes are still checked)")
     al = ad.add_parser("list")
     al.add_argument("--tenant-id")
     for name in ("show", "delete", "warm", "pin", "unpin"):
@@ -149,7 +151,8 @@ def _upload(client, args) -> int:
         return 2
     import httpx
 
-    fields = {"tenant_id": args.tenant_id, "name": args.name, "visibility": "public" if args.public else "private"}
+    fields = {"tenant_id": args.tenant_id, "name": args.name, "visibility": "public" if args.public else "private",
+              "allow_base_mismatch": "true" if args.allow_base_mismatch else "false"}
     files = {field: (path.name, path.open("rb")) for field, path in parts.items()}
     try:
         request = client.build_request("POST", "/admin/adapters", data=fields, files=files)

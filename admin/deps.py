@@ -4,11 +4,10 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request
-from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from loramux.admin.keys import AdminKeyInfo
-from loramux.tenancy import KEY_PREFIX
+from loramux.server.ingress import Refusal, resolve_admin
 
 _bearer = HTTPBearer(auto_error=False, scheme_name="AdminKey",
                      description="An admin key: `Authorization: Bearer lmxa-...`")
@@ -16,15 +15,14 @@ _bearer = HTTPBearer(auto_error=False, scheme_name="AdminKey",
 
 async def get_admin(request: Request,
                     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> AdminKeyInfo:
-    if credentials is None:
-        raise HTTPException(401, "missing admin key: send `Authorization: Bearer <admin key>`",
-                            headers={"WWW-Authenticate": "Bearer"})
-    raw = credentials.credentials
-    if raw.startswith(KEY_PREFIX):
-        raise HTTPException(403, "tenant API keys are not accepted on admin routes: use an admin key")
-    admin = await run_in_threadpool(request.app.state.services.admin_keys.authenticate, raw)
+    """The admin key `loramux.server.ingress:Ingress` resolved before the body was read; without that
+    middleware (an app assembled differently), the same checks here."""
+    admin = request.scope.get("state", {}).get("admin")
     if admin is None:
-        raise HTTPException(401, "invalid or revoked admin key", headers={"WWW-Authenticate": "Bearer"})
+        admin = await resolve_admin(request.app.state.services, credentials.credentials if credentials else None)
+        if isinstance(admin, Refusal):
+            raise HTTPException(admin.status, admin.message, headers=admin.headers or None)
+        request.state.admin = admin
     return admin
 
 

@@ -47,7 +47,7 @@ def cmd_generate(args, settings: Settings) -> int:
     adapter = None
     if args.adapter:
         try:
-            adapter = engine.load_adapter_dir(args.adapter).name
+            adapter = engine.load_adapter_dir(args.adapter, allow_base_mismatch=args.allow_base_mismatch).name
         except (AdapterFormatError, RequestError) as exc:
             print(f"error: adapter {args.adapter}: {exc}", file=sys.stderr)
             return 2
@@ -232,6 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--adapter", help="a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors)")
+    g.add_argument("--allow-base-mismatch", action="store_true",
+                   help="accept an adapter whose base_model_name_or_path names another model (shapes are checked)")
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=None)
     g.add_argument("--top-p", type=float, default=1.0)

@@ -18,6 +18,7 @@ from loramux.admin.keys import AdminKeys
 from loramux.admin.ledger import LedgerWriter
 from loramux.admin.pricing import PriceBook
 from loramux.db import Database
+from loramux.names import base_model_id
 from loramux.settings import Settings
 from loramux.tenancy import Tenancy
 
@@ -60,7 +61,7 @@ class Services:
                                    shared_tenant=LOCAL_TENANT, tenancy=tenancy)
         cache = AdapterCache(store, DiskCache(Path(settings.data_dir) / "adapter-cache", settings.disk_cache_bytes),
                              HostCache(settings.host_cache_bytes))
-        async_engine = AsyncEngine(llm)
+        async_engine = AsyncEngine(llm, stalled_reader_timeout_s=settings.stalled_reader_timeout_s)
         registry.on_blob_deleted(cache.evict)
         registry.on_blob_deleted(async_engine.evict_adapter)
         admin_keys = AdminKeys(db)
@@ -101,7 +102,4 @@ def store_from_settings(settings: Settings) -> ObjectStore:
                       timeout_s=settings.s3_timeout_s, max_attempts=settings.s3_max_attempts)
 
 
-def base_model_id(model: str) -> str:
-    """The base model's short name as adapters record it: the last path component, without .gguf."""
-    name = Path(str(model).rstrip("/")).name
-    return name[:-5] if name.endswith(".gguf") else name
+__all__ = ["LOCAL_TENANT", "Services", "base_model_id", "store_from_settings"]

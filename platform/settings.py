@@ -74,6 +74,9 @@ class Settings(BaseSettings):
     disk_cache_bytes: int = 4 * 1024**3  # local disk cache of adapter blobs
     host_cache_bytes: int = 2 * 1024**3  # adapters held in host RAM (unpinned ones evicted LRU)
     max_upload_bytes: int = 512 * 1024**2  # largest adapter_model.safetensors accepted
+    # Largest JSON request body on every route but uploads (which max_upload_bytes caps): 413 above it,
+    # refused from Content-Length at once or while a chunked body streams in.
+    max_request_bytes: int = Field(default=4 * 1024**2, gt=0)
 
     def resolved_database_url(self) -> str:
         return self.database_url or f"sqlite:///{Path(self.data_dir) / 'loramux.db'}"
@@ -86,3 +89,6 @@ class Settings(BaseSettings):
     port: int = 8000
     admin_key: str | None = None  # registered as an admin key at start (`loramux admin create-key` makes one)
     json_logs: bool = True  # one JSON object per log line (with the request id); false = plain text
+    # A request whose reader (a streaming client) takes nothing for this long while output waits is
+    # aborted: its KV blocks and adapter slot are freed, and its record says "cancelled".
+    stalled_reader_timeout_s: float = Field(default=30.0, gt=0)

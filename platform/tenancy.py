@@ -124,6 +124,7 @@ class Tenancy:
             return _tier_info(tier)
 
     def upsert_tier(self, info: TierInfo) -> TierInfo:
+        check_name(info.name, "tier")
         if info.max_timeout_s < info.default_timeout_s or info.default_timeout_s <= 0:
             raise TenancyError("timeouts must satisfy 0 < default_timeout_s <= max_timeout_s")
         if min(info.requests_per_min, info.tokens_per_min, info.max_concurrent) < 0:
@@ -136,6 +137,7 @@ class Tenancy:
     # -- tenants ---------------------------------------------------------------------------------
     def create_tenant(self, name: str, tier: str = "standard") -> TenantInfo:
         check_name(name, "tenant")
+        check_name(tier, "tier")
         self.tier(tier)
         try:
             with self.db.session() as s:
@@ -172,6 +174,7 @@ class Tenancy:
     def set_tenant(self, tenant_id: str, *, tier: str | None = None, status: str | None = None,
                    fallback: str | None = None) -> TenantInfo:
         if tier is not None:
+            check_name(tier, "tier")
             self.tier(tier)
         if status is not None and status not in TENANT_STATUSES:
             raise TenancyError(f"status must be 'active' or 'suspended', got {status!r}")

@@ -223,6 +223,25 @@ def new_tenant_key(services, name: str = "acme", tier: str = "standard") -> str:
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
+def serve_admin_stack(tmp: Path, tiny_dir: Path, tokenizer, admin_key: str):
+    """For a module fixture: a live server on the tiny model (2 adapter slots, uploads up to 256 KiB) with
+    `admin_key` and a standard tenant `acme`; yields (server, acme's key, the model config, tmp)."""
+    from live_server import LiveServer
+    from loramux.model.loader import read_model_config
+    from loramux.server.app import create_app
+
+    app = create_app(lambda: make_services(tmp, make_engine(tiny_dir, tokenizer, max_loras=2, max_lora_rank=8),
+                                           admin_key=admin_key, max_upload_bytes=256 * 1024))
+    with LiveServer(app) as server:
+        yield server, new_tenant_key(server.services, "acme", "standard"), read_model_config(tiny_dir)[0], tmp
+
+
+def server_stats(client) -> dict:
+    """/admin/stats (engine-wide state, operators only) through a TestClient, with a fresh admin key."""
+    key = client.app.state.services.admin_keys.create("test stats")[1]
+    return client.get("/admin/stats", headers={"Authorization": f"Bearer {key}"}).json()
+
+
 def adapter_files(path: Path) -> dict[str, Path]:
     """The two files of a PEFT adapter directory, as the registry's `register` takes them."""
     return {name: path / name for name in ADAPTER_FILES}

@@ -10,10 +10,10 @@ from urllib.parse import urlsplit
 import pytest
 import torch
 
-from conftest import MOTO_CREDENTIALS, MOTO_REGION, adapter_files, moto_create_bucket, write_peft_adapter
+from conftest import MOTO_CREDENTIALS, MOTO_REGION, adapter_files, moto_create_bucket, server_stats, write_peft_adapter
 from faults import FaultyProxy
 from loramux.adapters.registry import AdapterRegistry
-from loramux.adapters.store import S3Store
+from loramux.adapters.store import FileStore, S3Store, StoreUnavailableError
 from loramux.adapters.tiers import AdapterCache, AdapterLoadError, DiskCache, HostCache
 from loramux.db import Database
 
@@ -138,8 +138,11 @@ def test_a_store_fault_fails_that_load_in_time_and_recovery_serves_again(setup, 
     assert other.tier == "ram" and other_ms < 500
     assert elapsed < 3.5, f"the failing load took {elapsed:.1f} s, past its 3 s deadline"
     assert "cold@1" in str(error)
+    if isinstance(error, AdapterLoadError):  # tenants see the version only; the cause is for operators
+        assert str(error) == "adapter cold@1 could not be loaded from storage; retry later"
+        assert store.bucket not in str(error) and error.retryable
     if fault == "corrupt":
-        assert "corrupt" in str(error) and cold.digest not in cache.disk
+        assert "corrupt" in error.detail and cold.digest not in cache.disk
     assert cold.digest not in cache.host
     # Recovery: the next attempt loads (a failed load is not remembered).
     if fault == "corrupt":
@@ -224,5 +227,75 @@ def test_over_http_a_hanging_store_fails_one_request_while_others_are_served(pro
         app.state.services.adapter_cache.drain(timeout=10)
         recovered = client.post("/generate", json={**body, "adapter": "cold"})
         assert recovered.status_code == 200 and recovered.json()["adapter_tier"] == "store"
-        stats = client.get("/stats").json()
+        stats = server_stats(client)
         assert stats["kv_blocks_used"] == 0 and stats["adapter_slots_pinned"] == 0
+
+
+def test_tenant_facing_load_errors_name_no_server_path_or_bucket(base_cfg, tmp_path, caplog):
+    """A 503 body shows AdapterLoadError's message: it names the version, never the store URL, bucket, key or
+    a local path; operators get those in `detail` and in the log."""
+    db = Database(f"sqlite:///{tmp_path / 'registry.db'}")
+    db.upgrade()
+    store = FileStore(tmp_path / "secret-blob-dir")
+    registry = AdapterRegistry(db, store, base_cfg, "tiny-llama")
+    path = write_peft_adapter(tmp_path / "src", base_cfg, 4, ["q_proj"], seed=1)
+    version = registry.register(registry.tenancy.create_tenant("acme").id, "bot", adapter_files(path))
+    (store.root / version.storage_key).unlink()  # the weights vanished from the store
+    cache = AdapterCache(store, DiskCache(tmp_path / "disk", 1 << 30), HostCache(1 << 30))
+    with caplog.at_level("WARNING", logger="loramux.adapters.tiers"), pytest.raises(AdapterLoadError) as info:
+        cache.acquire_blocking(version, timeout=10)
+    message = str(info.value)
+    assert message == "adapter bot@1 could not be loaded from storage: its stored weights are missing"
+    assert not info.value.retryable and str(tmp_path) in info.value.detail and str(tmp_path) in caplog.text
+
+    class UnreachableS3:
+        url = "s3://acme-private-bucket/prefix"
+
+        def get(self, key):
+            raise StoreUnavailableError(f"get {key!r} on {self.url}: S3 unreachable: ConnectTimeoutError")
+
+    cache = AdapterCache(UnreachableS3(), DiskCache(tmp_path / "disk2", 1 << 30), HostCache(1 << 30))
+    with pytest.raises(AdapterLoadError) as info:
+        cache.acquire_blocking(version, timeout=10)
+    assert str(info.value) == "adapter bot@1 could not be loaded from storage; retry later" and info.value.retryable
+    assert "acme-private-bucket" in info.value.detail and "acme-private-bucket" in caplog.text
+    for text in (message, str(info.value)):
+        assert "bucket" not in text and "s3://" not in text and "/" not in text.replace("bot@1", "")
+    cache.shutdown()
+    db.dispose()
+
+
+class _GuardedDict(dict):
+    """A dict that fails the test when read without its owner's lock held (a reader racing the writers)."""
+
+    def __init__(self, data, lock):
+        super().__init__(data)
+        self.lock = lock
+
+    def values(self):
+        assert self.lock.locked(), "read without the lock that guards it"
+        return super().values()
+
+    def items(self):
+        assert self.lock.locked(), "read without the lock that guards it"
+        return super().items()
+
+
+def test_stats_reads_the_caches_under_their_locks(base_cfg, tmp_path):
+    from collections import OrderedDict
+
+    from loramux.adapters.peft_format import load_adapter_dir
+
+    cache = AdapterCache(FileStore(tmp_path / "blobs"), DiskCache(tmp_path / "disk", 1 << 30), HostCache(1 << 30))
+    adapter = load_adapter_dir(write_peft_adapter(tmp_path / "a", base_cfg, 4, ["q_proj"], seed=1), base_cfg)
+    cache.host.insert_pinned(adapter)
+    cache.disk.put("0" * 64, b"x" * 10)
+
+    class Guarded(_GuardedDict, OrderedDict):
+        pass
+
+    cache.host._entries = Guarded(cache.host._entries, cache._lock)
+    cache.disk._sizes = Guarded(cache.disk._sizes, cache.disk._lock)
+    stats = cache.stats()
+    assert stats["host_bytes"] == adapter.nbytes and stats["disk_bytes"] == 10
+    cache.shutdown()

@@ -145,6 +145,9 @@ def nan_in(name_part: str, value: float):
 # ------------------------------------------------------------------------------------------------ the corpus
 # Each case: files -> (files, limits or None, base_model_id or None); then the expected code and a message part.
 
+LAYER_0_ONLY = r"model\.layers\.0\..*(q|v|down)_proj"
+
+
 def case(build, code: str, fragment: str, limits: UploadLimits | None = None, base_model_id: str | None = None):
     return build, code, fragment, limits, base_model_id
 
@@ -234,6 +237,13 @@ CASES = {
                                 "base_model_mismatch", "'meta-llama/Llama-3.1-8B' (base_model_name_or_path) but "
                                 "this server serves 'SmolLM2-135M-Instruct'",
                                 base_model_id="/srv/models/HuggingFaceTB/SmolLM2-135M-Instruct"),
+    "base-model-other-hub-model": case(lambda f, m: edit_config(f, base_model_name_or_path="meta-llama/Llama-2-7b-hf"),
+                                       "base_model_mismatch", "set base_model_name_or_path in adapter_config.json to "
+                                       "'SmolLM2-135M-Instruct' (or to the local path of the copy it was trained "
+                                       "from); if you know the shapes and weights match, upload it with "
+                                       "allow_base_mismatch=true", base_model_id="SmolLM2-135M-Instruct"),
+    "base-model-not-text": case(lambda f, m: edit_config(f, base_model_name_or_path=["a", "b"]), "bad_option",
+                                "base_model_name_or_path must be a string", base_model_id="SmolLM2-135M-Instruct"),
     # tensors against the base model
     "wrong-shapes": case(lambda f, m: edit_config(f, r=8), "shape_mismatch", "for r=8 on this base model"),
     "unknown-tensor": case(lambda f, m: edit_tensors(f, lambda t: t.update(extra=torch.zeros(2))),
@@ -247,6 +257,23 @@ CASES = {
         "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight")), "missing_tensor", "layer 1 down_proj lacks"),
     "declared-targets-differ": case(lambda f, m: edit_config(f, target_modules=["q_proj"]), "target_mismatch",
                                     "must be the same projections"),
+    # target_modules regexes: RE2 (linear time), matched whole against the base model's module names
+    "redos-target-pattern": case(lambda f, m: edit_config(f, target_modules="(?:.*){60}z"), "target_mismatch",
+                                 "the target_modules pattern '(?:.*){60}z' selects [] of this base model"),
+    "target-pattern-lookaround": case(lambda f, m: edit_config(f, target_modules=r"(?=.*q_proj).*"), "bad_option",
+                                      "is not a supported regular expression"),
+    "target-pattern-backreference": case(lambda f, m: edit_config(f, target_modules=r"(.)\1.*"), "bad_option",
+                                         "RE2 syntax (no lookaround or backreferences"),
+    "target-pattern-huge-repeat": case(lambda f, m: edit_config(f, target_modules="((a{100}){100}){100}"),
+                                       "bad_option", "invalid repetition size"),
+    "target-pattern-too-long": case(lambda f, m: edit_config(f, target_modules="a|" * 600 + ".*"), "bad_option",
+                                    "target_modules pattern is 1202 characters, above the limit of 1000"),
+    "target-pattern-bare-names": case(lambda f, m: edit_config(f, target_modules="q_proj|v_proj|down_proj"),
+                                      "target_mismatch", "matched whole (fullmatch, as PEFT does)"),
+    "target-pattern-misses-a-target": case(lambda f, m: edit_config(f, target_modules=r".*\.(q_proj|v_proj)"),
+                                           "target_mismatch", "selects ['q_proj', 'v_proj']"),
+    "target-pattern-layer-subset": case(lambda f, m: edit_config(f, target_modules=LAYER_0_ONLY), "unsupported_option",
+                                        "in only some layers"),
     "nan-weights": case(lambda f, m: edit_tensors(f, nan_in("layers.1.self_attn.v_proj.lora_B", float("nan"))),
                         "non_finite", "'base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight' has NaN"),
     "inf-weights": case(lambda f, m: edit_tensors(f, nan_in("layers.0.mlp.down_proj.lora_A", float("-inf"))),
@@ -334,6 +361,69 @@ def test_valid_adapter_is_returned_with_its_tensors(adapter, tmp_path, dtype, as
 def test_base_model_name_matches_on_last_path_component(adapter, claimed):
     files = edit_config(adapter, base_model_name_or_path=claimed)
     assert validate_adapter_files(files, BASE, base_model_id="SmolLM2-135M-Instruct").rank == RANK
+
+
+# Adapters trained from a local copy of the base model record that copy's path: the shapes prove they fit.
+LOCAL_COPIES = ["/home/alice/checkpoints/base", "/data/models/smol-2025-01/", "./base-model", "../models/smol",
+                "~/hf/smollm2", "C:\\Users\\bob\\models\\smol", "/mnt/a/b/c/d/Llama-2-7b-hf",
+                "models/cache/SmolLM2", "Llama-2-7b-hf", "checkpoint-500"]
+
+
+@pytest.mark.parametrize("claimed", LOCAL_COPIES)
+def test_an_adapter_trained_from_a_local_copy_of_the_base_is_accepted_and_its_claim_recorded(adapter, claimed):
+    files = edit_config(adapter, base_model_name_or_path=claimed)
+    result = validate_adapter_files(files, BASE, base_model_id="SmolLM2-135M-Instruct")
+    assert result.rank == RANK and result.base_model == claimed
+
+
+def test_another_hub_model_is_refused_unless_the_caller_allows_it(adapter):
+    files = edit_config(adapter, base_model_name_or_path="meta-llama/Llama-2-7b-hf")
+    with pytest.raises(AdapterValidationError) as info:
+        validate_adapter_files(files, BASE, base_model_id="SmolLM2-135M-Instruct")
+    assert info.value.code == "base_model_mismatch" and "allow_base_mismatch=true" in str(info.value)
+    allowed = validate_adapter_files(files, BASE, base_model_id="SmolLM2-135M-Instruct", allow_base_mismatch=True)
+    assert allowed.base_model == "meta-llama/Llama-2-7b-hf"
+    odd = edit_config(adapter, base_model_name_or_path="/home/\x00me/\ud800" + "x" * 900)
+    recorded = validate_adapter_files(odd, BASE, base_model_id="SmolLM2-135M-Instruct").base_model
+    assert recorded.startswith("/home/?me/?x") and len(recorded) == 500  # printable and capped for SQL
+
+
+def test_a_local_adapter_directory_follows_the_same_base_model_rule(adapter, tmp_path):
+    """`loramux generate --adapter DIR` (load_adapter_dir) and build_adapter use the upload's rule."""
+    folder = tmp_path / "dir"
+    folder.mkdir()
+    (folder / WEIGHTS).write_bytes(adapter[WEIGHTS])
+    for claimed, ok in [("/home/alice/smol-local", True), ("HuggingFaceTB/SmolLM2-135M-Instruct", True),
+                        ("meta-llama/Llama-2-7b-hf", False)]:
+        config = edit_config(adapter, base_model_name_or_path=claimed)[CONFIG]
+        (folder / CONFIG).write_bytes(config)
+        for load in (lambda **kw: load_adapter_dir(folder, BASE, **kw),
+                     lambda config=config, **kw: build_adapter("a", config, adapter[WEIGHTS], BASE, **kw)):
+            if ok:
+                assert load(base_model_id="SmolLM2-135M-Instruct").rank == RANK
+                continue
+            with pytest.raises(AdapterValidationError) as info:
+                load(base_model_id="SmolLM2-135M-Instruct")
+            assert info.value.code == "base_model_mismatch"
+            assert load(base_model_id="SmolLM2-135M-Instruct", allow_base_mismatch=True).rank == RANK
+
+
+@pytest.mark.timeout(120)
+def test_a_catastrophic_backtracking_pattern_is_refused_in_well_under_a_second(adapter):
+    files = edit_config(adapter, target_modules="(?:.*){60}z")
+    start = time.perf_counter()
+    with pytest.raises(AdapterValidationError) as info:
+        validate_adapter_files(files, BASE)
+    assert time.perf_counter() - start < 1.0
+    assert info.value.code == "target_mismatch"
+
+
+@pytest.mark.parametrize("pattern", [r".*\.(q_proj|v_proj|down_proj)", r".*(q_proj|v_proj|down_proj)$",
+                                     r"model\.layers\.\d+\.(self_attn\.[qv]_proj|mlp\.down_proj)",
+                                     r"^model\.layers\.[0-9]+\..*\.(?:q|v|down)_proj$"])
+def test_regex_target_modules_select_the_modules_peft_would(adapter, pattern):
+    result = validate_adapter_files(edit_config(adapter, target_modules=pattern), BASE)
+    assert result.target_modules == ("q_proj", "v_proj", "down_proj")
 
 
 def test_safetensors_header_length_that_looks_like_a_pickle_is_not_refused_as_one(adapter):

@@ -2,6 +2,7 @@
 (and upload abuse), tiers, prices, and that raw keys are stored and logged nowhere."""
 from __future__ import annotations
 
+import concurrent.futures
 import io
 import json
 import logging
@@ -14,24 +15,15 @@ import httpx
 import pytest
 from sqlalchemy import MetaData, select
 
-from conftest import make_engine, make_services, new_tenant_key, write_peft_adapter
-from live_server import LiveServer
+from conftest import serve_admin_stack, write_peft_adapter
 from loramux.db import Adapter, AdapterVersion
-from loramux.model.loader import read_model_config
-from loramux.server.app import create_app
 
 ADMIN_KEY = "lmxa-test-admin-key-0123456789abcdefghijklmnop"
 
 
 @pytest.fixture(scope="module")
 def stack(tiny_dir, tokenizer, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("admin-api")
-    app = create_app(lambda: make_services(tmp, make_engine(tiny_dir, tokenizer, max_loras=2, max_lora_rank=8),
-                                           admin_key=ADMIN_KEY, max_upload_bytes=256 * 1024))
-    with LiveServer(app) as server:
-        tenant_key = new_tenant_key(server.services, "acme", "standard")
-        cfg, _ = read_model_config(tiny_dir)
-        yield server, tenant_key, cfg, tmp
+    yield from serve_admin_stack(tmp_path_factory.mktemp("admin-api"), tiny_dir, tokenizer, ADMIN_KEY)
 
 
 def admin(stack) -> httpx.Client:
@@ -141,6 +133,15 @@ def test_adapter_upload_versions_visibility_warm_pin_delete(stack):
     assert c.post(f"/admin/adapters/{body['id']}/pin").json()["pinned"] is True
     assert second["digest"] in server.services.adapter_cache.host
     assert c.delete(f"/admin/adapters/{body['id']}/pin").json()["pinned"] is False
+
+    # Concurrent pin calls record one pin holding exactly one cache pin (unpin gives it back).
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        pinned = list(pool.map(lambda _: admin(stack).post(f"/admin/adapters/{body['id']}/pin"), range(8)))
+    assert all(r.status_code == 200 for r in pinned)
+    host = server.services.adapter_cache.host
+    assert host._entries[second["digest"]].pins == 1
+    assert c.delete(f"/admin/adapters/{body['id']}/pin").json()["pinned"] is False
+    assert host._entries[second["digest"]].pins == 0
 
     # The tenant uses it by name, then it is deleted: 404 afterwards, like any unknown model.
     headers = {"Authorization": f"Bearer {tenant_key}"}

@@ -121,18 +121,25 @@ def no_error_event(ctx, response, case):
 @pytest.mark.parametrize(("method", "path"), OPERATIONS, ids=[f"{m} {p}" for m, p in OPERATIONS])
 def test_no_input_gets_a_server_error(api_schema, fuzz_stack, method, path, mode):
     _, key = fuzz_stack
-    operation = api_schema[path][method]
-    if mode is GenerationMode.NEGATIVE and not (operation.body or operation.query or operation.headers):
-        pytest.skip("nothing to send wrong")
-    strategy = operation.as_strategy(generation_mode=mode)
 
-    @given(strategy)
+    def prepare(case):
+        case.body = shorten(path, case.body)
+
+    fuzz(api_schema[path][method], mode, key, prepare, [not_a_server_error, content_type_conformance, no_error_event])
+
+
+def fuzz(operation, mode, key: str, prepare, checks, inputs=("body", "query", "headers")) -> None:
+    """Call `operation` with generated cases (each passed through `prepare` first) and the bearer `key`;
+    every check must pass. Skips negative mode when the operation takes none of `inputs`."""
+    if mode is GenerationMode.NEGATIVE and not any(getattr(operation, name) for name in inputs):
+        pytest.skip("nothing to send wrong")
+
+    @given(operation.as_strategy(generation_mode=mode))
     @settings(max_examples=EXAMPLES, deadline=None, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large])
     def run(case):
-        case.body = shorten(path, case.body)
-        case.call_and_validate(headers={"Authorization": f"Bearer {key}"}, timeout=60,
-                               checks=[not_a_server_error, content_type_conformance, no_error_event])
+        prepare(case)
+        case.call_and_validate(headers={"Authorization": f"Bearer {key}"}, timeout=60, checks=checks)
 
     run()
 
@@ -155,21 +162,8 @@ def steer_admin_ids(services, case) -> None:
 @pytest.mark.parametrize(("method", "path"), ADMIN_OPERATIONS, ids=[f"{m} {p}" for m, p in ADMIN_OPERATIONS])
 def test_no_admin_input_gets_a_server_error(api_schema, fuzz_stack, method, path, mode):
     server, _ = fuzz_stack
-    operation = api_schema[path][method]
-    if mode is GenerationMode.NEGATIVE and not (operation.body or operation.query or operation.headers
-                                                or operation.path_parameters):
-        pytest.skip("nothing to send wrong")
-    strategy = operation.as_strategy(generation_mode=mode)
-
-    @given(strategy)
-    @settings(max_examples=EXAMPLES, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large])
-    def run(case):
-        steer_admin_ids(server.services, case)
-        case.call_and_validate(headers={"Authorization": f"Bearer {server.admin_key}"}, timeout=60,
-                               checks=[not_a_server_error, content_type_conformance])
-
-    run()
+    fuzz(api_schema[path][method], mode, server.admin_key, lambda case: steer_admin_ids(server.services, case),
+         [not_a_server_error, content_type_conformance], inputs=("body", "query", "headers", "path_parameters"))
 
 
 # Schemathesis generates valid Unicode only, but JSON can carry a lone surrogate (`"\ud800"`): the

@@ -331,3 +331,26 @@ def test_bad_queries_raise_clear_errors():
     assert content_type("csv").startswith("text/csv")
     assert content_type("jsonl") == "application/x-ndjson"
     assert content_type("parquet") == "application/vnd.apache.parquet"
+
+
+def test_csv_export_neutralises_formula_cells_in_text_columns_only(database):
+    """CSV injection: a text cell a spreadsheet would run as a formula gets a leading quote; numbers, money
+    and times are written as they are, and JSON Lines / Parquet carry the raw values."""
+    hostile = {**entry(1, "=cmd|'/C calc'!A0", "@SUM(A1:A9)", "stop", at(0, 1), "0.5"),
+               "key_id": "+1+1", "model": "-2+3", "tier": "\tstandard", "request_id": "\r=1"}
+    plain = entry(2, "tn_a", "ad_1", "stop", at(0, 2), "0.25")
+    insert_rows(database, [hostile, plain])
+    data = b"".join(export(database, "csv")).decode()
+    records = list(csv.DictReader(io.StringIO(data, newline="")))
+    got = {r["cost"]: r for r in records}
+    evil = got["0.500000000000"]
+    assert (evil["tenant_id"], evil["adapter_id"], evil["key_id"], evil["model"], evil["tier"], evil["request_id"]) \
+        == ("'=cmd|'/C calc'!A0", "'@SUM(A1:A9)", "'+1+1", "'-2+3", "'\tstandard", "'\r=1")
+    for r in records:  # no cell of the export starts a formula
+        assert not any(v.startswith(("=", "+", "-", "@", "\t", "\r")) for v in r.values()), r
+    ok = got["0.250000000000"]
+    assert (ok["tenant_id"], ok["adapter_id"], ok["model"]) == ("tn_a", "ad_1", "ad_1")
+    assert ok["prompt_tokens"] == "100" and ok["total_ms"] == "252.0"
+    assert datetime.fromisoformat(ok["created_at"]) == at(0, 2)
+    raw = {json.loads(line)["cost"]: json.loads(line) for line in b"".join(export(database, "jsonl")).splitlines()}
+    assert raw["0.500000000000"]["tenant_id"] == "=cmd|'/C calc'!A0"  # other formats keep the exact value

@@ -175,3 +175,26 @@ def test_rows_buffered_at_shutdown_are_written(database_url, tiny_dir, tokenizer
         assert s.scalar(select(func.count()).select_from(LedgerEntry)) == 5
     fresh.dispose()
     assert db is not None
+
+
+def test_a_request_is_billed_at_its_arrival_not_its_finish(stack):
+    """A price change while a long request runs does not apply to it: the row's created_at is when the
+    request arrived (before its first chunk), not when it finished."""
+    server, _, _ = stack
+    key = new_tenant_key(server.services, "long-co", "premium")
+    body = {"model": "base", "prompt": "Count:", "max_tokens": 300, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    sent = datetime.now(timezone.utc)
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {key}"}) as resp:
+        lines = resp.iter_lines()
+        next(lines)
+        first_chunk = datetime.now(timezone.utc)
+        request_id = resp.headers["x-request-id"]
+        for _ in lines:
+            pass
+    finished = datetime.now(timezone.utc)
+    assert server.services.ledger.flush(30)
+    (row,) = [r for r in ledger_rows(server) if r.request_id == request_id]
+    assert finished - first_chunk > timedelta(milliseconds=50)  # the request ran on after its first chunk
+    assert sent <= row.created_at <= first_chunk

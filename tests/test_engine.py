@@ -168,3 +168,28 @@ def test_bad_token_ids_are_refused(tiny_engine):
     with pytest.raises(ValueError, match="stop_token_ids"):
         SamplingParams(stop_token_ids=[-1])
     assert not tiny_engine.has_unfinished()
+
+
+def test_a_local_adapter_follows_the_upload_base_model_rule(tiny_dir, tokenizer, tiny_cfg, tmp_path):
+    """`loramux generate --adapter` loads through LLMEngine.load_adapter_dir: the same base-model rule as
+    an upload (another hub model is refused unless allowed; a local copy's path is fine)."""
+    import json
+
+    from conftest import write_peft_adapter
+    from loramux.adapters.validation import AdapterFormatError
+
+    engine = make_engine(tiny_dir, tokenizer, max_loras=2, max_lora_rank=8)
+    engine.model_name = "/models/SmolLM2-135M-Instruct"
+    for i, (claimed, ok) in enumerate([("meta-llama/Llama-2-7b-hf", False),
+                                       ("/home/me/checkpoints/SmolLM2-135M-Instruct", True),
+                                       ("HuggingFaceTB/SmolLM2-135M-Instruct", True)]):
+        path = write_peft_adapter(tmp_path / f"a{i}", tiny_cfg, 4, ["q_proj"], seed=i)
+        config = json.loads((path / "adapter_config.json").read_text())
+        (path / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": claimed}))
+        if ok:
+            engine.load_adapter_dir(path, f"a{i}")
+            continue
+        with pytest.raises(AdapterFormatError) as info:
+            engine.load_adapter_dir(path, f"a{i}")
+        assert info.value.code == "base_model_mismatch" and "allow_base_mismatch" in str(info.value)
+        engine.load_adapter_dir(path, f"a{i}", allow_base_mismatch=True)

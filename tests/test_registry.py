@@ -2,19 +2,23 @@
 visibility, versions, and that a refused or failed upload leaves nothing behind."""
 from __future__ import annotations
 
+import json
 import threading
+import time
+from datetime import timedelta
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 
 from conftest import ADAPTER_FILES as FILES
 from conftest import adapter_files as files_of
 from conftest import write_peft_adapter
 from loramux.adapters.blob import unpack
-from loramux.adapters.registry import AdapterNotFoundError, AdapterRegistry, InvalidNameError
+from loramux.adapters.registry import AdapterNotFoundError, AdapterRegistry, InvalidNameError, collect_garbage
 from loramux.adapters.store import FileStore, blob_key
 from loramux.adapters.validation import AdapterValidationError
 from loramux.db import Adapter, AdapterVersion
+from loramux.db.models import AdapterBlob, utcnow
 from loramux.tenancy import TenantExistsError
 
 
@@ -49,12 +53,16 @@ def test_migrations_match_the_models_and_downgrade_cleanly(database):
     with database.engine.connect() as conn:
         diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata)
     assert diff == []
-    assert database.current_revision() == "0003"
+    assert database.current_revision() == "0004"
     database.downgrade("base")
     assert set(inspect(database.engine).get_table_names()) <= {"alembic_version"}
     database.upgrade()
-    assert {"tenants", "adapters", "adapter_versions", "tiers", "api_keys", "admin_keys", "prices", "ledger"} <= set(
-        inspect(database.engine).get_table_names())
+    assert {"tenants", "adapters", "adapter_versions", "tiers", "api_keys", "admin_keys", "prices", "ledger",
+            "adapter_blobs"} <= set(inspect(database.engine).get_table_names())
+    database.downgrade("0003")  # 0004 alone goes down and up again
+    assert "adapter_blobs" not in inspect(database.engine).get_table_names()
+    database.upgrade()
+    assert database.current_revision() == "0004"
 
 
 def test_register_resolve_list_versions(registry, base_cfg, tmp_path):
@@ -199,3 +207,159 @@ def test_db_gc_deletes_only_unreferenced_blobs(database, base_cfg, tmp_path, mon
     assert capsys.readouterr().out.split() == ["deleted", orphan]
     assert store.list_keys("blobs/") == [live.storage_key]
 
+
+
+# -- blob lifecycle: blobs are shared by digest, so a delete must never remove bytes an upload is about to use ----
+
+def blob_rows(registry) -> list[tuple[str, int]]:
+    with registry.db.session() as s:
+        return [(r.digest, r.pending) for r in s.scalars(select(AdapterBlob))]
+
+
+def test_a_delete_between_an_uploads_put_and_insert_keeps_the_shared_blob(registry, base_cfg, tmp_path, monkeypatch):
+    """Forced interleaving: the last other user of the same bytes is deleted after the new upload wrote its
+    blob and before it inserted its version row. The new version must still load."""
+    acme, globex = registry.tenancy.create_tenant("acme"), registry.tenancy.create_tenant("globex")
+    files = adapter_files(tmp_path, base_cfg, seed=1)
+    old = registry.register(acme.id, "bot", files)
+    dropped = []
+    registry.on_blob_deleted(dropped.append)
+    real_put = registry.store.put
+
+    def put_then_delete_the_other(key, data):
+        real_put(key, data)
+        assert [v.version for v in registry.delete(acme.id, "bot")] == [1]
+
+    monkeypatch.setattr(registry.store, "put", put_then_delete_the_other)
+    new = registry.register(globex.id, "bot", files)
+    monkeypatch.undo()
+    assert new.digest == old.digest and new.storage_key == old.storage_key
+    assert registry.store.exists(new.storage_key) and dropped == []
+    current = registry.resolve(globex.id, "bot")
+    assert unpack(registry.store.get(current.storage_key), "bot", current.digest).rank == 4
+    assert blob_rows(registry) == [(new.digest, 0)]  # the reservation became the version row
+    assert collect_garbage(registry.db, registry.store, grace_s=0) == []  # and the GC leaves it alone
+    registry.delete(globex.id, "bot")  # the last user now: the blob goes
+    assert not registry.store.exists(new.storage_key) and dropped == [new.digest] and blob_rows(registry) == []
+
+
+def test_a_delete_that_runs_first_makes_a_racing_upload_wait_and_write_the_blob_again(registry, base_cfg, tmp_path,
+                                                                                        monkeypatch):
+    """The other order: the delete has decided and is removing the blob when an upload of the same bytes
+    starts in another thread. The upload waits for the blob's row lock, then writes the blob again."""
+    acme, globex = registry.tenancy.create_tenant("acme"), registry.tenancy.create_tenant("globex")
+    files = adapter_files(tmp_path, base_cfg, seed=1)
+    registry.register(acme.id, "bot", files)
+    real_delete = registry.store.delete
+    results, errors = [], []
+
+    def upload():
+        try:
+            results.append(registry.register(globex.id, "bot", files))
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    racer = threading.Thread(target=upload)
+
+    def delete_while_an_upload_starts(key):
+        racer.start()
+        time.sleep(0.5)  # the upload validates, then (with the fix) waits for the lock
+        real_delete(key)
+
+    monkeypatch.setattr(registry.store, "delete", delete_while_an_upload_starts)
+    registry.delete(acme.id, "bot")
+    racer.join(timeout=60)
+    monkeypatch.undo()
+    assert errors == [] and len(results) == 1
+    new = registry.resolve(globex.id, "bot")
+    assert registry.store.exists(new.storage_key)
+    assert unpack(registry.store.get(new.storage_key), "bot", new.digest).rank == 4
+
+
+def test_gc_between_an_uploads_put_and_insert_keeps_the_blob(registry, base_cfg, tmp_path, monkeypatch):
+    """`loramux db gc` running while an upload is between its put and its insert: the blob is no ready
+    version's yet, but it is reserved, so the GC leaves it."""
+    acme = registry.tenancy.create_tenant("acme")
+    real_put = registry.store.put
+    collected = []
+
+    def put_then_gc(key, data):
+        real_put(key, data)
+        collected.extend(collect_garbage(registry.db, registry.store))
+
+    monkeypatch.setattr(registry.store, "put", put_then_gc)
+    version = registry.register(acme.id, "bot", adapter_files(tmp_path, base_cfg, seed=1))
+    monkeypatch.undo()
+    assert collected == [] and registry.store.exists(version.storage_key)
+    assert unpack(registry.store.get(version.storage_key), "bot", version.digest).rank == 4
+
+
+def test_gc_keeps_a_reserved_blob_for_the_grace_period_then_collects_it(registry, base_cfg, tmp_path, monkeypatch):
+    """An upload that died between its put and its insert leaves a reserved blob: kept while the reservation
+    is younger than the grace period (a live upload may be that slow), collected after it."""
+    acme = registry.tenancy.create_tenant("acme")
+
+    def die(*args, **kwargs):
+        raise SystemExit("the upload process died")
+
+    monkeypatch.setattr(registry, "_insert_version", die)
+    monkeypatch.setattr(registry, "_after_failed_upload", lambda *args: None)  # a dead process cleans nothing
+    with pytest.raises(SystemExit):
+        registry.register(acme.id, "bot", adapter_files(tmp_path, base_cfg, seed=1))
+    monkeypatch.undo()
+    (key,) = registry.store.list_keys("blobs/")
+    assert collect_garbage(registry.db, registry.store) == [] and registry.store.exists(key)
+    with registry.db.session() as s:
+        s.execute(update(AdapterBlob).values(updated_at=utcnow() - timedelta(hours=2)))
+    assert collect_garbage(registry.db, registry.store, grace_s=3 * 3600) == []
+    assert collect_garbage(registry.db, registry.store) == [key]  # the default grace period is one hour
+    assert registry.store.list_keys() == [] and blob_rows(registry) == []
+
+
+def test_a_failed_upload_keeps_a_blob_another_upload_has_reserved(registry, base_cfg, tmp_path, monkeypatch):
+    acme = registry.tenancy.create_tenant("acme")
+    files = adapter_files(tmp_path, base_cfg, seed=1)
+    real_insert = registry._insert_version
+    calls = []
+
+    def second_upload_fails_while_the_first_is_between_put_and_insert(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            with pytest.raises(RuntimeError, match="database went away"):
+                registry.register(acme.id, "other", files)  # the same bytes, failing
+            assert registry.store.exists(args[4])  # this upload's reservation kept the blob
+            return real_insert(*args, **kwargs)
+        raise RuntimeError("database went away")
+
+    monkeypatch.setattr(registry, "_insert_version", second_upload_fails_while_the_first_is_between_put_and_insert)
+    version = registry.register(acme.id, "bot", files)
+    monkeypatch.undo()
+    assert registry.store.exists(version.storage_key) and blob_rows(registry) == [(version.digest, 0)]
+
+
+@pytest.mark.parametrize("suffix", ["\u00b2", "\u0663", "1\u00b2", "99999999999999999999", "2147483648", "1 ",
+                                    "-1", "+1", "0x1", "1.0"])
+def test_a_version_that_is_not_a_plain_number_is_not_found(registry, base_cfg, tmp_path, suffix):
+    acme = registry.tenancy.create_tenant("acme")
+    registry.register(acme.id, "bot", adapter_files(tmp_path, base_cfg, seed=1))
+    with pytest.raises(AdapterNotFoundError, match="not found"):
+        registry.resolve(acme.id, f"bot@{suffix}")
+    assert registry.resolve(acme.id, "bot@001").version == 1  # ASCII digits still work
+
+
+def test_the_claimed_base_model_is_recorded_and_a_mismatch_can_be_allowed(registry, base_cfg, tmp_path):
+    acme = registry.tenancy.create_tenant("acme")
+    path = write_peft_adapter(tmp_path / "local", base_cfg, 4, ["q_proj", "v_proj"], seed=1)
+    config = json.loads((path / "adapter_config.json").read_text())
+    (path / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": "/home/a/tiny"}))
+    local = registry.register(acme.id, "local", files_of(path))
+    assert (local.base_model, local.claimed_base_model) == ("tiny-llama", "/home/a/tiny")
+    assert registry.resolve(acme.id, "local").claimed_base_model == "/home/a/tiny"
+    (path / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": "org/other-model",
+                                                          "r": 4, "lora_alpha": 3}))
+    with pytest.raises(AdapterValidationError) as info:
+        registry.register(acme.id, "local", files_of(path))
+    assert info.value.code == "base_model_mismatch"
+    allowed = registry.register(acme.id, "local", files_of(path), allow_base_mismatch=True)
+    assert (allowed.version, allowed.claimed_base_model) == (2, "org/other-model")
+    assert [v.claimed_base_model for v in registry.versions(acme.id, "local")] == ["/home/a/tiny", "org/other-model"]

@@ -7,7 +7,7 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from conftest import make_engine, make_services, new_tenant_key
+from conftest import make_engine, make_services, new_tenant_key, server_stats
 from loramux.engine.async_engine import AsyncEngine
 from loramux.engine.engine import RequestError
 from loramux.engine.sampling_params import SamplingParams
@@ -25,8 +25,14 @@ def client(tiny_dir, tokenizer, tmp_path):
 def test_health_ready_stats(client):
     assert client.get("/health").json() == {"status": "ok"}
     assert client.get("/ready").json()["status"] == "ready"
-    assert client.get("/stats").json()["kv_blocks_used"] == 0
+    assert server_stats(client)["kv_blocks_used"] == 0
     assert "loramux_requests_total" in client.get("/metrics").text
+
+
+def test_engine_wide_stats_are_for_operators_only(client):
+    assert client.get("/stats").status_code == 404  # no tenant-visible route shows other tenants' load
+    assert client.get("/admin/stats").status_code == 403
+    assert set(server_stats(client)) >= {"running", "waiting", "kv_blocks_used", "adapter_cache"}
 
 
 def test_tenant_routes_need_a_valid_key(client):
@@ -73,7 +79,40 @@ def test_bad_input_gets_a_clear_error(client, body, status, needle):
     resp = client.post("/generate", json=body)
     assert resp.status_code == status, resp.text
     assert needle in resp.text
-    assert client.get("/stats").json()["kv_blocks_used"] == 0
+    assert server_stats(client)["kv_blocks_used"] == 0
+
+
+def test_a_failed_step_tells_each_request_only_about_itself(tiny_dir, tokenizer, monkeypatch):
+    from loramux.engine.async_engine import EngineStepError
+
+    llm = make_engine(tiny_dir, tokenizer)
+    real_step = llm.step
+
+    def failing_step():
+        if len(llm.requests) == 2:  # both requests are in flight
+            raise RuntimeError("tenant-a's prompt 'the secret plan' broke the sampler")
+        return real_step()
+
+    monkeypatch.setattr(llm, "step", failing_step)
+    engine = AsyncEngine(llm)
+
+    async def run(request_id):
+        try:
+            async for _ in engine.generate(request_id, "Hello", SamplingParams(max_tokens=50, ignore_eos=True)):
+                pass
+        except EngineStepError as exc:
+            return str(exc)
+
+    async def scenario():
+        return await asyncio.gather(run("req-a"), run("req-b"))
+
+    try:
+        errors = asyncio.run(scenario())
+        for request_id, message in zip(("req-a", "req-b"), errors):
+            assert message is not None and request_id in message and "secret" not in message, errors
+        assert engine.stats()["kv_blocks_used"] == 0 and engine.stats()["running"] == 0
+    finally:
+        engine.shutdown()
 
 
 def test_async_stream_and_early_exit_abort(tiny_dir, tokenizer):
@@ -126,7 +165,7 @@ def test_generate_with_adapter_over_http(tiny_dir, tokenizer, tmp_path):
         assert again["text"] == tuned["text"] and again["adapter_tier"] == "ram"
         missing = client.post("/generate", json={**body, "adapter": "nope"})
         assert missing.status_code == 404 and "model 'nope' not found" in missing.text
-        stats = client.get("/stats").json()
+        stats = server_stats(client)
         assert stats["adapter_slots_pinned"] == 0 and stats["adapter_cache"]["hits"] == {"store": 1, "ram": 1}
 
 

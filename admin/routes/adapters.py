@@ -34,8 +34,10 @@ class AdapterPatch(RequestBody):
 
 @router.post("", status_code=201, response_model=UploadedAdapter)
 async def upload_adapter(request: Request, services: ServicesDep) -> AdapterVersionInfo:
-    """multipart/form-data: `tenant_id`, `name`, optional `visibility` (private|public), files
-    `adapter_config` (adapter_config.json) and `adapter_model` (adapter_model.safetensors)."""
+    """multipart/form-data: `tenant_id`, `name`, optional `visibility` (private|public), optional
+    `allow_base_mismatch` (true|false, default false: accept a config whose base_model_name_or_path names
+    another hub model, when you know the shapes and weights match), files `adapter_config`
+    (adapter_config.json) and `adapter_model` (adapter_model.safetensors)."""
     cap = services.settings.max_upload_bytes + 1024 * 1024  # the weights, the config and the multipart framing
     async with receive_upload(request, cap) as (fields, files):
         _check_form_fields(fields)
@@ -50,11 +52,24 @@ def _check_form_fields(fields: dict) -> None:
         reject_lone_surrogates(fields)
     except ValueError as exc:
         raise UploadError(400, f"form fields {exc}") from None
+    _flag(fields, "allow_base_mismatch")
+
+
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off", "")
+
+
+def _flag(fields: dict, name: str) -> bool:
+    value = fields.get(name) or ""
+    text = value.strip().lower() if isinstance(value, str) else None
+    if text not in _TRUE + _FALSE:
+        raise UploadError(400, f"form field {name} must be true or false")
+    return text in _TRUE
 
 
 def _register(services: Services, fields: dict, files: dict) -> AdapterVersionInfo:
     tenant = services.tenancy.tenant(fields["tenant_id"])  # an id or a name
-    return services.registry.register(tenant.id, fields["name"], files, fields.get("visibility") or "private")
+    return services.registry.register(tenant.id, fields["name"], files, fields.get("visibility") or "private",
+                                      allow_base_mismatch=_flag(fields, "allow_base_mismatch"))
 
 
 @router.get("", response_model=AdapterList)

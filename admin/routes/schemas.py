@@ -76,7 +76,10 @@ class AdapterVersion(UploadedAdapter):
     alpha: float
     use_rslora: bool
     target_modules: list[str]
-    base_model: str
+    base_model: str = Field(description="the base model this server served when the version was uploaded")
+    claimed_base_model: str | None = Field(
+        default=None, description="base_model_name_or_path from the adapter's config (a hub id or the local path "
+                                  "it was trained from); null when the config names none")
     created_at: IsoDatetime
 
 

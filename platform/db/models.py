@@ -161,11 +161,29 @@ class AdapterVersion(Base):
     alpha: Mapped[float] = mapped_column(Float)
     use_rslora: Mapped[bool] = mapped_column(Boolean, default=False)
     target_modules: Mapped[list] = mapped_column(JSON)
-    base_model: Mapped[str] = mapped_column(String(200))
+    base_model: Mapped[str] = mapped_column(String(200))  # the model this server served at upload
+    # base_model_name_or_path as the adapter's config claims it (a hub id, a local path or None).
+    claimed_base_model: Mapped[str | None] = mapped_column(String(500), nullable=True, default=None)
     status: Mapped[str] = mapped_column(String(16), default="ready")  # ready | deleted
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
     adapter: Mapped[Adapter] = relationship(back_populates="versions")
+
+
+class AdapterBlob(Base):
+    """The lifecycle of one stored blob (blobs are shared by digest): the row every change to its fate locks.
+
+    An upload adds itself to `pending` (committed) before it writes the blob and removes itself in the
+    transaction that inserts its version; deleting the blob happens only with this row locked, when no ready
+    version uses the digest and no upload is pending (a reservation older than the GC grace period counts as
+    an abandoned upload). See `loramux.adapters.registry`."""
+
+    __tablename__ = "adapter_blobs"
+
+    digest: Mapped[str] = mapped_column(String(64), primary_key=True)
+    storage_key: Mapped[str] = mapped_column(String(200))
+    pending: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # uploads between put and insert
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
 class AdminKey(Base):

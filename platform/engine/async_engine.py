@@ -1,16 +1,23 @@
 """Runs an LLMEngine on a background thread and gives each request an async token stream.
 
 The engine thread owns all engine state: requests and aborts reach it through an inbox, outputs go
-back to each request's asyncio queue with `call_soon_threadsafe`. The thread sleeps on a condition
-when there is no work, so an idle server uses no CPU.
+into each request's bounded buffer (`_Stream`) and wake its reader with `call_soon_threadsafe`. The
+thread sleeps on a condition when there is no work, so an idle server uses no CPU.
+
+Backpressure: the engine thread never waits for a reader. A reader that falls behind gets its outputs
+coalesced (past `max_buffered_outputs` undelivered outputs, new ones fold into the last: its memory is
+the text itself, never a copy per step); a reader that takes nothing for `stalled_reader_timeout_s`
+while outputs wait has its request aborted, so its KV blocks and adapter slot go to other requests, and
+reads, if it ever reads again, the outputs so far ending in one with finish_reason "cancelled".
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import threading
+import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from loramux.adapters.peft_format import LoRAAdapter
@@ -24,6 +31,11 @@ class EngineDeadError(RuntimeError):
     """The engine thread has stopped; no request can be served."""
 
 
+class EngineStepError(RuntimeError):
+    """An engine step failed, so the requests in flight were cancelled. Each request gets its own error
+    naming only itself: the cause (which may concern another tenant's request) is logged, never shown."""
+
+
 @dataclass
 class _Add:
     request_id: str
@@ -34,16 +46,44 @@ class _Add:
     arrival: float | None
     cache_salt: str | None
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    stream: _Stream
     accepted: asyncio.Future
 
 
+class _Stream:
+    """One request's outputs its reader has not taken yet: the engine thread appends, the reader's event
+    loop takes, both under `AsyncEngine._lock` (held for a few list operations, never across a wait)."""
+
+    __slots__ = ("loop", "items", "waiter", "since", "pieces", "closed", "on_abandoned")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop,
+                 on_abandoned: Callable[[RequestOutput], None] | None = None):
+        self.loop = loop
+        self.on_abandoned = on_abandoned  # called on `loop` with the final output when a stall aborts it
+        self.items: deque[RequestOutput | BaseException] = deque()
+        self.waiter: asyncio.Future | None = None  # the reader's, while it waits for an item
+        self.since: float | None = None  # since when the reader has had an item to take and has not taken one
+        self.pieces: list[str] | None = None  # delta_text of outputs coalesced into items[-1], joined when taken
+        self.closed = False  # the reader is gone: drop whatever comes
+
+
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, stalled_reader_timeout_s: float = 30.0, max_buffered_outputs: int = 64):
+        """`stalled_reader_timeout_s`: abort a request whose reader has taken nothing for this long while
+        outputs wait (LORAMUX_STALLED_READER_TIMEOUT_S); `max_buffered_outputs`: undelivered outputs kept
+        apart per request before later ones are coalesced into the last."""
+        if stalled_reader_timeout_s <= 0 or max_buffered_outputs < 1:
+            raise ValueError("stalled_reader_timeout_s must be > 0 and max_buffered_outputs >= 1")
         self.engine = engine
+        self.stalled_reader_timeout_s = stalled_reader_timeout_s
+        self.max_buffered_outputs = max_buffered_outputs
         self._inbox: deque = deque()
         self._wake = threading.Condition()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, _Stream] = {}  # engine thread only: streams of requests still in the engine
+        self._lock = threading.Lock()  # guards every _Stream and the gauges below
+        self._buffered_outputs = 0  # outputs in all buffers (gauge)
+        self._buffered_tokens = 0  # their new tokens (gauge)
+        self._stalled_aborts = 0  # requests aborted because their reader stalled (counter)
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="loramux-engine", daemon=True)
         self._thread.start()
@@ -51,22 +91,25 @@ class AsyncEngine:
     # -- caller side (event loop) ----------------------------------------------------------------
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                        priority: int = 0, adapter: str | LoRAAdapter | None = None,
-                       arrival: float | None = None, cache_salt: str | None = None
+                       arrival: float | None = None, cache_salt: str | None = None,
+                       on_abandoned: Callable[[RequestOutput], None] | None = None
                        ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs step by step; leaving the loop early aborts the request.
         `arrival` (time.monotonic()) is when the request reached the server: queue time, TTFT and the
-        deadline count from it."""
+        deadline count from it. `on_abandoned(final output)` runs on this event loop if the request is
+        aborted because its reader stalled: the reader may be stuck (a client that never reads) and never
+        see that final output, but whoever holds resources for the request must still let them go."""
         if self._stopped:
             raise EngineDeadError("the engine has stopped")
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
+        stream = _Stream(loop, on_abandoned)
         accepted = loop.create_future()
-        self._post(_Add(request_id, prompt, params, priority, adapter, arrival, cache_salt, loop, queue, accepted))
+        self._post(_Add(request_id, prompt, params, priority, adapter, arrival, cache_salt, loop, stream, accepted))
         finished = False
         try:
             await accepted  # raises RequestError for a request the engine refuses
             while True:
-                out = await queue.get()
+                out = await self._take(stream)
                 if isinstance(out, BaseException):
                     raise out
                 yield out
@@ -74,8 +117,35 @@ class AsyncEngine:
                     finished = True
                     return
         finally:
+            self._close(stream)
             if not finished:
                 self.abort(request_id)
+
+    async def _take(self, stream: _Stream) -> RequestOutput | BaseException:
+        """The next item of `stream`, waiting for the engine thread to put one there."""
+        while True:
+            with self._lock:
+                if stream.items:
+                    item = stream.items.popleft()
+                    if not stream.items and stream.pieces is not None:  # the coalesced last output
+                        item.delta_text = "".join(stream.pieces)
+                        stream.pieces = None
+                    stream.since = time.monotonic() if stream.items else None
+                    self._buffered_outputs -= 1
+                    if isinstance(item, RequestOutput):
+                        self._buffered_tokens -= len(item.new_token_ids)
+                    return item
+                waiter = stream.waiter = stream.loop.create_future()
+            await waiter
+
+    def _close(self, stream: _Stream) -> None:
+        """The reader is done with `stream`: free what it still buffers and drop what comes later."""
+        with self._lock:
+            stream.closed = True
+            self._buffered_outputs -= len(stream.items)
+            self._buffered_tokens -= sum(len(i.new_token_ids) for i in stream.items if isinstance(i, RequestOutput))
+            stream.items.clear()
+            stream.pieces = None
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; its KV blocks are freed at the engine's next step boundary."""
@@ -86,13 +156,29 @@ class AsyncEngine:
         self._post(("evict", digest))
 
     def stats(self) -> dict[str, int]:
-        return self.engine.stats()
+        """The engine's state, plus `buffered_outputs` / `buffered_tokens` (outputs, and their new tokens,
+        waiting for their readers) and `stalled_reader_aborts` (requests aborted for a stalled reader)."""
+        with self._lock:
+            buffered = {"buffered_outputs": self._buffered_outputs, "buffered_tokens": self._buffered_tokens,
+                        "stalled_reader_aborts": self._stalled_aborts}
+        return {**self.engine.stats(), **buffered}
 
     # What the HTTP layer needs of the model, so routes never reach inside the engine. Tokenizing is
     # thread-safe and is called from the threadpool, off the event loop.
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def max_chars_per_token(self) -> int | None:
+        """The most characters of text one token can stand for (None: this tokenizer has no such bound),
+        so that a prompt too long for the context is refused before it is tokenized. Computed once; see
+        `loramux.server.prompts.max_chars_per_token`."""
+        if not hasattr(self, "_max_chars_per_token"):
+            from loramux.server.prompts import max_chars_per_token
+
+            self._max_chars_per_token = max_chars_per_token(self.engine.tokenizer)
+        return self._max_chars_per_token
 
     def encode(self, text: str) -> list[int]:
         """Token ids of raw text (no template)."""
@@ -143,6 +229,7 @@ class AsyncEngine:
                     continue
                 for out in outputs:
                     self._deliver(out)
+                self._abort_stalled()
         finally:
             with self._wake:
                 self._stopped = True
@@ -162,7 +249,7 @@ class AsyncEngine:
             except Exception as exc:  # noqa: BLE001 - a refused request (RequestError) or a bug: its caller gets it
                 _post_to(item.loop, _settle, item.accepted, exc)
                 return
-            self._streams[item.request_id] = (item.loop, item.queue)
+            self._streams[item.request_id] = item.stream
             _post_to(item.loop, _settle, item.accepted, None)
         elif item[0] == "evict":
             self.engine.evict_adapter(item[1])
@@ -173,19 +260,66 @@ class AsyncEngine:
                 self._deliver(out)
 
     def _deliver(self, out: RequestOutput) -> None:
-        target = self._streams.get(out.request_id)
-        if target is None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
             return
         if out.finished:
             del self._streams[out.request_id]
-        loop, queue = target
-        _post_to(loop, queue.put_nowait, out)
+        self._push(stream, out)
+
+    def _push(self, stream: _Stream, item: RequestOutput | BaseException) -> None:
+        """Hand `item` to the stream's reader without ever waiting for it: past `max_buffered_outputs`
+        undelivered outputs, an output folds into the last one instead of queueing."""
+        with self._lock:
+            if stream.closed:
+                return
+            items = stream.items
+            tail = items[-1] if items else None
+            if (isinstance(item, RequestOutput) and isinstance(tail, RequestOutput) and not tail.finished
+                    and len(items) >= self.max_buffered_outputs):
+                if stream.pieces is None:
+                    stream.pieces = [tail.delta_text]
+                stream.pieces.append(item.delta_text)  # joined once when taken, not copied per step
+                item.delta_text = ""
+                tail.absorb(item)
+            else:
+                if stream.pieces is not None:
+                    tail.delta_text = "".join(stream.pieces)
+                    stream.pieces = None
+                items.append(item)
+                self._buffered_outputs += 1
+            if isinstance(item, RequestOutput):
+                self._buffered_tokens += len(item.new_token_ids)
+            if stream.since is None:
+                stream.since = time.monotonic()
+            waiter, stream.waiter = stream.waiter, None
+        if waiter is not None:
+            _post_to(stream.loop, _settle, waiter, None)
+
+    def _abort_stalled(self) -> None:
+        """Abort the requests whose reader has left an output untaken for `stalled_reader_timeout_s`."""
+        cutoff = time.monotonic() - self.stalled_reader_timeout_s
+        with self._lock:
+            stalled = [rid for rid, s in self._streams.items() if s.since is not None and s.since < cutoff]
+            self._stalled_aborts += len(stalled)
+        for request_id in stalled:
+            log.warning("request %s: its reader took nothing for %.1f s; aborting it (LORAMUX_STALLED_READER_"
+                        "TIMEOUT_S)", request_id, self.stalled_reader_timeout_s)
+            stream = self._streams.get(request_id)
+            out = self.engine.abort_request(request_id)
+            if out is not None:
+                if stream is not None and stream.on_abandoned is not None:
+                    _post_to(stream.loop, stream.on_abandoned, out)
+                self._deliver(out)
 
     def _fail_all(self, exc: BaseException) -> None:
+        """Cancel every request in flight; each reader gets `exc` if it is EngineDeadError, else its own
+        EngineStepError."""
         for request_id in list(self.engine.requests):
             self.engine.abort_request(request_id)
-        for loop, queue in self._streams.values():
-            _post_to(loop, queue.put_nowait, exc)
+        for request_id, stream in self._streams.items():
+            self._push(stream, exc if isinstance(exc, EngineDeadError) else EngineStepError(
+                f"request {request_id} was cancelled: the server failed while generating (the failure is logged)"))
         self._streams.clear()
 
 

@@ -13,12 +13,13 @@ from loramux.adapters.slots import SlotTable
 from loramux.engine.block_manager import BlockManager
 from loramux.engine.detokenizer import IncrementalDetokenizer
 from loramux.engine.model_runner import ModelRunner
-from loramux.engine.outputs import EngineConfig, RequestError, RequestOutput
+from loramux.engine.outputs import EngineConfig, RequestError, RequestOutput, SoFar
 from loramux.engine.sampler import Sampler, SamplingRow
 from loramux.engine.sampling_params import SamplingParams
 from loramux.engine.scheduler import Scheduler
 from loramux.engine.sequence import FinishReason, Sequence
 from loramux.engine.spec_decode import build_verdict, propose_ngram, verify
+from loramux.names import base_model_id
 
 __all__ = ["LLMEngine", "EngineConfig", "RequestOutput", "RequestError"]
 
@@ -38,6 +39,7 @@ class LLMEngine:
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         device = torch.device(device)
         self.model = model
+        self.model_name: str | None = None  # the served model as configured (from_settings sets it)
         self.tokenizer = tokenizer
         self.config = config
         mcfg = model.config
@@ -136,10 +138,14 @@ class LLMEngine:
             self._evicting.discard(digest)
             self.slots.evict(digest)
 
-    def load_adapter_dir(self, path, name: str | None = None) -> LoRAAdapter:
+    def load_adapter_dir(self, path, name: str | None = None, *, allow_base_mismatch: bool = False) -> LoRAAdapter:
+        """Load, validate (the same rules as an upload, the base model's name included when the engine
+        knows it) and register a PEFT adapter directory."""
         from loramux.adapters.peft_format import load_adapter_dir
 
-        adapter = load_adapter_dir(path, self.model.config, name, self.config.max_lora_rank)
+        base = base_model_id(self.model_name) if self.model_name else None
+        adapter = load_adapter_dir(path, self.model.config, name, self.config.max_lora_rank, base_model_id=base,
+                                   allow_base_mismatch=allow_base_mismatch)
         self.register_adapter(adapter)
         return adapter
 
@@ -337,10 +343,10 @@ class LLMEngine:
             elif len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
                 reason = FinishReason.LENGTH
         if reason is None:
-            return self._output(req, update_delta, [token])
+            return self._output(req, update_delta, [token], [logprob])
         self.scheduler.finish(seq, reason, now)
         self._forget(req)
-        return self._output(req, update_delta, [token])
+        return self._output(req, update_delta, [token], [logprob])
 
     def _forget(self, req: _Request) -> None:
         """Drop a finished request; a replaced adapter version goes with its last request."""
@@ -361,17 +367,21 @@ class LLMEngine:
             outputs.append(self._output(req, "", []))
         return outputs
 
-    def _output(self, req: _Request, delta: str, new_ids: list[int]) -> RequestOutput:
+    def _output(self, req: _Request, delta: str, new_ids: list[int], new_logprobs: list[float] | None = None
+                ) -> RequestOutput:
+        """The output of one step: the deltas, and the state so far as O(1) views (whole copies on the
+        final output only), so no step costs memory or time in proportion to the output's length."""
         seq = req.seq
-        finished = seq.is_finished
+        finished, n = seq.is_finished, len(seq.output_token_ids)
         if finished and not req.stop_string_hit:
             delta += req.detok.finish()  # release text held back in case it began a stop string
         return RequestOutput(
-            request_id=seq.request_id, delta_text=delta, new_token_ids=new_ids, text=req.detok.text,
-            token_ids=list(seq.output_token_ids), logprobs=list(seq.output_logprobs), finished=finished,
+            request_id=seq.request_id, delta_text=delta, new_token_ids=new_ids, new_logprobs=new_logprobs or [],
+            text=req.detok.text if finished else "", finished=finished,
+            token_ids=list(seq.output_token_ids) if finished else SoFar(seq.output_token_ids, n),
+            logprobs=list(seq.output_logprobs) if finished else SoFar(seq.output_logprobs, n),
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,
-            num_prompt_tokens=len(seq.prompt_token_ids),
-            timings=seq.timings.as_dict(len(seq.output_token_ids)) if finished else {},
+            num_prompt_tokens=len(seq.prompt_token_ids), timings=seq.timings.as_dict(n) if finished else {},
             adapter=req.adapter_name, num_cached_tokens=seq.num_cached_tokens,
         )
 

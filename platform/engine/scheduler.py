@@ -102,7 +102,9 @@ class Scheduler:
         now = now if now is not None else time.monotonic()
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
-        self.running.sort(key=self._rank)
+        # A new sorted list, not list.sort(): CPython empties a list while sorting it in place, and other
+        # threads (the server's queue-wait estimate, stats) read `running` meanwhile.
+        self.running = sorted(self.running, key=self._rank)
 
         for seq in [s for s in self.running if not s.is_prefill]:
             if seq.status is not SequenceStatus.RUNNING:

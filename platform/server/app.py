@@ -1,8 +1,10 @@
 """The HTTP server: OpenAI-compatible tenant API (/v1), the native API (/generate), health, readiness,
-metrics and stats.
+metrics (engine-wide stats are an admin route).
 
-Every route except /health, /ready and /metrics needs a tenant API key. Errors have OpenAI's shape,
-`{"error": {"message", "type", "param", "code"}}`, with the right status (400/401/403/404/422/429/503)
+Every route except /health, /ready, /metrics and the API docs needs a key (a tenant key; an admin key
+under /admin), checked by `loramux.server.ingress:Ingress` before any body is read, which also caps
+bodies (`max_request_bytes`, 413) and their JSON nesting. Errors have OpenAI's shape,
+`{"error": {"message", "type", "param", "code"}}`, with the right status (400/401/403/404/413/422/429/503)
 and a Retry-After header where waiting helps.
 """
 from __future__ import annotations
@@ -15,8 +17,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from loramux.admin.routes import router as admin_router
 from loramux.server import native, openai_api
-from loramux.server.deps import ServicesDep, TenantDep
+from loramux.server.deps import ServicesDep
 from loramux.server.errors import install_error_handlers
+from loramux.server.ingress import OPEN_PATHS, Ingress
 from loramux.server.metrics import ServerMetrics
 from loramux.server.ratelimit import RateLimiter
 from loramux.server.serving import Server
@@ -31,6 +34,7 @@ def create_app(services_factory, ledger_hooks: list | None = None) -> FastAPI:
     async def lifespan(app: FastAPI):
         services = services_factory()
         tiers = [t.name for t in await run_in_threadpool(services.tenancy.tiers)]
+        await run_in_threadpool(lambda: services.engine.max_chars_per_token)  # the prompt length bound, once
         metrics = ServerMetrics(tiers)
         metrics.set_state_source(lambda: {**services.engine.stats(), "adapter_cache": services.adapter_cache.stats()})
         app.state.services = services
@@ -48,6 +52,8 @@ def create_app(services_factory, ledger_hooks: list | None = None) -> FastAPI:
     app.include_router(native.router)
     app.include_router(admin_router)
     install_error_handlers(app)
+    docs = (app.docs_url, app.redoc_url, app.openapi_url, app.swagger_ui_oauth2_redirect_url)
+    app.add_middleware(Ingress, open_paths=OPEN_PATHS | {p for p in docs if p})
 
     @app.get("/health", tags=["ops"])
     async def health() -> dict:
@@ -68,9 +74,5 @@ def create_app(services_factory, ledger_hooks: list | None = None) -> FastAPI:
     async def metrics(request: Request):
         body, content_type = request.app.state.metrics.render()
         return Response(body, media_type=content_type)
-
-    @app.get("/stats", tags=["ops"])
-    async def stats(services: ServicesDep, tenant: TenantDep) -> dict:
-        return {**services.engine.stats(), "adapter_cache": services.adapter_cache.stats()}
 
     return app

@@ -4,10 +4,9 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request
-from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from loramux.admin.keys import ADMIN_KEY_PREFIX
+from loramux.server.ingress import Refusal, resolve_tenant
 from loramux.server.serving import Server
 from loramux.services import Services
 from loramux.tenancy import TenantContext
@@ -25,18 +24,14 @@ def get_server(request: Request) -> Server:
 
 async def get_tenant(request: Request,
                      credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> TenantContext:
-    if credentials is None:
-        raise HTTPException(401, "missing API key: send `Authorization: Bearer <your key>`",
-                            headers={"WWW-Authenticate": "Bearer"})
-    if credentials.credentials.startswith(ADMIN_KEY_PREFIX):
-        raise HTTPException(403, "admin keys are not accepted on tenant routes: use a tenant API key")
-    services: Services = request.app.state.services
-    tenant = await run_in_threadpool(services.tenancy.authenticate, credentials.credentials)
+    """The tenant `loramux.server.ingress:Ingress` resolved before the body was read; without that
+    middleware (an app assembled differently), the same checks here."""
+    tenant = request.scope.get("state", {}).get("tenant")
     if tenant is None:
-        raise HTTPException(401, "invalid or revoked API key", headers={"WWW-Authenticate": "Bearer"})
-    if not tenant.active:
-        raise HTTPException(403, f"tenant {tenant.tenant_name!r} is suspended; contact your administrator")
-    request.state.tenant = tenant
+        tenant = await resolve_tenant(request.app.state.services, credentials.credentials if credentials else None)
+        if isinstance(tenant, Refusal):
+            raise HTTPException(tenant.status, tenant.message, headers=tenant.headers or None)
+        request.state.tenant = tenant
     return tenant
 
 

@@ -72,7 +72,7 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
 
 def install_error_handlers(app: FastAPI) -> None:
     """One handler per error family; each maps its exceptions to a status and a stable `code`."""
-    from loramux.engine.async_engine import EngineDeadError
+    from loramux.engine.async_engine import EngineDeadError, EngineStepError
 
     def handle(family, respond):
         async def handler(request: Request, exc):
@@ -83,6 +83,7 @@ def install_error_handlers(app: FastAPI) -> None:
     handle(StarletteHTTPException, lambda e: error_response(e.status_code, str(e.detail), headers=e.headers))
     handle(RequestValidationError, _validation_error)
     handle(EngineDeadError, lambda e: error_response(503, str(e), "engine_stopped", retry_after_s=5))
+    handle(EngineStepError, lambda e: error_response(500, str(e), "engine_error"))
     handle(TenancyError, _tenancy_error)
     handle(RegistryError, lambda e: error_response(404 if isinstance(e, AdapterNotFoundError) else 400, str(e),
                                                    "adapter_not_found" if isinstance(e, AdapterNotFoundError)

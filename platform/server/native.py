@@ -13,7 +13,7 @@ from pydantic import AliasChoices, Field, model_validator
 from loramux.engine.engine import RequestOutput
 from loramux.server.deps import ServerDep, ServicesDep, TenantDep
 from loramux.server.params import ChatMessage, GenerationParams
-from loramux.server.prompts import tokenize_chat, tokenize_text
+from loramux.server.prompts import Prompt
 from loramux.server.serving import Running, respond
 from loramux.server.sse import DONE, STREAMED, sse_event
 
@@ -67,16 +67,13 @@ async def adapters(services: ServicesDep, tenant: TenantDep) -> dict:
 
 
 @router.post("/generate", responses=STREAMED)
-async def generate(body: GenerateRequest, request: Request, services: ServicesDep, tenant: TenantDep,
-                   server: ServerDep):
+async def generate(body: GenerateRequest, request: Request, tenant: TenantDep, server: ServerDep):
     arrival = time.monotonic()
-    engine = services.engine
-    if body.prompt is not None:
-        prompt_ids = await tokenize_text(engine, body.prompt)
-    else:
-        prompt_ids = await tokenize_chat(engine, [m.as_template_message() for m in body.messages])
+    # Tokenized once admitted (see Server.start_generation).
+    prompt = (Prompt(text=body.prompt) if body.prompt is not None
+              else Prompt(messages=[m.as_template_message() for m in body.messages]))
     running = await server.start_generation(
-        tenant, body.adapter_id, prompt_ids, body, arrival, id_prefix="gen", max_tokens=body.max_tokens,
+        tenant, body.adapter_id, prompt, body, arrival, id_prefix="gen", max_tokens=body.max_tokens,
         default_max_tokens=DEFAULT_MAX_TOKENS, default_temperature=DEFAULT_TEMPERATURE)
 
     def final(out: RequestOutput) -> JSONResponse:

@@ -20,7 +20,7 @@ from loramux.server.bodies import RequestBody
 from loramux.server.deps import ServerDep, ServicesDep, TenantDep
 from loramux.server.errors import ApiError
 from loramux.server.params import ChatMessage, GenerationParams
-from loramux.server.prompts import tokenize_chat, tokenize_text
+from loramux.server.prompts import Prompt
 from loramux.server.serving import Running, respond
 from loramux.server.sse import DONE, STREAMED, sse_event
 
@@ -109,9 +109,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servic
     if body.top_logprobs:
         raise _unsupported("top_logprobs > 0 (only the chosen tokens' logprobs are returned)")
     engine = services.engine
-    prompt_ids = await tokenize_chat(engine, [m.as_template_message() for m in body.messages])
+    prompt = Prompt(messages=[m.as_template_message() for m in body.messages])  # tokenized once admitted
     running = await server.start_generation(
-        tenant, body.model, prompt_ids, body, arrival, id_prefix="chatcmpl",
+        tenant, body.model, prompt, body, arrival, id_prefix="chatcmpl",
         max_tokens=body.max_completion_tokens or body.max_tokens, default_max_tokens=CHAT_DEFAULT_MAX_TOKENS,
         default_temperature=DEFAULT_TEMPERATURE)
 
@@ -130,7 +130,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servic
         async for out in running.outputs():
             last = out
             if out.delta_text or (body.logprobs and out.new_token_ids):
-                lp = ({"content": _logprob_entries(engine, out.new_token_ids, out.logprobs[-len(out.new_token_ids):])}
+                lp = ({"content": _logprob_entries(engine, out.new_token_ids, out.new_logprobs)}
                       if body.logprobs and out.new_token_ids else None)
                 yield sse_event({**base, "choices": [{"index": 0, "delta": {"content": out.delta_text},
                                                       "logprobs": lp, "finish_reason": None}]})
@@ -162,10 +162,10 @@ async def completions(body: CompletionRequest, request: Request, services: Servi
     if not prompt:
         raise ApiError(400, "prompt must not be empty")
     engine = services.engine
-    prompt_ids = await tokenize_text(engine, prompt) if isinstance(prompt, str) else list(prompt)
+    prompt = Prompt(text=prompt) if isinstance(prompt, str) else Prompt(token_ids=list(prompt))
     want_logprobs = body.logprobs is not None
     running = await server.start_generation(
-        tenant, body.model, prompt_ids, body, arrival, id_prefix="cmpl", max_tokens=body.max_tokens,
+        tenant, body.model, prompt, body, arrival, id_prefix="cmpl", max_tokens=body.max_tokens,
         default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS, default_temperature=DEFAULT_TEMPERATURE)
 
     def final(out: RequestOutput) -> JSONResponse:
@@ -180,7 +180,7 @@ async def completions(body: CompletionRequest, request: Request, services: Servi
         async for out in running.outputs():
             last = out
             if out.delta_text:
-                lp = (_completion_logprobs(engine, out.new_token_ids, out.logprobs[-len(out.new_token_ids):])
+                lp = (_completion_logprobs(engine, out.new_token_ids, out.new_logprobs)
                       if want_logprobs and out.new_token_ids else None)
                 yield sse_event({**base, "choices": [{"index": 0, "text": out.delta_text, "logprobs": lp,
                                                       "finish_reason": None}]})

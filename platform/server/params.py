@@ -71,6 +71,14 @@ class GenerationParams(RequestBody):
             raise ApiError(400, str(exc)) from None
 
 
+def check_prompt_bound(at_least: int, max_model_len: int) -> None:
+    """Refuse (400 context_length_exceeded), before it is tokenized, a prompt of at least `at_least` tokens
+    (`loramux.server.prompts:Prompt.min_tokens`) that leaves no room in the context."""
+    if at_least >= max_model_len:
+        raise ApiError(400, f"the prompt has at least {at_least} tokens; this model accepts at most "
+                            f"{max_model_len - 1} prompt tokens", code="context_length_exceeded")
+
+
 def resolve_max_tokens(asked: int | None, prompt_len: int, max_model_len: int, default: int) -> int:
     """How many tokens to generate: `asked`, or `default` capped by the room left in the context.
     Refuses (400 context_length_exceeded) a prompt that leaves no room or an `asked` that does not fit."""

@@ -1,9 +1,99 @@
-"""Turning a request's text into token ids, in the threadpool (off the event loop)."""
+"""A request's prompt: a cheap lower bound of its token count, and its token ids (in the threadpool, off
+the event loop).
+
+Tokenizing (and rendering a chat template) costs time in proportion to the text, so it comes last: after
+the key, after the rate limiter, and after `Prompt.min_tokens`, which bounds the token count from the
+character count alone. One token stands for at most `max_chars_per_token` characters of text (the
+longest token of the vocabulary), so a text of n characters has at least ceil(n / that) tokens, and a
+prompt whose bound already fills the context is refused without being tokenized.
+"""
 from __future__ import annotations
+
+import json
+from dataclasses import dataclass
 
 from fastapi.concurrency import run_in_threadpool
 
 from loramux.server.errors import ApiError
+
+# Tokenizer parts (HF `tokenizers` JSON types) that never make text shorter: with only these, every
+# character of the input is covered by some token. Others (whitespace splitting, stripping, regex
+# replacements, WordPiece's [UNK] for a whole word) can drop or fold any number of characters.
+_KEEPING_NORMALIZERS = frozenset({"Prepend", "NFD", "NFKD", "Lowercase"})
+_KEEPING_PRE_TOKENIZERS = frozenset({"ByteLevel", "Metaspace", "Digits", "Split", "Punctuation", "UnicodeScripts"})
+
+
+def max_chars_per_token(tokenizer) -> int | None:
+    """The most characters one token of `tokenizer` (a Hugging Face fast tokenizer) stands for: the
+    length of its longest token, added tokens included. Byte-level tokens are one character per byte and
+    a byte-fallback token is longer than the one byte it stands for, so the length never undercounts.
+    None when the tokenizer can drop or fold text (see above): no such bound holds."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    try:
+        spec = json.loads(backend.to_str())
+    except Exception:  # noqa: BLE001 - an unusual tokenizer: no bound rather than a wrong one
+        return None
+    if not (_keeps_text(spec.get("normalizer"), "normalizers", _KEEPING_NORMALIZERS)
+            and _keeps_text(spec.get("pre_tokenizer"), "pretokenizers", _KEEPING_PRE_TOKENIZERS)
+            and _model_covers_every_char(spec.get("model") or {})):
+        return None
+    return max(map(len, tokenizer.get_vocab()), default=0) or None
+
+
+def _keeps_text(part: dict | None, children: str, keeping: frozenset[str]) -> bool:
+    if part is None:
+        return True
+    kind = part.get("type")
+    if kind == "Sequence":
+        return all(_keeps_text(p, children, keeping) for p in part.get(children) or ())
+    if kind == "Replace":  # a fixed string replaced by one at least as long
+        pattern = part.get("pattern") or {}
+        return "String" in pattern and len(part.get("content", "")) >= len(pattern["String"])
+    if part.get("behavior") == "Removed":  # Split / Punctuation dropping what they split on
+        return False
+    return kind in keeping
+
+
+def _model_covers_every_char(model: dict) -> bool:
+    """BPE and Unigram cover every character unless unknown characters fuse into one unknown token."""
+    if model.get("type") not in ("BPE", "Unigram"):
+        return False
+    return bool(model.get("byte_fallback")) or not model.get("fuse_unk", model.get("type") == "Unigram")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """What a request asks the model to continue: raw `text` (no template), chat `messages` (the model's
+    template applied) or `token_ids`; exactly one is set."""
+
+    text: str | None = None
+    messages: list[dict[str, str]] | None = None
+    token_ids: list[int] | None = None
+
+    def chars(self) -> int:
+        """Characters of text the tokenizer will see at least (a template may trim each message)."""
+        if self.text is not None:
+            return len(self.text)
+        return sum(len(m["content"].strip()) for m in self.messages or ())
+
+    def min_tokens(self, max_chars_per_token: int | None) -> int:
+        """A lower bound of the prompt's token count, without tokenizing (exact for token ids; 0 when the
+        tokenizer gives no bound)."""
+        if self.token_ids is not None:
+            return len(self.token_ids)
+        if not max_chars_per_token:
+            return 0
+        return -(-self.chars() // max_chars_per_token)
+
+    async def tokenize(self, engine) -> list[int]:
+        """The prompt's token ids; `engine` is the AsyncEngine."""
+        if self.token_ids is not None:
+            return list(self.token_ids)
+        if self.text is not None:
+            return await tokenize_text(engine, self.text)
+        return await tokenize_chat(engine, self.messages or [])
 
 
 async def tokenize_text(engine, text: str) -> list[int]:

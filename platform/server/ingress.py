@@ -1,0 +1,240 @@
+"""What every HTTP request meets first, before any route reads a byte of its body.
+
+`Ingress` is a pure ASGI middleware. In order, cheapest first:
+
+1. **The key.** Routes under /admin need an admin key (`lmxa-...`), the open ones (/health, /ready,
+   /metrics, the docs) none, every other path a tenant key (`lmx-...`): unknown paths too, so an
+   anonymous client learns nothing about the route table. The caller is resolved in the threadpool
+   (`resolve_tenant` / `resolve_admin`, answers cached by the key cache) and stored in
+   `scope["state"]` ("tenant" / "admin"), where `loramux.server.deps:get_tenant` and
+   `loramux.admin.deps:get_admin` find it instead of authenticating twice. Refusals (401, 403) are
+   answered at once in OpenAI's error shape, the body unread.
+2. **The size.** Bodies are capped at `Settings.max_request_bytes` (413): a declared Content-Length
+   above it is refused at once, a chunked body as soon as the bytes streamed in pass it. Adapter uploads
+   (`POST /admin/adapters`) are passed through unbuffered: `loramux.admin.uploads:receive_upload` caps
+   them itself while it spools them to disk.
+3. **The shape.** A JSON body nested deeper than `MAX_JSON_DEPTH` is refused (400) by a linear scan,
+   before any recursive parser or validator sees it.
+
+A refusal that leaves a body unread closes the connection (`Connection: close`), so a client streaming
+hundreds of megabytes is cut off rather than drained. The body that passed is handed to the app from
+memory, followed by the client's own messages (a later `http.disconnect` still reaches the route).
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from itertools import accumulate
+
+from fastapi.concurrency import run_in_threadpool
+from fastapi.security.utils import get_authorization_scheme_param
+from starlette.datastructures import Headers
+
+from loramux.admin.keys import ADMIN_KEY_PREFIX, AdminKeyInfo
+from loramux.server.errors import error_response
+from loramux.tenancy import KEY_PREFIX, TenantContext
+
+MAX_JSON_DEPTH = 64  # arrays and objects nested in each other; OpenAI's request shapes need fewer than 8
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+UPLOAD_ROUTES = frozenset({("POST", "/admin/adapters")})  # capped by their route, at max_upload_bytes + 1 MiB
+_SCAN_IN_THREAD_BYTES = 64 * 1024  # a depth scan of a larger body runs in the threadpool, off the event loop
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """An authentication failure: the status and the message the client gets."""
+
+    status: int
+    message: str
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
+
+
+MISSING_TENANT_KEY = Refusal(401, "missing API key: send `Authorization: Bearer <your key>`")
+INVALID_TENANT_KEY = Refusal(401, "invalid or revoked API key")
+ADMIN_KEY_ON_TENANT_ROUTE = Refusal(403, "admin keys are not accepted on tenant routes: use a tenant API key")
+MISSING_ADMIN_KEY = Refusal(401, "missing admin key: send `Authorization: Bearer <admin key>`")
+INVALID_ADMIN_KEY = Refusal(401, "invalid or revoked admin key")
+TENANT_KEY_ON_ADMIN_ROUTE = Refusal(403, "tenant API keys are not accepted on admin routes: use an admin key")
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """The credentials of an `Authorization: Bearer <token>` header (as FastAPI's HTTPBearer reads it)."""
+    scheme, credentials = get_authorization_scheme_param(authorization)
+    if not authorization or not credentials or scheme.lower() != "bearer":
+        return None
+    return credentials
+
+
+async def resolve_tenant(services, raw: str | None) -> TenantContext | Refusal:
+    """The active tenant a raw tenant key belongs to, or why it is refused."""
+    if raw is None:
+        return MISSING_TENANT_KEY
+    if raw.startswith(ADMIN_KEY_PREFIX):
+        return ADMIN_KEY_ON_TENANT_ROUTE
+    tenant = await run_in_threadpool(services.tenancy.authenticate, raw)
+    if tenant is None:
+        return INVALID_TENANT_KEY
+    if not tenant.active:
+        return Refusal(403, f"tenant {tenant.tenant_name!r} is suspended; contact your administrator")
+    return tenant
+
+
+async def resolve_admin(services, raw: str | None) -> AdminKeyInfo | Refusal:
+    """The admin key a raw admin key is, or why it is refused."""
+    if raw is None:
+        return MISSING_ADMIN_KEY
+    if raw.startswith(KEY_PREFIX):
+        return TENANT_KEY_ON_ADMIN_ROUTE
+    admin = await run_in_threadpool(services.admin_keys.authenticate, raw)
+    return INVALID_ADMIN_KEY if admin is None else admin
+
+
+# -- JSON nesting ----------------------------------------------------------------------------------
+# A JSON string, escapes included; possessive, and an unterminated string runs to the end, so the scan
+# never backtracks and stays linear on any input.
+_JSON_STRING = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"?', re.S)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_STEP = [0] * 256
+_STEP[ord("[")] = _STEP[ord("{")] = 1
+_STEP[ord("]")] = _STEP[ord("}")] = -1
+
+
+def json_depth_exceeds(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether arrays/objects in `body` (JSON text, valid or not) nest more than `limit` deep. Brackets
+    inside strings do not count. Linear time, no recursion: safe on a 100k-deep `[[[[...`."""
+    if body.count(b"[") + body.count(b"{") <= limit:  # the usual case: too few openers to nest that deep
+        return False
+    brackets = _JSON_STRING.sub(b"", body).translate(None, _NOT_BRACKETS)
+    if brackets.count(b"[") + brackets.count(b"{") <= limit:
+        return False
+    return max(accumulate(map(_STEP.__getitem__, brackets))) > limit
+
+
+def _is_json(headers: Headers) -> bool:
+    """The bodies FastAPI parses as JSON: no content type, or application/json or application/*+json."""
+    content_type = headers.get("content-type")
+    if not content_type:
+        return True
+    kind = content_type.split(";", 1)[0].strip().lower()
+    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class Ingress:
+    """The ASGI middleware (see the module docstring). `open_paths` need no key; `upload_routes`
+    ((method, path) pairs) are not buffered or capped here; their route caps them."""
+
+    def __init__(self, app, open_paths: Iterable[str] = OPEN_PATHS,
+                 upload_routes: Iterable[tuple[str, str]] = UPLOAD_ROUTES, max_json_depth: int = MAX_JSON_DEPTH):
+        self.app = app
+        self.open_paths = frozenset(p.rstrip("/") or "/" for p in open_paths)
+        self.upload_routes = frozenset((m.upper(), p.rstrip("/")) for m, p in upload_routes)
+        self.max_json_depth = max_json_depth
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = _route_path(scope).rstrip("/") or "/"
+        headers = Headers(scope=scope)
+        declared = _declared_length(headers)
+        body_coming = bool(declared) or "transfer-encoding" in headers  # a refusal would leave it unread
+        services = scope["app"].state.services
+
+        if path not in self.open_paths:
+            raw = bearer_token(headers.get("authorization"))
+            admin_route = path == "/admin" or path.startswith("/admin/")
+            caller = await (resolve_admin(services, raw) if admin_route else resolve_tenant(services, raw))
+            if isinstance(caller, Refusal):
+                await self._refuse(scope, receive, send, caller.status, caller.message, None, caller.headers,
+                                   close=body_coming)
+                return
+            scope.setdefault("state", {})["admin" if admin_route else "tenant"] = caller
+
+        if (scope["method"], path) in self.upload_routes:
+            await self.app(scope, receive, send)
+            return
+
+        cap = services.settings.max_request_bytes
+        if declared is not None and declared > cap:
+            await self._refuse(scope, receive, send, 413, f"the request body is {declared} bytes; this server "
+                               f"accepts at most {cap} bytes here", "request_body_too_large", close=True)
+            return
+        try:
+            body = await _read_body(receive, cap)
+        except _TooLarge:
+            await self._refuse(scope, receive, send, 413, f"the request body is larger than this server's limit "
+                               f"of {cap} bytes here", "request_body_too_large", close=True)
+            return
+        if body is None:  # the client left before its body arrived: nobody to answer
+            return
+        if body and _is_json(headers):
+            deep = (await run_in_threadpool(json_depth_exceeds, body, self.max_json_depth)
+                    if len(body) > _SCAN_IN_THREAD_BYTES else json_depth_exceeds(body, self.max_json_depth))
+            if deep:
+                await self._refuse(scope, receive, send, 400, f"the JSON body nests arrays and objects more than "
+                                   f"{self.max_json_depth} levels deep", "json_too_deep")
+                return
+        await self.app(scope, _replay(body, receive), send)
+
+    @staticmethod
+    async def _refuse(scope, receive, send, status: int, message: str, code: str | None,
+                      headers: dict[str, str] | None = None, *, close: bool = False) -> None:
+        headers = dict(headers or {})
+        if close:  # the rest of the body is never read: end the connection instead of draining it
+            headers["Connection"] = "close"
+        await error_response(status, message, code, headers=headers)(scope, receive, send)
+
+
+def _route_path(scope) -> str:
+    """The path the router matches (without the root path a proxy mounts the app under)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
+def _declared_length(headers: Headers) -> int | None:
+    """The Content-Length the request declares (without chunked encoding), else None."""
+    value = headers.get("content-length")
+    if value is None or "transfer-encoding" in headers:
+        return None
+    value = value.strip()
+    return int(value) if value.isdigit() else None
+
+
+async def _read_body(receive, cap: int) -> bytes | None:
+    """The whole body, or None when the client disconnects first; `_TooLarge` once more than `cap` bytes
+    have arrived (nothing beyond that is read)."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > cap:
+            raise _TooLarge
+        if chunk:
+            chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replay(body: bytes, receive):
+    """A `receive` that gives the app the buffered body first, then the client's later messages."""
+    delivered = False
+
+    async def replayed():
+        nonlocal delivered
+        if not delivered:
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
