@@ -71,21 +71,20 @@ class GenerationParams(RequestBody):
             raise ApiError(400, str(exc)) from None
 
 
-def check_prompt_bound(at_least: int, max_model_len: int) -> None:
-    """Refuse (400 context_length_exceeded), before it is tokenized, a prompt of at least `at_least` tokens
-    (`loramux.server.prompts:Prompt.min_tokens`) that leaves no room in the context."""
+def check_prompt_bound(at_least: int, max_model_len: int, exact: bool = False) -> None:
+    """Refuse (400 context_length_exceeded) a prompt of at least `at_least` tokens (exactly, with `exact`)
+    that leaves no room in the context: before tokenizing with the bound from
+    `loramux.server.prompts:Prompt.min_tokens`, after it with the real count."""
     if at_least >= max_model_len:
-        raise ApiError(400, f"the prompt has at least {at_least} tokens; this model accepts at most "
-                            f"{max_model_len - 1} prompt tokens", code="context_length_exceeded")
+        raise ApiError(400, f"the prompt has {'' if exact else 'at least '}{at_least} tokens; this model accepts "
+                            f"at most {max_model_len - 1} prompt tokens", code="context_length_exceeded")
 
 
 def resolve_max_tokens(asked: int | None, prompt_len: int, max_model_len: int, default: int) -> int:
     """How many tokens to generate: `asked`, or `default` capped by the room left in the context.
     Refuses (400 context_length_exceeded) a prompt that leaves no room or an `asked` that does not fit."""
+    check_prompt_bound(prompt_len, max_model_len, exact=True)
     room = max_model_len - prompt_len
-    if room < 1:
-        raise ApiError(400, f"the prompt has {prompt_len} tokens; this model accepts at most {max_model_len - 1} "
-                            "prompt tokens", code="context_length_exceeded")
     if asked is None:
         return min(default, room)
     if asked > room:
