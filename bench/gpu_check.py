@@ -93,9 +93,8 @@ def check_kernels(cfg, device, dtype, tiny: bool) -> None:
 
 
 def decode_timing(cfg_dict, device, dtype, tiny: bool) -> None:
+    from loramux.adapters.device_pool import DevicePool
     from loramux.adapters.peft_format import LoRAAdapter
-    from loramux.adapters.slot_pool import DeviceSlotPool
-    from loramux.adapters.slots import SlotTable
     from loramux.engine.block_manager import BlockManager
     from loramux.engine.model_runner import ModelRunner
     from loramux.engine.sampling_params import SamplingParams
@@ -114,7 +113,8 @@ def decode_timing(cfg_dict, device, dtype, tiny: bool) -> None:
     model.eval()
     block_size = 16
     num_blocks = batch * (prompt_len + steps + 2 * block_size) // block_size
-    pool = DeviceSlotPool(model, batch, rank, dtype, device)
+    pool = DevicePool(model, 1 << 62, dtype, device, async_loads=False)
+    pool.resize(rank, batch, [])
     shapes = {"q_proj": (cfg.hidden_size, cfg.q_size), "k_proj": (cfg.hidden_size, cfg.kv_size),
               "v_proj": (cfg.hidden_size, cfg.kv_size), "o_proj": (cfg.q_size, cfg.hidden_size),
               "gate_proj": (cfg.hidden_size, cfg.intermediate_size),
@@ -124,40 +124,45 @@ def decode_timing(cfg_dict, device, dtype, tiny: bool) -> None:
         weights = {(layer, t): (torch.randn(rank, d_in, device=device) * 0.01,
                                 torch.randn(d_out, rank, device=device) * 0.01)
                    for layer in range(cfg.num_layers) for t, (d_in, d_out) in shapes.items()}
-        pool.load(slot, LoRAAdapter(f"a{slot}", rank, 2.0 * rank, False, tuple(shapes), weights, f"d{slot}"))
+        pool.load(rank, lambda slot=slot: slot,
+                  LoRAAdapter(f"a{slot}", rank, 2.0 * rank, False, tuple(shapes), weights, f"d{slot}")).result()
+
+    class Preloaded:
+        """Every adapter is already in its slot (loaded above): the scheduler admits at once."""
+
+        def want(self, digest, waited_s=0.0):
+            return True
+
+        def pin(self, digest):
+            pass
+
+        unpin = requeue = drop_waiting = pin
+
     results = {}
     for label, distinct in (("base only", 0), ("1 adapter", 1), (f"{batch} adapters", batch)):
-        runner = ModelRunner(model, num_blocks, block_size, dtype, device, pool.wrapper)
+        runner = ModelRunner(model, num_blocks, block_size, dtype, device, pool.wrapper,
+                             lambda digest: (rank, int(digest[1:])))
         blocks = BlockManager(num_blocks, block_size)
-        scheduler = Scheduler(blocks, batch, max(batch, batch * prompt_len), SlotTable(batch))
-        seqs = [Sequence(f"s{i}", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=steps))
-                for i in range(batch)]
-        for _i, seq in enumerate(seqs):
+        scheduler = Scheduler(blocks, batch, max(batch, batch * prompt_len), Preloaded())
+        seqs = [Sequence(f"s{i}", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=steps),
+                         adapter=None if distinct == 0 else f"d{i % distinct}") for i in range(batch)]
+        for seq in seqs:
             scheduler.add(seq)
         first = scheduler.schedule()
-        for i, seq in enumerate(seqs):
-            seq.lora_slot = -1 if distinct == 0 else i % distinct  # slots are preloaded above
         runner.run(first)
-
-        def advance(b):
-            for s, n in b.prefills:
-                s.num_computed_tokens += n
-            for s in b.decodes:
-                s.num_computed_tokens += 1
-
-        advance(first)
         for seq in seqs:
             seq.output_token_ids.append(1)
+        scheduler.complete(first)
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(steps - 1):
             b = scheduler.schedule()
-            logits, sampled = runner.run(b)
-            next_ids = logits.argmax(-1).tolist()
-            advance(b)
-            for seq, tok in zip(sampled, next_ids):
+            step = runner.run(b)
+            next_ids = step.logits.argmax(-1).tolist()
+            for (seq, _, _), tok in zip(step.rows, next_ids):
                 seq.output_token_ids.append(tok)
+            scheduler.complete(b)
         if device.type == "cuda":
             torch.cuda.synchronize()
         results[label] = batch * (steps - 1) / (time.perf_counter() - t0)

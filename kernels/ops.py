@@ -41,6 +41,38 @@ class LoRABatch:
         return cls(seg, torch.tensor(slot_map, dtype=torch.long, device=device), tensors)
 
 
+@dataclass
+class LoRACost:
+    """What the LoRA path has touched so far, counted from the shapes each op is given (not timed):
+    multiply-adds and bytes of adapter weights read. Tests use it to check that an adapter costs its own
+    rank; `lora_shrink_expand` adds to the one it is handed."""
+
+    macs: int = 0
+    weight_bytes: int = 0
+
+    def reset(self) -> None:
+        self.macs = self.weight_bytes = 0
+
+
+def _count(cost: LoRACost, strategy: str, seg: Segments, a: torch.Tensor, bs: list[torch.Tensor]) -> None:
+    """loop / Triton: each segment's rows times its own slot's matrices, each active slot read once;
+    dense: every row of the batch times slots 0..max_slot (each read once); gather: one copy per row."""
+    rank = bs[0].shape[2]
+    per_row = rank * (a.shape[1] // rank * a.shape[2] + sum(b.shape[1] for b in bs))  # shrink + expands
+    element = a.element_size()
+    if strategy == "dense":
+        k = seg.max_slot + 1
+        cost.macs += seg.num_tokens * k * per_row
+        cost.weight_bytes += k * per_row * element
+    elif strategy == "gather":
+        rows = sum(seg.lengths)
+        cost.macs += rows * per_row
+        cost.weight_bytes += rows * per_row * element
+    else:
+        cost.macs += sum(seg.lengths) * per_row
+        cost.weight_bytes += len(seg.active_slots) * per_row * element
+
+
 @lru_cache(maxsize=1)
 def triton_available() -> bool:
     try:
@@ -88,11 +120,17 @@ def lora_expand(y: torch.Tensor, v: torch.Tensor, b: torch.Tensor, scale: torch.
 
 
 def lora_shrink_expand(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor],
-                       offsets: list[int], scale: torch.Tensor, batch: LoRABatch, impl: str | None = None) -> None:
+                       offsets: list[int], scale: torch.Tensor, batch: LoRABatch, impl: str | None = None,
+                       cost: LoRACost | None = None) -> None:
     """Stacked slices: one shrink against A = [n_slots, n_slices * R, d_in], then one expand per slice
     (B_i [n_slots, d_out_i, R] into columns offsets[i]...). Same result as lora_shrink + lora_expand;
-    on CPU with many short segments it fuses them (see torch_ops.shrink_expand_dense)."""
-    if not _use_triton(x, impl) and torch_ops.pick_strategy(batch.segments) == "dense":
+    on CPU with many short segments it fuses them (see torch_ops.shrink_expand_dense). `cost`, when
+    given, is charged with what the op touches (see LoRACost)."""
+    triton = _use_triton(x, impl)
+    strategy = "triton" if triton else torch_ops.pick_strategy(batch.segments)
+    if cost is not None:
+        _count(cost, strategy, batch.segments, a, bs)
+    if strategy == "dense":
         torch_ops.shrink_expand_dense(y, x, a, bs, offsets, batch.row_weights(scale, x.dtype), batch.segments)
         return
     v = lora_shrink(x, a, batch, impl)

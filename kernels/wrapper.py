@@ -1,26 +1,34 @@
 """The one LoRA entry point for model layers (as vLLM's punica wrapper).
 
 Semantics, for every row i of the step's flat batch and every slice of a merged projection:
-    y[i, slice] += (x[i] @ A_slice[slot[i]]^T) @ B_slice[slot[i]]^T * scale[slot[i]]
-where slot[i] = -1 (base model only) leaves the row untouched. The engine sets the per-token slot map
-once per step; every layer then calls `apply` with its own stacked buffers.
+    y[i, slice] += (x[i] @ A_slice[adapter(i)]^T) @ B_slice[adapter(i)]^T * scale[adapter(i)]
+where rows without an adapter are left untouched. Adapters live in rank buckets (see
+`loramux.adapters.device_pool`): every adapter of a bucket has the bucket's rank, exactly, so each row
+costs its own adapter's rank. The engine sets each row's location (rank, slot) once per step; every
+layer then calls `apply` with its own key, and the wrapper runs the shared ops once per bucket present,
+on the span of rows that bucket's adapters cover.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from loramux.kernels.ops import LoRABatch, lora_shrink_expand, resolve_lora_impl
+from loramux.kernels.ops import LoRABatch, LoRACost, lora_shrink_expand, resolve_lora_impl
+
+Location = tuple[int, int]  # (rank bucket, slot in it)
 
 
 @dataclass
 class LoRALayerWeights:
-    """Stacked adapter-slot buffers of one merged projection.
+    """Stacked adapter-slot buffers of one merged projection in one rank bucket.
 
     a: [n_slots, n_slices * R, d_in]: the slices' A matrices stacked so one shrink serves them all.
     b: one [n_slots, d_out_slice, R] per slice; offsets: the slice's first output column.
     scale: [n_slots] (the adapter's alpha / r). Unused slices or slots hold zeros.
+    targeted: per slot, whether its adapter targets any slice of this projection (a bucket whose
+    adapters in a step all leave the projection alone is skipped).
     """
 
     a: torch.Tensor
@@ -28,26 +36,54 @@ class LoRALayerWeights:
     offsets: list[int]
     scale: torch.Tensor
     names: list[str]  # slice names, e.g. ["q", "k", "v"]
+    targeted: list[bool]
 
     @property
     def rank(self) -> int:
         return self.b[0].shape[2]
 
 
+@dataclass
+class _BucketRows:
+    rank: int
+    start: int  # rows [start, stop) of the step hold every row of this bucket
+    stop: int
+    batch: LoRABatch
+
+
 class LoRAWrapper:
-    def __init__(self, impl: str = "auto", device: torch.device | str = "cpu") -> None:
-        """`impl`: "auto" (Triton on CUDA, torch on CPU), "triton" or "torch"; resolved once, here."""
+    def __init__(self, impl: str = "auto", device: torch.device | str = "cpu",
+                 weights_of: Callable[[int, tuple[int, str]], LoRALayerWeights | None] | None = None) -> None:
+        """`impl`: "auto" (Triton on CUDA, torch on CPU), "triton" or "torch"; resolved once, here.
+        `weights_of(rank, key)`: the bucket buffers of projection `key` (the device pool provides it)."""
         self.impl = resolve_lora_impl(impl, device)
-        self.batch: LoRABatch | None = None
+        self.device = torch.device(device)
+        self.weights_of = weights_of
+        self.buckets: list[_BucketRows] = []
+        self.cost = LoRACost()  # what the LoRA path touched since the last reset (tests)
 
-    def set_batch(self, slot_map: list[int] | None, device: torch.device | str = "cpu") -> None:
-        """Per step: the adapter slot of every row (-1 = none), or None when no row uses an adapter."""
-        self.batch = None if slot_map is None or max(slot_map, default=-1) < 0 else \
-            LoRABatch.from_slot_map(slot_map, device)
+    def set_batch(self, locations: Sequence[Location | None] | None) -> None:
+        """Per step: each row's adapter location, None for a base-model row (or no list at all)."""
+        self.buckets = []
+        if not locations:
+            return
+        rows_of: dict[int, list[int]] = {}
+        for row, location in enumerate(locations):
+            if location is not None:
+                rows_of.setdefault(location[0], []).append(row)
+        for rank, rows in sorted(rows_of.items()):
+            start, stop = rows[0], rows[-1] + 1
+            slot_map = [-1] * (stop - start)
+            for row in rows:
+                slot_map[row - start] = locations[row][1]
+            self.buckets.append(_BucketRows(rank, start, stop, LoRABatch.from_slot_map(slot_map, self.device)))
 
-    def apply(self, y: torch.Tensor, x: torch.Tensor, weights: LoRALayerWeights | None) -> torch.Tensor:
+    def apply(self, y: torch.Tensor, x: torch.Tensor, key: tuple[int, str] | None) -> torch.Tensor:
         """Add the LoRA deltas of this step's adapters to y = base(x), in place; returns y."""
-        if self.batch is None or weights is None:
-            return y
-        lora_shrink_expand(y, x, weights.a, weights.b, weights.offsets, weights.scale, self.batch, impl=self.impl)
+        for bucket in self.buckets:
+            weights = self.weights_of(bucket.rank, key)
+            if weights is None or not any(weights.targeted[s] for s in bucket.batch.segments.active_slots):
+                continue
+            lora_shrink_expand(y[bucket.start:bucket.stop], x[bucket.start:bucket.stop], weights.a, weights.b,
+                               weights.offsets, weights.scale, bucket.batch, impl=self.impl, cost=self.cost)
         return y

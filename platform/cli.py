@@ -40,9 +40,6 @@ def cmd_generate(args, settings: Settings) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    if args.adapter:
-        # Size the slot pool for this one adapter instead of the server default.
-        settings = settings.model_copy(update={"max_loras": 1, "max_lora_rank": _adapter_rank(args.adapter)})
     engine = LLMEngine.from_settings(settings)
     adapter = None
     if args.adapter:
@@ -73,16 +70,6 @@ def cmd_generate(args, settings: Settings) -> int:
     return 0
 
 
-def _adapter_rank(path: str) -> int:
-    from loramux.adapters.peft_format import AdapterFormatError, parse_config
-
-    config_file = Path(path) / "adapter_config.json"
-    try:
-        return parse_config(config_file.read_bytes())["r"]
-    except (OSError, AdapterFormatError):
-        return 1  # the full load below reports the real problem
-
-
 def cmd_plan(args, settings: Settings) -> int:
     from loramux.model.config import ModelConfig
     from loramux.model.loader import read_model_config, resolve_model_dir
@@ -96,15 +83,21 @@ def cmd_plan(args, settings: Settings) -> int:
     if dtype not in DTYPE_BYTES:
         print(f"error: --dtype must be one of {', '.join(DTYPE_BYTES)}", file=sys.stderr)
         return 2
-    plan = plan_memory(cfg, DTYPE_BYTES[dtype], args.context_len, args.batch_size, args.adapter_slots,
-                       args.adapter_rank)
+    try:
+        pool = parse_bytes(args.adapter_pool) if args.adapter_pool else \
+            settings.adapter_pool_bytes or settings.kv_cache_bytes
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    plan = plan_memory(cfg, DTYPE_BYTES[dtype], args.context_len, args.batch_size, pool, args.adapter_rank)
     print(f"model: {cfg.model_type}, {cfg.num_parameters() / 1e6:.1f}M parameters, {cfg.num_layers} layers, "
           f"{cfg.num_kv_heads} KV heads x {cfg.head_dim}, dtype {dtype}")
     print(f"weights        {fmt_bytes(plan.weights):>12}")
     print(f"KV cache       {fmt_bytes(plan.kv_cache):>12}   ({fmt_bytes(plan.kv_per_token)}/token x "
           f"{args.context_len} tokens x {args.batch_size} sequences)")
-    print(f"adapter slots  {fmt_bytes(plan.adapters):>12}   ({fmt_bytes(plan.adapter_per_slot)}/slot at rank "
-          f"{args.adapter_rank} on 7 projections x {args.adapter_slots} slots)")
+    print(f"adapter pool   {fmt_bytes(plan.adapter_pool):>12}   ({plan.adapters_fit} adapters of rank "
+          f"{args.adapter_rank} on all 7 projections at {fmt_bytes(plan.adapter_bytes)} each; each adapter "
+          f"takes its own rank's share; LORAMUX_ADAPTER_POOL_BYTES, default LORAMUX_KV_CACHE_BYTES)")
     print(f"total          {fmt_bytes(plan.total):>12}")
     if args.memory:
         try:
@@ -247,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="an HF config.json to plan for instead of --model")
     p.add_argument("--context-len", type=int, default=4096)
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--adapter-slots", type=int, default=8)
+    p.add_argument("--adapter-pool", help="adapter pool size, e.g. 2GiB (default: the configured pool)")
     p.add_argument("--adapter-rank", type=int, default=16)
     p.add_argument("--memory", help="memory to fit in, e.g. 24GiB or 80GB")
     p.set_defaults(func=cmd_plan)

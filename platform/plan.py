@@ -1,4 +1,4 @@
-"""Memory planning: weights + KV cache + adapter slots for a model, context, batch and slot count."""
+"""Memory planning: weights + KV cache + the adapter pool for a model, context, batch and pool size."""
 from __future__ import annotations
 
 import re
@@ -32,18 +32,24 @@ class MemoryPlan:
     weights: int
     kv_per_token: int
     kv_cache: int
-    adapter_per_slot: int
-    adapters: int
+    adapter_bytes: int  # one adapter of the planned rank on all 7 projections
+    adapter_pool: int
+
+    @property
+    def adapters_fit(self) -> int:
+        """Adapters of the planned rank (all 7 projections) the pool holds; more at lower ranks."""
+        return self.adapter_pool // self.adapter_bytes if self.adapter_bytes else 0
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_cache + self.adapters
+        return self.weights + self.kv_cache + self.adapter_pool
 
 
-def plan_memory(cfg: ModelConfig, dtype_bytes: int, context_len: int, batch_size: int, adapter_slots: int,
+def plan_memory(cfg: ModelConfig, dtype_bytes: int, context_len: int, batch_size: int, adapter_pool: int,
                 adapter_rank: int) -> MemoryPlan:
-    """weights = parameters x bytes; KV per token = 2 x layers x kv_heads x head_dim x bytes;
-    adapters = rank x sum over the 7 projections of (d_in + d_out) x layers x bytes, per slot."""
+    """weights = parameters x bytes; KV per token = 2 x layers x kv_heads x head_dim x bytes; an
+    adapter = rank x sum over the 7 projections of (d_in + d_out) x layers x bytes (the device pool holds
+    each adapter at its own rank, so this is exact for one targeting every projection)."""
     h, i = cfg.hidden_size, cfg.intermediate_size
     dims = [(h, cfg.q_size), (h, cfg.kv_size), (h, cfg.kv_size), (cfg.q_size, h), (h, i), (h, i), (i, h)]
     per_slot = adapter_rank * sum(a + b for a, b in dims) * cfg.num_layers * dtype_bytes
@@ -52,6 +58,6 @@ def plan_memory(cfg: ModelConfig, dtype_bytes: int, context_len: int, batch_size
         weights=cfg.num_parameters() * dtype_bytes,
         kv_per_token=kv_token,
         kv_cache=kv_token * context_len * batch_size,
-        adapter_per_slot=per_slot,
-        adapters=per_slot * adapter_slots,
+        adapter_bytes=per_slot,
+        adapter_pool=adapter_pool,
     )

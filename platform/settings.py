@@ -44,9 +44,13 @@ class Settings(BaseSettings):
     speculative_tokens: int = 4  # prompt-lookup speculative decoding: draft length (0 = off)
     speculative_max_batch: int = 4  # speculate only while at most this many sequences decode
 
-    # LoRA adapters: device slots (distinct adapters in one batch) and the largest rank they hold.
-    max_loras: int = 8
-    max_lora_rank: int = 32
+    # LoRA adapters: device memory for them (each at its own rank), the largest rank, an optional cap on
+    # distinct adapters in one batch, and the residency policy (see loramux.adapters.residency).
+    adapter_pool_bytes: int = Field(default=0, ge=0)  # 0 = the same as kv_cache_bytes (`loramux plan` shows it)
+    max_lora_rank: int = Field(default=128, ge=0)  # 0 disables LoRA
+    max_loras: int = Field(default=0, ge=0)  # 0 = no cap
+    adapter_min_residency_s: float = Field(default=2.0, ge=0)
+    adapter_drain_after_s: float = Field(default=2.0, ge=0)
     lora_impl: Literal["auto", "triton", "torch"] = "auto"  # LoRA kernels: auto = Triton on CUDA, torch on CPU
     # Adapter directories registered at start as public adapters of the tenant `local`: "name=dir,name2=dir2".
     adapters: str = ""

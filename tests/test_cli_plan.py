@@ -16,12 +16,12 @@ CONFIG = Path(__file__).parent / "data" / "llama2-7b-config.json"
 def test_llama2_7b_numbers():
     cfg = ModelConfig.from_hf(json.loads(CONFIG.read_text()))
     assert cfg.num_parameters() == 6_738_415_616  # the published Llama-2-7B parameter count
-    plan = plan_memory(cfg, 2, context_len=4096, batch_size=8, adapter_slots=4, adapter_rank=16)
+    plan = plan_memory(cfg, 2, context_len=4096, batch_size=8, adapter_pool=2 * 1024**3, adapter_rank=16)
     assert plan.weights == 6_738_415_616 * 2
     assert plan.kv_per_token == 2 * 32 * 32 * 128 * 2 == 524_288
     assert plan.kv_cache == 524_288 * 4096 * 8
     per_slot = 16 * (4 * (4096 + 4096) + 2 * (4096 + 11008) + (11008 + 4096)) * 32 * 2
-    assert plan.adapter_per_slot == per_slot and plan.adapters == 4 * per_slot
+    assert plan.adapter_bytes == per_slot and plan.adapters_fit == 2 * 1024**3 // per_slot == 16
 
 
 def test_plan_cli_says_whether_it_fits(capsys):

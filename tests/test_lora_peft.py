@@ -1,4 +1,5 @@
-"""Mixed-adapter batches on SmolLM2 against PEFT (each adapter run alone on the same base)."""
+"""Mixed-adapter batches on SmolLM2 against PEFT (each adapter run alone on the same base): ranks 4 to 128
+in one batch, each held and computed at its own rank."""
 from __future__ import annotations
 
 import pytest
@@ -15,7 +16,9 @@ ADAPTERS = {  # name: (rank, targets, rslora)
     "r4-attn": (4, ["q_proj", "v_proj"], False),
     "r8-mlp": (8, ["gate_proj", "up_proj", "down_proj"], False),
     "r16-all": (16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], True),
+    "r32-gu": (32, ["gate_proj", "up_proj"], False),
     "r64-ko": (64, ["k_proj", "o_proj", "down_proj"], False),
+    "r128-all": (128, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], False),
 }
 QUESTIONS = ["What is the capital of France?", "Write a haiku about snow.", "Name three colours.",
              "What is 2 plus 2?", "Tell me a fun fact about octopuses."]
@@ -65,7 +68,7 @@ def peft_outputs(smol_dir, adapter_dirs, tokenizer):
 def test_mixed_batch_equals_peft_per_adapter(smol_dir, tokenizer, adapter_dirs, peft_outputs):
     model, cfg = build_model(smol_dir, torch.float32, torch.device("cpu"))
     engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=400, max_num_seqs=32, max_num_batched_tokens=256,
-                                                      max_loras=4, max_lora_rank=64),
+                                                      max_lora_rank=128),
                        end_of_turn_ids(tokenizer, cfg, smol_dir))
     for name, path in adapter_dirs.items():
         engine.load_adapter_dir(path, name)
@@ -89,3 +92,4 @@ def test_mixed_batch_equals_peft_per_adapter(smol_dir, tokenizer, adapter_dirs, 
         assert any(peft_outputs[(q, name)] != peft_outputs[(q, None)] for q in range(len(QUESTIONS))), name
     stats = engine.stats()
     assert stats["adapter_slots_pinned"] == 0 and stats["kv_blocks_used"] == 0
+    assert sorted(engine.pool.buckets) == sorted(rank for rank, _, _ in ADAPTERS.values())  # one bucket per rank

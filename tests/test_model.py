@@ -41,7 +41,7 @@ def run_chunks(model, ids: list[int], chunk: int, block_size: int = 4):
         batch = scheduler.schedule()
         input_ids, positions, meta, _, _ = runner.prepare(batch)
         logits.append(model.compute_logits(model(input_ids, positions, runner.kv, meta)))
-        seq.num_computed_tokens += batch.prefills[0][1]
+        scheduler.complete(batch)
     return torch.cat(logits), seq, scheduler, runner
 
 
@@ -68,8 +68,8 @@ def test_decode_step_matches_hf(tmp_path):
         seq.output_token_ids.append(next_token)
         batch = scheduler.schedule()
         assert batch.decodes == [seq]
-        logits, sampled = runner.run(batch)
-        seq.num_computed_tokens += 1
+        logits = runner.run(batch).logits
+        scheduler.complete(batch)
         with torch.no_grad():
             ref = hf(torch.tensor([seq.token_ids])).logits[0, -1]
         torch.testing.assert_close(logits[0], ref, atol=1e-4, rtol=1e-4)
@@ -84,7 +84,7 @@ def test_bfloat16_model_runs_close_to_float32(tmp_path):
     runner = ModelRunner(model16, 64, 4, torch.bfloat16, torch.device("cpu"))
     scheduler = Scheduler(blocks, 4, 64)
     scheduler.add(Sequence("r", ids, SamplingParams(max_tokens=1)))
-    logits, _ = runner.run(scheduler.schedule())
+    logits = runner.run(scheduler.schedule()).logits
     assert logits.dtype == torch.float32
     assert (logits[0] - ref[-1]).abs().max() < 0.1
 

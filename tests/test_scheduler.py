@@ -17,15 +17,15 @@ def seq(rid: str, prompt_len: int, priority: int = 0, arrival: float = 0.0, max_
                     arrival=arrival)
 
 
-def advance(batch) -> None:
-    """What the engine does after the model ran: count computed tokens, append sampled ones."""
+def advance(scheduler: Scheduler, batch) -> None:
+    """What the engine does after the model ran: append a sampled token where one is due, then let the
+    scheduler account for the step."""
     for s, n in batch.prefills:
-        s.num_computed_tokens += n
-        if s.num_computed_tokens == s.num_tokens:
+        if s.num_computed_tokens + n == s.num_tokens:
             s.output_token_ids.append(7)
     for s in batch.decodes:
-        s.num_computed_tokens += 1
         s.output_token_ids.append(7)
+    scheduler.complete(batch)
 
 
 def test_scheduler_module_is_torch_free():
@@ -43,7 +43,7 @@ def test_long_prompt_is_chunked_and_decodes_keep_running():
     s = Scheduler(blocks, max_num_seqs=8, max_num_batched_tokens=64)
     short = seq("short", 10)
     s.add(short)
-    advance(s.schedule())  # short is now decoding
+    advance(s, s.schedule())  # short is now decoding
     long = seq("long", 1000, arrival=1.0)
     s.add(long)
     steps = 0
@@ -51,7 +51,7 @@ def test_long_prompt_is_chunked_and_decodes_keep_running():
         batch = s.schedule()
         assert short in batch.decodes, "a running decode was stalled by a long prefill"
         assert batch.num_tokens <= 64
-        advance(batch)
+        advance(s, batch)
         steps += 1
     assert steps == -(-1000 // 63)  # 63 prefill tokens per step beside the one decode
 
@@ -73,7 +73,7 @@ def test_request_that_does_not_fit_waits_then_runs():
     s.add(b)
     batch = s.schedule()
     assert [x for x, _ in batch.prefills] == [a] and b.status is SequenceStatus.WAITING
-    advance(batch)
+    advance(s, batch)
     s.finish(a, FinishReason.STOP)
     assert [x for x, _ in s.schedule().prefills] == [b]
 
@@ -85,11 +85,11 @@ def test_pool_running_dry_preempts_lowest_priority_latest():
     old, new = seq("old", 7, arrival=1.0), seq("new", 7, arrival=2.0)
     for x in (vip, old, new):
         s.add(x)
-    advance(s.schedule())  # 2 blocks each: the pool is full
+    advance(s, s.schedule())  # 2 blocks each: the pool is full
     batch = s.schedule()
     while not batch.preempted:  # decode until a third block is needed: someone must go
         assert len(vip.output_token_ids) < 4
-        advance(batch)
+        advance(s, batch)
         batch = s.schedule()
     assert batch.preempted[0] is new
     assert new.status is SequenceStatus.WAITING and new.block_table == [] and new.num_computed_tokens == 0
@@ -124,7 +124,7 @@ def test_no_block_leaks_after_1000_random_events():
         elif event == "step":
             batch = s.schedule()
             counts["preempted"] += len(batch.preempted)
-            advance(batch)
+            advance(s, batch)
             for x in [x for x in live.values() if len(x.output_token_ids) >= 12]:
                 s.finish(x, FinishReason.LENGTH)
                 del live[x.request_id]
@@ -144,13 +144,13 @@ def test_admission_allocates_the_whole_prompt_at_once():
     s.add(long)
     batch = s.schedule()
     assert batch.prefills == [(long, 8)] and len(long.block_table) == 10  # 40 tokens, not just the chunk
-    advance(batch)
+    advance(s, batch)
     other = seq("other", 30, arrival=1.0)  # needs 8 of the 10 free blocks: must wait, not steal long's
     s.add(other)
     while long.output_token_ids == []:
         batch = s.schedule()
         assert not batch.preempted
-        advance(batch)
+        advance(s, batch)
 
 
 def test_waiting_ages_into_priority_so_low_tiers_never_starve():

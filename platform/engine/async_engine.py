@@ -163,6 +163,10 @@ class AsyncEngine:
                         "stalled_reader_aborts": self._stalled_aborts}
         return {**self.engine.stats(), **buffered}
 
+    def adapter_residency(self, digest: str) -> str | None:
+        """See LLMEngine.adapter_residency: "device", "loading" or None."""
+        return self.engine.adapter_residency(digest)
+
     # What the HTTP layer needs of the model, so routes never reach inside the engine. Tokenizing is
     # thread-safe and is called from the threadpool, off the event loop.
     @property

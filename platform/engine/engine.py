@@ -9,16 +9,17 @@ from pathlib import Path
 import torch
 
 from loramux.adapters.peft_format import LoRAAdapter
-from loramux.adapters.slots import SlotTable
+from loramux.adapters.residency import LOADING, RESIDENT, AdapterResidency
 from loramux.engine.block_manager import BlockManager
 from loramux.engine.detokenizer import IncrementalDetokenizer
-from loramux.engine.model_runner import ModelRunner
+from loramux.engine.model_runner import ModelRunner, StepLogits
 from loramux.engine.outputs import EngineConfig, RequestError, RequestOutput, SoFar
 from loramux.engine.sampler import Sampler, SamplingRow
 from loramux.engine.sampling_params import SamplingParams
-from loramux.engine.scheduler import Scheduler
+from loramux.engine.scheduler import ScheduledBatch, Scheduler
 from loramux.engine.sequence import FinishReason, Sequence
 from loramux.engine.spec_decode import build_verdict, propose_ngram, verify
+from loramux.histogram import DurationHistogram
 from loramux.names import base_model_id
 
 __all__ = ["LLMEngine", "EngineConfig", "RequestOutput", "RequestError"]
@@ -32,6 +33,16 @@ class _Request:
     stop_ids: frozenset[int]
     stop_string_hit: bool = False
     adapter_name: str | None = None
+
+
+@dataclass
+class _Sampled:
+    """A request's tokens from one step: one sampled, or a verified draft prefix + one (`accepted`)."""
+
+    req: _Request
+    tokens: list[int]
+    logprobs: list[float]
+    accepted: int | None = None  # speculative decodes only
 
 
 class LLMEngine:
@@ -50,21 +61,20 @@ class LLMEngine:
         # A sequence must fit the whole KV pool on its own, or it could be preempted forever.
         self.max_model_len = min(config.max_model_len, mcfg.max_position_embeddings, num_blocks * config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.slots = SlotTable(config.max_loras)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.slots,
-                                   aging_s=config.priority_aging_s)
-        self.slot_pool = None
-        if config.max_loras > 0:
-            from loramux.adapters.slot_pool import DeviceSlotPool
+        self._load_histogram = DurationHistogram()  # host RAM -> device copies
+        self.pool = self.adapters = None  # the device adapter pool and the one owner of what is in it
+        if config.max_lora_rank > 0:
+            from loramux.adapters.device_pool import DevicePool
 
-            self.slot_pool = DeviceSlotPool(model, config.max_loras, config.max_lora_rank, dtype, device,
-                                            config.lora_impl)
+            self.pool = DevicePool(model, config.adapter_pool_bytes or config.kv_cache_bytes, dtype, device,
+                                   config.lora_impl, config.async_adapter_loads)
+            self.adapters = AdapterResidency(self.pool, config.max_loras, config.adapter_min_residency_s,
+                                             config.adapter_drain_after_s, on_load=self._load_histogram.observe)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.adapters, aging_s=config.priority_aging_s)
         self.runner = ModelRunner(model, num_blocks, config.block_size, dtype, device,
-                                  self.slot_pool.wrapper if self.slot_pool else None)
-        # Adapters by name (loaded from directories, or handed over by the server's adapter cache) and by digest.
-        self.adapters: dict[str, LoRAAdapter] = {}
-        self._by_digest: dict[str, LoRAAdapter] = {}
-        self._evicting: set[str] = set()  # replaced or deleted versions: slot freed after their last request
+                                  self.pool.wrapper if self.pool else None,
+                                  self.adapters.location if self.adapters else None)
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, _Request] = {}
@@ -92,6 +102,9 @@ class LLMEngine:
                               max_num_batched_tokens=settings.max_num_batched_tokens,
                               max_model_len=settings.max_model_len, max_loras=settings.max_loras,
                               max_lora_rank=settings.max_lora_rank, lora_impl=settings.lora_impl,
+                              adapter_pool_bytes=settings.adapter_pool_bytes,
+                              adapter_min_residency_s=settings.adapter_min_residency_s,
+                              adapter_drain_after_s=settings.adapter_drain_after_s,
                               priority_aging_s=settings.priority_aging_s,
                               enable_prefix_caching=settings.prefix_caching,
                               num_speculative_tokens=settings.speculative_tokens,
@@ -106,37 +119,24 @@ class LLMEngine:
     def register_adapter(self, adapter: LoRAAdapter) -> None:
         """Make `adapter` servable under `adapter.name`; a new version under the same name replaces it
         for later requests (running ones finish on the version they started with)."""
-        self._check_servable(adapter)
-        old = self.adapters.get(adapter.name)
-        self.adapters[adapter.name] = adapter
-        self._by_digest[adapter.digest] = adapter
-        if old is not None and old.digest != adapter.digest:
-            self.evict_adapter(old.digest)
+        self.adapters.register(self._check_servable(adapter))
 
     def _check_servable(self, adapter: LoRAAdapter) -> LoRAAdapter:
-        if self.slot_pool is None:
-            raise RequestError("LoRA is disabled on this engine (max_loras = 0)")
+        if self.adapters is None:
+            raise RequestError("LoRA is disabled on this engine (max_lora_rank = 0)")
         if adapter.rank > self.config.max_lora_rank:
             raise RequestError(f"adapter {adapter.name!r} has rank {adapter.rank}; this server's maximum LoRA rank "
                                f"is {self.config.max_lora_rank} (LORAMUX_MAX_LORA_RANK)")
+        try:
+            self.adapters.check_servable(adapter)
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
         return adapter
 
     def evict_adapter(self, digest: str) -> None:
-        """A version was replaced or deleted: free its device slot once no running request uses it."""
-        self._evicting.add(digest)
-        self._drop_if_unused(digest)
-
-    def _drop_if_unused(self, digest: str) -> None:
-        """Drop the engine's reference to a version no name and no live request uses. Its slot keeps the
-        weights for the next request (slots are keyed by content digest) unless the version is evicted."""
-        if any(a.digest == digest for a in self.adapters.values()):
-            return
-        if any(r.seq.adapter == digest for r in self.requests.values()):
-            return
-        self._by_digest.pop(digest, None)
-        if digest in self._evicting:
-            self._evicting.discard(digest)
-            self.slots.evict(digest)
+        """A version was replaced or deleted: its device slot is freed once no request uses it."""
+        if self.adapters is not None:
+            self.adapters.retire(digest)
 
     def load_adapter_dir(self, path, name: str | None = None, *, allow_base_mismatch: bool = False) -> LoRAAdapter:
         """Load, validate (the same rules as an upload, the base model's name included when the engine
@@ -171,7 +171,7 @@ class LLMEngine:
             lora = self._check_servable(adapter)
             adapter = adapter.name
         elif adapter is not None:
-            lora = self.adapters.get(adapter)
+            lora = self.adapters.lookup(adapter) if self.adapters is not None else None
             if lora is None:
                 raise RequestError(f"unknown adapter {adapter!r}")
         # Raw text gets the tokenizer's own special tokens (e.g. BOS for Llama), as HF's tokenizer(text) does.
@@ -187,8 +187,6 @@ class LLMEngine:
         blocks = self.block_manager.blocks_for_tokens(len(ids) + 1)
         if blocks > self.block_manager.num_blocks:
             raise RequestError(f"the prompt needs {blocks} KV blocks but the cache has {self.block_manager.num_blocks}")
-        if lora is not None:
-            self._by_digest.setdefault(lora.digest, lora)
         seq = Sequence(request_id, ids, params, priority=priority, adapter=lora.digest if lora else None,
                        cache_salt=f"{lora.digest if lora else 'base'}|{cache_salt or ''}",
                        **({"arrival": arrival} if arrival is not None else {}))
@@ -196,6 +194,8 @@ class LLMEngine:
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
         self.requests[request_id] = _Request(seq, detok, generator, stop_ids, adapter_name=adapter)
+        if lora is not None:
+            self.adapters.add_waiting(lora)  # the residency holds the host copy until the request ends
         self.scheduler.add(seq)
         return seq
 
@@ -213,48 +213,53 @@ class LLMEngine:
 
     # -- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One iteration: schedule -> run the model -> sample and account (see _postprocess)."""
         now = time.monotonic()
         outputs = self._expire(now)
+        if self.adapters is not None:
+            self.adapters.poll()  # device copies finished since the last step
         self._propose_drafts()
         batch = self.scheduler.schedule(now)
         self.num_preemptions += len(batch.preempted)
         if not batch:
+            self._idle()
             return outputs
-        for slot, digest in batch.adapter_loads:
-            try:
-                self.slot_pool.load(slot, self._by_digest[digest])
-            except Exception:
-                self.slots.key_of[slot] = None  # never leave a half-copied adapter marked resident
-                raise
-        logits, sampled = self.runner.run(batch)
-        for seq, n in batch.prefills:
-            seq.num_computed_tokens += n
-            self.block_manager.commit(seq)
-        plain_rows, plain, speculated, row = [], [], [], 0
-        for seq in sampled:  # logits rows: one per sequence, 1 + len(draft) for a speculative decode
-            if seq.draft_token_ids:
-                speculated.append((seq, row))
-                row += 1 + len(seq.draft_token_ids)
-            else:
-                plain.append(seq)
-                plain_rows.append(row)
-                row += 1
-        for seq in batch.decodes:
-            if not seq.draft_token_ids:
-                seq.num_computed_tokens += 1
-                self.block_manager.commit(seq)
-        if plain:
-            reqs = [self.requests[seq.request_id] for seq in plain]
-            rows = [self._sampling_row(req.seq) for req in reqs]
-            plain_logits = logits if len(plain_rows) == logits.shape[0] else logits[plain_rows]
-            plain_logits = self._suppress_early_stops(plain_logits, reqs, [0] * len(reqs))
-            result = self.sampler(plain_logits, rows, [req.generator for req in reqs])
-            now = time.monotonic()
-            for req, token, logprob in zip(reqs, result.token_ids, result.logprobs):
-                outputs.append(self._append_token(req, token, logprob, now))
-        for seq, row in speculated:
-            outputs.append(self._verify(seq, logits[row:row + 1 + len(seq.draft_token_ids)]))
+        return outputs + self._postprocess(batch, self.runner.run(batch))
+
+    def _idle(self) -> None:
+        """Nothing could run (requests wait for adapters being copied in): wait briefly, not spin."""
+        if self.adapters is not None and self.scheduler.num_waiting:
+            self.adapters.wait_for_load(timeout=0.01)
+
+    def _postprocess(self, batch: ScheduledBatch, step: StepLogits) -> list[RequestOutput]:
+        """Append each sequence's new tokens (stop checks included), let the scheduler account for the
+        step (computed tokens, prefix-cache commits), then finish the requests that stopped."""
+        sampled = self._sample(step)
+        now = time.monotonic()
+        appended = [(s.req, *self._append_tokens(s.req, s.tokens, s.logprobs, now)) for s in sampled]
+        self.scheduler.complete(batch, {s.req.seq: s.accepted for s in sampled if s.accepted is not None})
+        outputs = []
+        for req, delta, tokens, logprobs, reason in appended:
+            if reason is not None:
+                self.scheduler.finish(req.seq, reason, now)
+                self._forget(req)
+            outputs.append(self._output(req, delta, tokens, logprobs))
         return outputs
+
+    def _sample(self, step: StepLogits) -> list[_Sampled]:
+        """One token per plain sequence (sampled together), a verified draft prefix + one per speculative one."""
+        plain = [(self.requests[seq.request_id], row) for seq, row, n in step.rows if n == 1]
+        result: list[_Sampled] = []
+        if plain:
+            reqs, rows = [req for req, _ in plain], [row for _, row in plain]
+            logits = step.logits if len(rows) == step.logits.shape[0] else step.logits[rows]
+            logits = self._suppress_early_stops(logits, reqs, [0] * len(reqs))
+            out = self.sampler(logits, [self._sampling_row(req.seq) for req in reqs], [req.generator for req in reqs])
+            result += [_Sampled(req, [t], [lp]) for req, t, lp in zip(reqs, out.token_ids, out.logprobs)]
+        for seq, row, n in step.rows:
+            if n > 1:
+                result.append(self._verify(self.requests[seq.request_id], step.logits[row:row + n]))
+        return result
 
     def _suppress_early_stops(self, logits: torch.Tensor, reqs: list[_Request], ahead: list[int]) -> torch.Tensor:
         """Mask stop token ids on rows whose request has not reached min_tokens (row i sits `ahead[i]`
@@ -290,10 +295,10 @@ class LLMEngine:
             if room > 0:
                 seq.draft_token_ids = propose_ngram(seq.token_ids, room)
 
-    def _verify(self, seq: Sequence, logits: torch.Tensor) -> RequestOutput:
+    def _verify(self, req: _Request, logits: torch.Tensor) -> _Sampled:
         """Accept the longest valid prefix of the draft (rejection sampling keeps the distribution),
-        then append it and one more token from the target model."""
-        req = self.requests[seq.request_id]
+        plus one more token from the target model."""
+        seq = req.seq
         draft = seq.draft_token_ids
         base = self._sampling_row(seq)
         rows = [dataclasses.replace(base, output_token_ids=seq.output_token_ids + draft[:j])
@@ -307,16 +312,7 @@ class LLMEngine:
         self.spec_accepted += accepted
         seq.spec_misses = seq.spec_misses + 1 if accepted == 0 else 0
         seq.draft_token_ids = []
-        seq.num_computed_tokens += 1 + accepted  # KV of rejected positions is dead: overwritten later
-        self.block_manager.commit(seq)
-        now = time.monotonic()
-        merged = None
-        for token, logprob in zip(verdict.tokens, verdict.logprobs):
-            out = self._append_token(req, token, logprob, now)
-            merged = out if merged is None else merged.absorb(out)
-            if out.finished:
-                break
-        return merged
+        return _Sampled(req, verdict.tokens, verdict.logprobs, accepted)
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         p = seq.params
@@ -324,40 +320,38 @@ class LLMEngine:
                            prompt_token_ids=seq.prompt_token_ids if p.repetition_penalty != 1.0 else (),
                            output_token_ids=seq.output_token_ids)
 
-    def _append_token(self, req: _Request, token: int, logprob: float, now: float) -> RequestOutput:
-        seq = req.seq
-        seq.output_token_ids.append(token)
-        seq.output_logprobs.append(logprob)
+    def _append_tokens(self, req: _Request, tokens: list[int], logprobs: list[float], now: float
+                       ) -> tuple[str, list[int], list[float], FinishReason | None]:
+        """Append tokens until one ends the request; returns (new text, tokens kept, their logprobs,
+        why it ends or None). The caller finishes the request."""
+        seq, delta, reason = req.seq, "", None
         if seq.timings.first_token is None:
             seq.timings.first_token = now
-        reason = None
-        if token in req.stop_ids:
-            reason = FinishReason.STOP
-            update_delta = ""
-        else:
-            update = req.detok.add_tokens([token])
-            update_delta = update.delta
-            if update.stopped:
+        for n, (token, logprob) in enumerate(zip(tokens, logprobs), 1):
+            seq.output_token_ids.append(token)
+            seq.output_logprobs.append(logprob)
+            if token in req.stop_ids:
                 reason = FinishReason.STOP
-                req.stop_string_hit = True
-            elif len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
-                reason = FinishReason.LENGTH
-        if reason is None:
-            return self._output(req, update_delta, [token], [logprob])
-        self.scheduler.finish(seq, reason, now)
-        self._forget(req)
-        return self._output(req, update_delta, [token], [logprob])
+            else:
+                update = req.detok.add_tokens([token])
+                delta += update.delta
+                if update.stopped:
+                    reason = FinishReason.STOP
+                    req.stop_string_hit = True
+                elif len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+                    reason = FinishReason.LENGTH
+            if reason is not None:
+                return delta, tokens[:n], logprobs[:n], reason
+        return delta, tokens, logprobs, None
 
     def _forget(self, req: _Request) -> None:
-        """Drop a finished request; a replaced adapter version goes with its last request."""
+        """Drop a finished request (the scheduler has released its blocks and its adapter)."""
         del self.requests[req.seq.request_id]
         t = req.seq.timings
         if req.seq.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and t.first_scheduled and t.finished:
             service = t.finished - t.first_scheduled
             ewma = self._service_s_ewma
             self._service_s_ewma = service if ewma is None else 0.8 * ewma + 0.2 * service
-        if req.seq.adapter is not None:
-            self._drop_if_unused(req.seq.adapter)
 
     def _expire(self, now: float) -> list[RequestOutput]:
         outputs = []
@@ -414,7 +408,8 @@ class LLMEngine:
         batches_ahead = (waiting + self.config.max_num_seqs) // self.config.max_num_seqs
         return batches_ahead * self._service_s_ewma
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict:
+        lora = self.lora_stats()
         return {
             "running": len(self.scheduler.running),
             "waiting": self.scheduler.num_waiting,
@@ -426,6 +421,23 @@ class LLMEngine:
             "spec_proposed_tokens": self.spec_proposed,
             "spec_accepted_tokens": self.spec_accepted,
             "preemptions": self.num_preemptions,
-            "adapter_slots_pinned": self.slots.num_pinned,
-            "adapter_slot_loads": self.slots.loads,
+            "adapter_slots_pinned": len(lora["running"]) if lora else 0,  # adapters pinned by running requests
+            "adapter_slot_loads": lora["loads"] if lora else 0,
+            "lora": lora,
         }
+
+    def lora_stats(self) -> dict:
+        """Adapter residency: running / waiting: sorted names of adapters with running / waiting requests;
+        max_lora: the most distinct adapters one batch may hold (LORAMUX_MAX_LORAS, or an estimate of what
+        the pool holds when uncapped); device_adapters / device_bytes / device_budget_bytes; loading:
+        copies in flight; loads / evictions / load_failures so far; load_seconds: copy times
+        (DurationHistogram.snapshot()). Empty when LoRA is off. Safe to call from any thread."""
+        if self.adapters is None:
+            return {}
+        return {**self.adapters.stats(), "load_seconds": self._load_histogram.snapshot()}
+
+    def adapter_residency(self, digest: str) -> str | None:
+        """Where an adapter version is on this engine: "device", "loading" (being copied there) or None.
+        Safe to call from any thread."""
+        state = self.adapters.state(digest) if self.adapters is not None else None
+        return {RESIDENT: "device", LOADING: "loading"}.get(state)

@@ -1,12 +1,25 @@
 """Turns a scheduled batch into flat tensors, runs the model and returns the logits to sample from."""
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 from loramux.engine.scheduler import ScheduledBatch
 from loramux.engine.sequence import Sequence
 from loramux.model.attention import AttentionMetadata, KVCache, PrefillChunk
 from loramux.model.llama import LlamaModel
+
+
+@dataclass
+class StepLogits:
+    """The logits of one step, float32 [rows, vocab], and which rows belong to which sequence:
+    `rows[i] = (seq, first row, count)`; count is 1, or 1 + len(draft) for a speculative decode (row j
+    scores the token after the sequence's last token plus j drafts)."""
+
+    logits: torch.Tensor
+    rows: list[tuple[Sequence, int, int]]
 
 
 class ModelRunner:
@@ -19,13 +32,16 @@ class ModelRunner:
     """
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, lora_wrapper=None):
+                 device: torch.device, lora_wrapper=None,
+                 locate_adapter: Callable[[str], tuple[int, int]] | None = None):
+        """`locate_adapter(digest)`: (rank bucket, slot) of a resident adapter, for the LoRA wrapper."""
         cfg = model.config
         self.model = model
         self.device = device
         self.block_size = block_size
         self.kv = KVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device)
         self.lora_wrapper = lora_wrapper
+        self.locate_adapter = locate_adapter
 
     def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
@@ -38,8 +54,11 @@ class ModelRunner:
         slots: list[int] = []
         chunks: list[PrefillChunk] = []
         sample_rows: list[int] = []
-        sampled: list[Sequence] = []
-        slot_map: list[int] = []  # adapter slot per row, -1 = base model
+        sampled: list[tuple[Sequence, int, int]] = []  # (seq, first logits row, rows)
+        locate = self.locate_adapter
+        where = {seq: locate(seq.adapter) if seq.adapter is not None else None
+                 for seq in [s for s, _ in batch.prefills] + batch.decodes}
+        lora_rows: list[tuple[int, int] | None] = []  # adapter (rank, slot) per row, None = base model
         for seq, n in batch.prefills:
             start = seq.num_computed_tokens
             end = start + n
@@ -48,12 +67,12 @@ class ModelRunner:
             row0 = len(tokens)
             tokens.extend(all_tokens[start:end])
             positions.extend(range(start, end))
-            slot_map.extend([seq.lora_slot] * n)
+            lora_rows.extend([where[seq]] * n)
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             chunks.append(PrefillChunk(row0, row0 + n, end, self._tensor(table)))
             if end == seq.num_tokens:
+                sampled.append((seq, len(sample_rows), 1))
                 sample_rows.append(len(tokens) - 1)
-                sampled.append(seq)
         # Speculative decodes verify [last token, drafts...] as a short chunk over the cached context,
         # with logits at every position.
         plain_decodes = []
@@ -68,11 +87,11 @@ class ModelRunner:
             row0 = len(tokens)
             tokens.extend(chunk)
             positions.extend(range(start, end))
-            slot_map.extend([seq.lora_slot] * len(chunk))
+            lora_rows.extend([where[seq]] * len(chunk))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             chunks.append(PrefillChunk(row0, row0 + len(chunk), end, self._tensor(table)))
+            sampled.append((seq, len(sample_rows), len(chunk)))
             sample_rows.extend(range(row0, row0 + len(chunk)))
-            sampled.append(seq)
         num_prefill_tokens = len(tokens)
 
         decode_tables = decode_mask = None
@@ -80,16 +99,16 @@ class ModelRunner:
             max_blocks = max(len(seq.block_table) for seq in plain_decodes)
             padded, context_lens = [], []
             # Rows of one adapter side by side: fewer, longer LoRA segments.
-            for seq in sorted(plain_decodes, key=lambda s: s.lora_slot):
-                slot_map.append(seq.lora_slot)
+            for seq in sorted(plain_decodes, key=lambda s: where[s] or (-1, -1)):
+                lora_rows.append(where[seq])
                 p = seq.num_computed_tokens
                 tokens.append(seq.last_token())
                 positions.append(p)
                 slots.append(seq.block_table[p // bs] * bs + p % bs)
                 padded.append(seq.block_table + [0] * (max_blocks - len(seq.block_table)))
                 context_lens.append(p + 1)
+                sampled.append((seq, len(sample_rows), 1))
                 sample_rows.append(len(tokens) - 1)
-                sampled.append(seq)
             decode_tables = self._tensor(padded)
             lens = self._tensor(context_lens)
             valid = torch.arange(max_blocks * bs, device=self.device)[None, :] < lens[:, None]
@@ -99,15 +118,15 @@ class ModelRunner:
 
         meta = AttentionMetadata(self._tensor(slots), chunks, num_prefill_tokens, decode_tables, decode_mask)
         if self.lora_wrapper is not None:
-            self.lora_wrapper.set_batch(slot_map, self.device)
+            self.lora_wrapper.set_batch(lora_rows)
         return self._tensor(tokens), self._tensor(positions), meta, sample_rows, sampled
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
-        """Forward the batch; return float32 logits [len(sampled), vocab] and the sequences they belong to."""
+    def run(self, batch: ScheduledBatch) -> StepLogits:
+        """Forward the batch; the logits of every sequence that has a token to sample."""
         input_ids, positions, meta, sample_rows, sampled = self.prepare(batch)
         hidden = self.model(input_ids, positions, self.kv, meta)
         if not sampled:
-            return torch.empty(0), sampled
+            return StepLogits(torch.empty(0), sampled)
         rows = hidden[self._tensor(sample_rows)] if len(sample_rows) != hidden.shape[0] else hidden
-        return self.model.compute_logits(rows).float(), sampled
+        return StepLogits(self.model.compute_logits(rows).float(), sampled)

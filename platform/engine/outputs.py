@@ -20,8 +20,12 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int = 4096
-    max_loras: int = 8  # device adapter slots; 0 disables LoRA
-    max_lora_rank: int = 32
+    max_loras: int = 0  # most distinct adapters with running requests (one batch); 0 = no cap
+    max_lora_rank: int = 128  # largest adapter rank served; 0 disables LoRA
+    adapter_pool_bytes: int = 0  # device memory for adapters at their own ranks; 0 = as much as kv_cache_bytes
+    adapter_min_residency_s: float = 2.0  # a loaded adapter stays at least this long (unless deleted)
+    adapter_drain_after_s: float = 2.0  # a request blocked this long on a full pool reserves room (a drain)
+    async_adapter_loads: bool = True  # host -> device copies on a helper thread (False: inline, for tests)
     lora_impl: str = "auto"  # LoRA kernels: auto (Triton on CUDA, torch on CPU), triton or torch
     priority_aging_s: float = 10.0  # waiting this long is worth one priority level
     enable_prefix_caching: bool = True  # reuse the KV of shared prompt prefixes (per adapter version)

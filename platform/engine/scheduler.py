@@ -5,17 +5,22 @@ continue in chunks, then waiting sequences are admitted by priority. A long prom
 split across steps instead of stalling the decodes. When the KV pool runs dry the running sequence of
 lowest effective priority (see `rank_key`) is preempted: its blocks are freed and it is recomputed later.
 
-A sequence with an adapter is admitted only when the adapter holds or can get a device slot; it pins
-the slot while running. Waiting sequences whose adapter cannot get a slot are passed over (others,
-base-only or with resident adapters, may run) until a slot frees up.
+A sequence with an adapter is admitted only once its adapter is on the device (`adapters`, an
+`AdapterResidency`: see loramux.adapters.residency for the load, eviction and drain policy); it pins the
+adapter while running. Waiting sequences whose adapter is not there yet are passed over (others,
+base-only or with resident adapters, run meanwhile) while their adapter is brought in; the highest-ranked
+ones ask first, so loads follow priority and aging.
+
+After the model ran, `complete` advances each scheduled sequence by what was computed and commits its
+full blocks to the prefix cache: the one place that does this token accounting.
 """
 from __future__ import annotations
 
 import heapq
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from loramux.adapters.slots import SlotTable
 from loramux.engine.block_manager import BlockManager
 from loramux.engine.sequence import FinishReason, Sequence, SequenceStatus
 
@@ -27,7 +32,6 @@ class ScheduledBatch:
     prefills: list[tuple[Sequence, int]] = field(default_factory=list)
     decodes: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    adapter_loads: list[tuple[int, str]] = field(default_factory=list)  # (slot, adapter) to copy in first
 
     @property
     def num_tokens(self) -> int:
@@ -50,13 +54,13 @@ def rank_key(seq: Sequence, aging_s: float) -> tuple:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 slots: SlotTable | None = None, aging_s: float = 10.0):
+                 adapters=None, aging_s: float = 10.0):
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs so every decode fits a step")
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.slots = slots if slots is not None else SlotTable(0)
+        self.adapters = adapters  # AdapterResidency (duck-typed: this module imports no torch); None = no LoRA
         if aging_s <= 0:
             raise ValueError("aging_s must be > 0")
         self.aging_s = aging_s
@@ -88,11 +92,13 @@ class Scheduler:
             return
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+            self._unpin(seq)
         else:
             self._waiting = [item for item in self._waiting if item[1] is not seq]
             heapq.heapify(self._waiting)
+            if seq.adapter is not None:
+                self.adapters.drop_waiting(seq.adapter)
         self.blocks.free(seq)
-        self._unpin(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.timings.finished = now if now is not None else time.monotonic()
@@ -133,8 +139,8 @@ class Scheduler:
         passed_over = []
         while self._waiting and not batch.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self._waiting[0][1]
-            if seq.adapter is not None and not self.slots.can_acquire(seq.adapter):
-                passed_over.append(heapq.heappop(self._waiting))  # its adapter waits for a slot
+            if seq.adapter is not None and not self.adapters.want(seq.adapter, now - seq.arrival):
+                passed_over.append(heapq.heappop(self._waiting))  # its adapter is on its way
                 continue
             # Leading blocks already in the prefix cache are reused. The whole remaining prompt (+ the
             # first decode) must fit, and it is allocated at once, so an admitted prefill is never
@@ -145,9 +151,8 @@ class Scheduler:
                 break
             heapq.heappop(self._waiting)
             if seq.adapter is not None:
-                seq.lora_slot, needs_load = self.slots.acquire(seq.adapter)
-                if needs_load:
-                    batch.adapter_loads.append((seq.lora_slot, seq.adapter))
+                self.adapters.pin(seq.adapter)
+                seq.adapter_pinned = True
             self.blocks.admit(seq, hits, remaining)  # the whole prompt, not just this chunk
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
@@ -162,10 +167,24 @@ class Scheduler:
             heapq.heappush(self._waiting, item)
         return batch
 
+    def complete(self, batch: ScheduledBatch, accepted: Mapping[Sequence, int] | None = None) -> None:
+        """The model ran `batch` (and the engine appended the sampled tokens): each sequence still alive
+        now has the KV of what it was scheduled for (a speculative decode: its last token and the
+        `accepted[seq]` drafts kept), and its full blocks go to the prefix cache."""
+        accepted = accepted or {}
+        for seq, n in batch.prefills:
+            if not seq.is_finished:
+                seq.num_computed_tokens += n
+                self.blocks.commit(seq)
+        for seq in batch.decodes:
+            if not seq.is_finished:
+                seq.num_computed_tokens += 1 + accepted.get(seq, 0)  # KV of rejected drafts is overwritten later
+                self.blocks.commit(seq)
+
     def _unpin(self, seq: Sequence) -> None:
-        if seq.lora_slot >= 0:
-            self.slots.release(seq.lora_slot)
-            seq.lora_slot = -1
+        if seq.adapter_pinned:
+            self.adapters.unpin(seq.adapter)
+            seq.adapter_pinned = False
 
     def _make_room(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
         """Preempt lower-ranked sequences until `seq` can get its blocks; False if `seq` itself was."""
@@ -183,6 +202,8 @@ class Scheduler:
             batch.decodes.remove(seq)
         batch.prefills = [(s, n) for s, n in batch.prefills if s is not seq]
         self.blocks.free(seq)
+        if seq.adapter is not None:
+            self.adapters.requeue(seq.adapter)  # before unpinning, so its adapter is still wanted
         self._unpin(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1

@@ -63,7 +63,7 @@ class Sequence:
     params: SamplingParams
     priority: int = 0  # higher runs first
     adapter: str | None = None  # adapter key (its content digest), None = base model only
-    lora_slot: int = -1  # device slot pinned while running, -1 = none
+    adapter_pinned: bool = False  # running on its adapter (which stays on the device until it ends)
     arrival: float = field(default_factory=time.monotonic)
     deadline: float | None = None  # time.monotonic() value
     seq_id: int = field(default_factory=lambda: next(_ids))

@@ -16,6 +16,17 @@ from loramux.model.attention import AttentionMetadata, KVCache, paged_attention
 from loramux.model.config import ModelConfig
 from loramux.model.rope import RotaryEmbedding, apply_rope
 
+# HF / PEFT projection name -> (merged module path inside a decoder layer, slice name): the one map from
+# checkpoint and adapter names to this model's merged q/k/v and gate/up projections.
+PROJECTION_SLICES: dict[str, tuple[str, str]] = {
+    "q_proj": ("self_attn.qkv_proj", "q"), "k_proj": ("self_attn.qkv_proj", "k"),
+    "v_proj": ("self_attn.qkv_proj", "v"), "o_proj": ("self_attn.o_proj", "o"),
+    "gate_proj": ("mlp.gate_up_proj", "gate"), "up_proj": ("mlp.gate_up_proj", "up"),
+    "down_proj": ("mlp.down_proj", "down"),
+}
+# The merged projections of a decoder layer that LoRA adapters can target, in forward order.
+LORA_MODULES: tuple[str, ...] = tuple(dict.fromkeys(path for path, _ in PROJECTION_SLICES.values()))
+
 
 class MergedLinear(nn.Module):
     """y = x @ W (+ b) where the columns of W stack named output slices, e.g. q, k, v.
@@ -33,8 +44,8 @@ class MergedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(in_features, self.out_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(self.out_features), requires_grad=False) if bias else None
         self.packed_weight: torch.Tensor | None = None  # oneDNN layout, when packed for CPU
-        # Set by the adapter slot pool: this projection's slot buffers and the shared LoRA wrapper.
-        self.lora = None
+        # Set by the device adapter pool: the shared LoRA wrapper and this projection's key for it.
+        self.lora_key: tuple[int, str] | None = None
         self.lora_wrapper = None
 
     def slice_range(self, name: str) -> tuple[int, int]:
@@ -62,8 +73,8 @@ class MergedLinear(nn.Module):
             y = x @ self.weight
         else:
             y = torch.addmm(self.bias, x, self.weight)
-        if self.lora is not None:
-            self.lora_wrapper.apply(y, x, self.lora)
+        if self.lora_wrapper is not None:
+            self.lora_wrapper.apply(y, x, self.lora_key)
         return y
 
 
@@ -144,6 +155,12 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                                     max_positions or cfg.max_position_embeddings)
+
+    def lora_modules(self):
+        """(layer index, module path, MergedLinear) of every projection an adapter can target."""
+        for index, layer in enumerate(self.layers):
+            for path in LORA_MODULES:
+                yield index, path, layer.get_submodule(path)
 
     def pack_for_cpu(self, batch_hint: int = 8) -> int:
         """Pack every linear layer oneDNN can take (see cpu_linear); returns how many were packed."""

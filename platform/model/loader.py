@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from loramux.model.config import ModelConfig
-from loramux.model.llama import LlamaModel
+from loramux.model.llama import PROJECTION_SLICES, LlamaModel
 from loramux.settings import DEFAULT_MODEL
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -152,14 +152,6 @@ def load_weights(model: LlamaModel, model_dir: Path) -> None:
         raise ValueError(f"checkpoint in {model_dir} lacks tensors for: {', '.join(sorted(missing)[:8])}")
 
 
-_SLICE_OF = {
-    "q_proj": ("self_attn.qkv_proj", "q"), "k_proj": ("self_attn.qkv_proj", "k"),
-    "v_proj": ("self_attn.qkv_proj", "v"), "o_proj": ("self_attn.o_proj", "o"),
-    "gate_proj": ("mlp.gate_up_proj", "gate"), "up_proj": ("mlp.gate_up_proj", "up"),
-    "down_proj": ("mlp.down_proj", "down"),
-}
-
-
 def _load_layer_tensor(model: LlamaModel, key: str, tensor, put, loaded: set[str]) -> None:
     # key: layers.{i}.{self_attn|mlp}.{x_proj}.{weight|bias} or layers.{i}.{norm}.weight
     parts = key.split(".")
@@ -169,9 +161,9 @@ def _load_layer_tensor(model: LlamaModel, key: str, tensor, put, loaded: set[str
         loaded.add(f"layers.{parts[1]}.{parts[2]}.weight")
         return
     proj, kind = parts[3], parts[4]
-    if proj not in _SLICE_OF:
+    if proj not in PROJECTION_SLICES:
         return  # e.g. rotary inv_freq buffers in old checkpoints
-    module_path, slice_name = _SLICE_OF[proj]
+    module_path, slice_name = PROJECTION_SLICES[proj]
     module = layer.get_submodule(module_path)
     param = module.weight if kind == "weight" else module.bias
     if param is None:

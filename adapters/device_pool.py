@@ -1,0 +1,181 @@
+"""The device tier of adapters: a byte budget of adapter memory in rank buckets.
+
+Every distinct adapter rank present gets a bucket: for each LoRA-able projection of every layer, a stack
+of `capacity` slots of exactly that rank (`LoRALayerWeights`). So an adapter occupies, and each of its
+rows costs, its own rank: a rank-8 adapter next to a rank-64 one never does rank-64 work. The buckets
+share one byte budget; which adapter sits where, and when buckets grow or shrink, is decided by
+`loramux.adapters.residency` (torch-free), which calls the operations here:
+
+* `resize(rank, capacity, keep)`: a bucket's new capacity, keeping the listed slots (in that order at
+  the front). Done rarely (the mix of ranks changed); costs one copy of what is kept.
+* `load(rank, slot_of, adapter)`: copy an adapter from host RAM into a slot. With `async_loads` the copy
+  runs on a helper thread (and a side CUDA stream on GPU) while the engine keeps stepping; the returned
+  future completes when the weights are in place. `slot_of()` is read at copy time, under the pool lock,
+  because the slot may move (swap, resize) while the load is queued.
+* `swap(rank, i, j)`: exchange two slots. On CPU the dense LoRA strategy multiplies a bucket's slots
+  0..k-1 as one GEMM operand (kernels/torch_ops.py), so the residency keeps a bucket's active adapters in
+  its lowest slots (`needs_active_prefix`); on GPU the kernels read any slot and nothing is swapped.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Callable
+
+import torch
+
+from loramux.adapters.peft_format import LoRAAdapter
+from loramux.kernels.wrapper import LoRALayerWeights, LoRAWrapper
+from loramux.model.llama import PROJECTION_SLICES, LlamaModel
+
+
+def _a_buffer(num_slots: int, rows: int, d_in: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros for A as the kernels see it, [slots, rows, d_in]. On CPU it lives as [d_in, slots, rows] so
+    that slots 0..k form one [d_in, k*rows] GEMM operand in the layout CPU BLAS reads fastest at small
+    batch (see MergedLinear); on GPU it lives as is (contiguous rows for the Triton tiles)."""
+    if device.type == "cpu":
+        return torch.zeros(d_in, num_slots, rows, dtype=dtype, device=device).permute(1, 2, 0)
+    return torch.zeros(num_slots, rows, d_in, dtype=dtype, device=device)
+
+
+class _Bucket:
+    """The slot stacks of one rank: per layer, per projection path, its LoRALayerWeights."""
+
+    def __init__(self, model: LlamaModel, rank: int, capacity: int, dtype: torch.dtype, device: torch.device):
+        self.rank, self.capacity = rank, capacity
+        self.scale = torch.zeros(capacity, dtype=torch.float32, device=device)  # one per slot, all projections
+        self.weights: dict[tuple[int, str], LoRALayerWeights] = {}
+        for layer, path, module in model.lora_modules():
+            self.weights[(layer, path)] = LoRALayerWeights(
+                a=_a_buffer(capacity, len(module.slices) * rank, module.in_features, dtype, device),
+                # B lives as [slots, R, d_out] (so slots 0..k stack into one GEMM operand without a copy)
+                # and is handed to the kernels as the [slots, d_out, R] view their semantics name.
+                b=[torch.zeros(capacity, rank, size, dtype=dtype, device=device).transpose(1, 2)
+                   for _, size in module.slices],
+                offsets=[module.slice_range(name)[0] for name, _ in module.slices],
+                scale=self.scale, names=[name for name, _ in module.slices], targeted=[False] * capacity)
+
+    def copy_slot(self, src: _Bucket, src_slot: int, dst_slot: int) -> None:
+        for key, weights in self.weights.items():
+            other = src.weights[key]
+            weights.a[dst_slot].copy_(other.a[src_slot])
+            for b, other_b in zip(weights.b, other.b):
+                b[dst_slot].copy_(other_b[src_slot])
+            weights.targeted[dst_slot] = other.targeted[src_slot]
+        self.scale[dst_slot] = src.scale[src_slot]
+
+
+class DevicePool:
+    def __init__(self, model: LlamaModel, budget_bytes: int, dtype: torch.dtype, device: torch.device | str,
+                 lora_impl: str = "auto", async_loads: bool = True):
+        self.model, self.budget, self.dtype, self.device = model, budget_bytes, dtype, torch.device(device)
+        element = torch.finfo(dtype).bits // 8
+        # Bytes one unit of rank costs: A rows and B columns of every slice of every LoRA-able projection.
+        self.bytes_per_rank = sum((len(m.slices) * m.in_features + m.out_features) * element
+                                  for _, _, m in model.lora_modules())
+        self.buckets: dict[int, _Bucket] = {}
+        self.needs_active_prefix = self.device.type == "cpu"
+        self.wrapper = LoRAWrapper(lora_impl, self.device, self._weights_of)
+        for layer, path, module in model.lora_modules():
+            module.lora_wrapper, module.lora_key = self.wrapper, (layer, path)
+        self._lock = threading.Lock()  # one copy at a time into the pool: loads, swaps, resizes
+        self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="loramux-device-load") \
+            if async_loads else None
+        self._stream = torch.cuda.Stream(self.device) if async_loads and self.device.type == "cuda" else None
+
+    # -- sizes -------------------------------------------------------------------------------------
+    def slot_bytes(self, rank: int) -> int:
+        """Device bytes one adapter of `rank` occupies (every projection, every layer)."""
+        return rank * self.bytes_per_rank
+
+    def capacity(self, rank: int) -> int:
+        bucket = self.buckets.get(rank)
+        return bucket.capacity if bucket else 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated to buckets (<= budget)."""
+        return sum(b.capacity * self.slot_bytes(r) for r, b in self.buckets.items())
+
+    # -- what the kernels read ---------------------------------------------------------------------
+    def _weights_of(self, rank: int, key: tuple[int, str]) -> LoRALayerWeights | None:
+        bucket = self.buckets.get(rank)
+        return None if bucket is None else bucket.weights.get(key)
+
+    # -- operations (called by the residency) ------------------------------------------------------
+    def resize(self, rank: int, capacity: int, keep: list[int], then: Callable[[], None] = lambda: None) -> None:
+        """Give the `rank` bucket `capacity` slots; old slot keep[i] moves to slot i; the rest is dropped.
+        `then` runs under the pool lock right after, so a queued load reads its new slot."""
+        if len(keep) > capacity:
+            raise ValueError("cannot keep more slots than the new capacity")
+        extra = (capacity - self.capacity(rank)) * self.slot_bytes(rank)
+        if self.nbytes + extra > self.budget:
+            raise MemoryError(f"a rank-{rank} bucket of {capacity} slots exceeds the adapter pool budget")
+        with self._lock:
+            old = self.buckets.pop(rank, None)
+            if capacity > 0:
+                new = _Bucket(self.model, rank, capacity, self.dtype, self.device)
+                for dst, src in enumerate(keep):
+                    new.copy_slot(old, src, dst)
+                self.buckets[rank] = new
+            then()
+
+    def swap(self, rank: int, i: int, j: int, then: Callable[[], None] = lambda: None) -> None:
+        """Exchange slots i and j of the `rank` bucket; `then` runs under the pool lock (see resize)."""
+        with self._lock:
+            bucket = self.buckets[rank]
+            for weights in bucket.weights.values():
+                for stack in (weights.a, *weights.b):
+                    held = stack[i].clone()
+                    stack[i].copy_(stack[j])
+                    stack[j].copy_(held)
+                weights.targeted[i], weights.targeted[j] = weights.targeted[j], weights.targeted[i]
+            bucket.scale[[i, j]] = bucket.scale[[j, i]]
+            then()
+
+    def load(self, rank: int, slot_of: Callable[[], int], adapter: LoRAAdapter) -> concurrent.futures.Future:
+        """Copy `adapter` into its slot (`slot_of()` at copy time); a future of the copy's duration (s)."""
+        if adapter.rank != rank:
+            raise ValueError(f"adapter {adapter.name!r} has rank {adapter.rank}, not {rank}")
+        if self._loader is not None:
+            return self._loader.submit(self._timed_write, rank, slot_of, adapter)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            future.set_result(self._timed_write(rank, slot_of, adapter))
+        except Exception as exc:  # noqa: BLE001 - the caller sees it through the future, as with async loads
+            future.set_exception(exc)
+        return future
+
+    def _timed_write(self, rank: int, slot_of: Callable[[], int], adapter: LoRAAdapter) -> float:
+        import time
+
+        start = time.perf_counter()
+        with self._lock:
+            if self._stream is None:
+                self._write(self.buckets[rank], slot_of(), adapter)
+            else:  # a side stream, so the copy overlaps the engine's kernels on the default stream
+                with torch.cuda.stream(self._stream):
+                    self._write(self.buckets[rank], slot_of(), adapter)
+                self._stream.synchronize()
+        return time.perf_counter() - start
+
+    def _write(self, bucket: _Bucket, slot: int, adapter: LoRAAdapter) -> None:
+        """Copy `adapter` into `slot`, zeroing whatever the previous occupant left there."""
+        r = bucket.rank
+        for weights in bucket.weights.values():
+            weights.a[slot].zero_()
+            for b in weights.b:
+                b[slot].zero_()
+            weights.targeted[slot] = False
+        for (layer, target), (a, b) in adapter.weights.items():
+            path, slice_name = PROJECTION_SLICES[target]
+            weights = bucket.weights[(layer, path)]
+            index = weights.names.index(slice_name)
+            weights.a[slot, index * r:(index + 1) * r].copy_(a, non_blocking=True)
+            weights.b[index][slot].copy_(b, non_blocking=True)
+            weights.targeted[slot] = True
+        bucket.scale[slot] = adapter.scale
+
+    def shutdown(self) -> None:
+        if self._loader is not None:
+            self._loader.shutdown(wait=True, cancel_futures=True)
