@@ -45,7 +45,7 @@ ABSENT, LOADING, RESIDENT = "absent", "loading", "resident"
 class _Entry:
     digest: str
     name: str
-    rank: int
+    bucket: object  # the pool's bucket key (its bucket and projections): slots there fit this adapter exactly
     adapter: object | None  # the host copy (LoRAAdapter); dropped when nothing refers to the version
     state: str = ABSENT
     slot: int = -1
@@ -69,15 +69,16 @@ class AdapterResidency:
         self.on_load = on_load
         self.entries: dict[str, _Entry] = {}
         self.by_name: dict[str, str] = {}
-        self.slots: dict[int, list[_Entry | None]] = {}  # rank -> what each slot of its bucket holds
-        self.num_active: dict[int, int] = {}  # rank -> adapters with running requests in that bucket
+        self.slots: dict[int, list[_Entry | None]] = {}  # bucket -> what each slot of its bucket holds
+        self.num_active: dict[int, int] = {}  # bucket -> adapters with running requests in that bucket
         self._drain: tuple[str, str] | None = None  # (draining victim, the digest it makes room for)
+        self._loading: list[_Entry] = []  # copies in flight
         self.loads = self.evictions = self.load_failures = 0
 
     # -- versions and names ------------------------------------------------------------------------
     def check_servable(self, adapter) -> None:
         """Raise ValueError (the message says what to change) if `adapter` can never be placed."""
-        need = self.pool.slot_bytes(adapter.rank)
+        need = self.pool.slot_bytes(self.pool.bucket_of(adapter))
         if need > self.pool.budget:
             raise ValueError(f"adapter {adapter.name!r} (rank {adapter.rank}) needs {need} bytes of device memory; "
                              f"the adapter pool has {self.pool.budget} (LORAMUX_ADAPTER_POOL_BYTES)")
@@ -108,7 +109,8 @@ class AdapterResidency:
     def _entry(self, adapter) -> _Entry:
         entry = self.entries.get(adapter.digest)
         if entry is None:
-            entry = self.entries[adapter.digest] = _Entry(adapter.digest, adapter.name, adapter.rank, adapter)
+            entry = self.entries[adapter.digest] = _Entry(adapter.digest, adapter.name,
+                                                               self.pool.bucket_of(adapter), adapter)
         elif entry.adapter is None:
             entry.adapter = adapter
         return entry
@@ -173,9 +175,9 @@ class AdapterResidency:
         self._forget_if_unused(entry)
 
     def location(self, digest: str) -> tuple[int, int]:
-        """(rank bucket, slot) of a resident adapter, for the kernels."""
+        """(bucket, slot) of a resident adapter, for the kernels."""
         entry = self.entries[digest]
-        return entry.rank, entry.slot
+        return entry.bucket, entry.slot
 
     def state(self, digest: str) -> str:
         entry = self.entries.get(digest)
@@ -184,7 +186,8 @@ class AdapterResidency:
     # -- loads ---------------------------------------------------------------------------------------
     def poll(self) -> None:
         """Take in finished device copies (call once per engine step)."""
-        for entry in [e for e in self.entries.values() if e.state == LOADING and e.future.done()]:
+        for entry in [e for e in self._loading if e.future.done()]:
+            self._loading.remove(entry)
             future, entry.future = entry.future, None
             error = future.exception()
             if error is not None:
@@ -199,52 +202,57 @@ class AdapterResidency:
             self._forget_if_unused(entry)
 
     def wait_for_load(self, timeout: float) -> None:
-        """Block until a device copy finishes (or `timeout`): the engine has nothing else to run."""
-        futures = [e.future for e in self.entries.values() if e.state == LOADING]
+        """Block until a device copy finishes (or `timeout`): the engine has nothing else to run. With no
+        copy in flight (the waiting requests wait for room: a young adapter's minimum residency), back
+        off for `timeout` rather than spin."""
+        futures = [e.future for e in self._loading]
         if futures:
             concurrent.futures.wait(futures, timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+        else:
+            time.sleep(timeout)
 
     def _inflight(self) -> int:
-        return sum(1 for e in self.entries.values() if e.state == LOADING)
+        return len(self._loading)
 
     def _place(self, entry: _Entry, urgent: bool) -> bool:
         """Find `entry` a slot (free, by growing its bucket, or by eviction) and start its copy. Idle
         adapters that still have waiting requests are evicted only for an `urgent` request: they are
         about to run again, and evicting them would cost a reload (thrash)."""
-        slot = self._free_slot(entry.rank)
+        slot = self._free_slot(entry.bucket)
         if slot is None:
-            slot = self._grow(entry.rank) if self._affordable(entry.rank) else None
+            slot = self._grow(entry.bucket) if self._affordable(entry.bucket) else None
         if slot is None:
-            slot = self._evict_in(entry.rank, urgent)
-        if slot is None and self._shrink_others(entry.rank, urgent):
-            slot = self._grow(entry.rank)
+            slot = self._evict_in(entry.bucket, urgent)
+        if slot is None and self._shrink_others(entry.bucket, urgent):
+            slot = self._grow(entry.bucket)
         if slot is None:
             return False
         if self._drain is not None and self._drain[1] == entry.digest:
             self._drain = None
-        self.slots[entry.rank][slot] = entry
+        self.slots[entry.bucket][slot] = entry
         entry.state, entry.slot = LOADING, slot
         self.loads += 1
-        entry.future = self.pool.load(entry.rank, lambda: entry.slot, entry.adapter)
+        entry.future = self.pool.load(entry.bucket, lambda: entry.slot, entry.adapter)
+        self._loading.append(entry)
         return True
 
-    def _free_slot(self, rank: int) -> int | None:
-        slots = self.slots.get(rank, [])
+    def _free_slot(self, bucket: int) -> int | None:
+        slots = self.slots.get(bucket, [])
         return next((i for i in range(len(slots) - 1, -1, -1) if slots[i] is None), None)
 
-    def _affordable(self, rank: int) -> bool:
-        return self.pool.nbytes + self.pool.slot_bytes(rank) <= self.pool.budget
+    def _affordable(self, bucket: int) -> bool:
+        return self.pool.nbytes + self.pool.slot_bytes(bucket) <= self.pool.budget
 
-    def _grow(self, rank: int) -> int:
-        """Add slots to the `rank` bucket (doubling, within the budget); returns the first new slot."""
-        old = len(self.slots.get(rank, []))
-        room = (self.pool.budget - self.pool.nbytes) // self.pool.slot_bytes(rank)
+    def _grow(self, bucket: int) -> int:
+        """Add slots to the `bucket` bucket (doubling, within the budget); returns the first new slot."""
+        old = len(self.slots.get(bucket, []))
+        room = (self.pool.budget - self.pool.nbytes) // self.pool.slot_bytes(bucket)
         capacity = old + max(1, min(max(old, 1), room))
 
         def extend() -> None:
-            self.slots[rank] = self.slots.get(rank, []) + [None] * (capacity - old)
+            self.slots[bucket] = self.slots.get(bucket, []) + [None] * (capacity - old)
 
-        self.pool.resize(rank, capacity, list(range(old)), then=extend)
+        self.pool.resize(bucket, capacity, list(range(old)), then=extend)
         return old
 
     def _evictable(self, entry: _Entry | None, now: float, urgent: bool) -> bool:
@@ -255,14 +263,14 @@ class AdapterResidency:
             return True
         return now - entry.loaded_at >= self.min_residency_s and (urgent or not entry.waiting)
 
-    def _victims(self, rank: int, urgent: bool) -> list[_Entry]:
+    def _victims(self, bucket: int, urgent: bool) -> list[_Entry]:
         """Evictable adapters of a bucket, best victim first: no waiters before waiters, then LRU."""
         now = self.clock()
-        found = [e for e in self.slots.get(rank, []) if self._evictable(e, now, urgent)]
+        found = [e for e in self.slots.get(bucket, []) if self._evictable(e, now, urgent)]
         return sorted(found, key=lambda e: (not e.retired, e.waiting > 0, e.last_used))
 
-    def _evict_in(self, rank: int, urgent: bool) -> int | None:
-        victims = self._victims(rank, urgent)
+    def _evict_in(self, bucket: int, urgent: bool) -> int | None:
+        victims = self._victims(bucket, urgent)
         if not victims:
             return None
         slot = victims[0].slot
@@ -271,12 +279,12 @@ class AdapterResidency:
         self._forget_if_unused(victims[0])
         return slot
 
-    def _shrink_others(self, rank: int, urgent: bool) -> bool:
-        """Free budget for one more `rank` slot by shrinking other buckets (their free slots first, then
-        evictions, larger ranks first); False, and nothing changed, if they cannot give enough."""
-        need = self.pool.slot_bytes(rank) - (self.pool.budget - self.pool.nbytes)
+    def _shrink_others(self, bucket: int, urgent: bool) -> bool:
+        """Free budget for one more `bucket` slot by shrinking other buckets (their free slots first, then
+        evictions, larger slots first); False, and nothing changed, if they cannot give enough."""
+        need = self.pool.slot_bytes(bucket) - (self.pool.budget - self.pool.nbytes)
         offers = []
-        for other in sorted((r for r in self.slots if r != rank), reverse=True):
+        for other in sorted((b for b in self.slots if b != bucket), key=self.pool.slot_bytes, reverse=True):
             free = sum(1 for e in self.slots[other] if e is None)
             offers.append((other, free, self._victims(other, urgent)))
         if sum((free + len(victims)) * self.pool.slot_bytes(r) for r, free, victims in offers) < need:
@@ -297,40 +305,40 @@ class AdapterResidency:
             need -= (free + take) * size
         return True
 
-    def _compact(self, rank: int, need_free: int) -> None:
+    def _compact(self, bucket: int, need_free: int) -> None:
         """Drop a bucket's empty slots (occupied ones keep their order, so an active prefix stays one)."""
-        kept = [e for e in self.slots[rank] if e is not None]
+        kept = [e for e in self.slots[bucket] if e is not None]
 
         def renumber() -> None:
-            self.slots[rank] = list(kept) + [None] * need_free
+            self.slots[bucket] = list(kept) + [None] * need_free
             for i, e in enumerate(kept):
                 e.slot = i
-            if not self.slots[rank]:
-                del self.slots[rank]
+            if not self.slots[bucket]:
+                del self.slots[bucket]
 
-        self.pool.resize(rank, len(kept) + need_free, [e.slot for e in kept], then=renumber)
+        self.pool.resize(bucket, len(kept) + need_free, [e.slot for e in kept], then=renumber)
 
     def _vacate(self, entry: _Entry) -> None:
         """`entry` leaves its slot (evicted, failed copy or retired)."""
         if entry.slot >= 0:
-            self.slots[entry.rank][entry.slot] = None
+            self.slots[entry.bucket][entry.slot] = None
         entry.state, entry.slot, entry.future = ABSENT, -1, None
 
     # -- active adapters -----------------------------------------------------------------------------
     def _activate(self, entry: _Entry) -> None:
-        k = self.num_active.get(entry.rank, 0)
-        self.num_active[entry.rank] = k + 1
+        k = self.num_active.get(entry.bucket, 0)
+        self.num_active[entry.bucket] = k + 1
         if self.pool.needs_active_prefix and entry.slot != k:
-            self._swap(entry.rank, entry.slot, k)
+            self._swap(entry.bucket, entry.slot, k)
 
     def _deactivate(self, entry: _Entry) -> None:
-        k = self.num_active[entry.rank] - 1
-        self.num_active[entry.rank] = k
+        k = self.num_active[entry.bucket] - 1
+        self.num_active[entry.bucket] = k
         if self.pool.needs_active_prefix and entry.slot != k:
-            self._swap(entry.rank, entry.slot, k)
+            self._swap(entry.bucket, entry.slot, k)
 
-    def _swap(self, rank: int, i: int, j: int) -> None:
-        slots = self.slots[rank]
+    def _swap(self, bucket: int, i: int, j: int) -> None:
+        slots = self.slots[bucket]
 
         def renumber() -> None:
             slots[i], slots[j] = slots[j], slots[i]
@@ -338,14 +346,14 @@ class AdapterResidency:
                 if slots[slot] is not None:
                     slots[slot].slot = slot
 
-        self.pool.swap(rank, i, j, then=renumber)
+        self.pool.swap(bucket, i, j, then=renumber)
 
     def _start_drain(self, starving: _Entry) -> None:
         """Reserve room for `starving`: drain the running adapter that frees it soonest."""
         candidates = [e for e in self.entries.values() if e.running and e.digest != starving.digest]
         if not candidates:
             return
-        same = [e for e in candidates if e.rank == starving.rank]
+        same = [e for e in candidates if e.bucket == starving.bucket]
         victim = min(same or candidates, key=lambda e: (e.running, e.last_used))
         log.info("adapter %s waits for room; draining %s", starving.name, victim.name)
         self._drain = (victim.digest, starving.digest)
@@ -379,11 +387,11 @@ class AdapterResidency:
         placed = [e for e in entries if e.state != ABSENT]
         return {"running": running, "waiting": waiting, "max_lora": self.max_active or self._capacity_estimate(),
                 "device_adapters": sum(1 for e in placed if e.state == RESIDENT),
-                "device_bytes": sum(self.pool.slot_bytes(e.rank) for e in placed),
+                "device_bytes": sum(self.pool.slot_bytes(e.bucket) for e in placed),
                 "device_budget_bytes": self.pool.budget, "loading": sum(1 for e in placed if e.state == LOADING),
                 "loads": self.loads, "evictions": self.evictions, "load_failures": self.load_failures}
 
     def _capacity_estimate(self) -> int:
-        """Adapters the pool holds at the mean rank of those placed (rank 16 if none): max_lora when uncapped."""
-        ranks = [e.rank for e in list(self.entries.values()) if e.state != ABSENT] or [16]
-        return max(1, self.pool.budget // self.pool.slot_bytes(round(sum(ranks) / len(ranks))))
+        """Adapters the pool holds at the mean size of those placed (one slot if none): max_lora when uncapped."""
+        sizes = [self.pool.slot_bytes(e.bucket) for e in list(self.entries.values()) if e.state != ABSENT]
+        return max(1, self.pool.budget * len(sizes) // sum(sizes)) if sizes else 1

@@ -23,6 +23,7 @@ from loramux.adapters.blob import DigestMismatchError, sha256_hex, unpack
 from loramux.adapters.peft_format import LoRAAdapter
 from loramux.adapters.registry import AdapterVersionInfo
 from loramux.adapters.store import BlobNotFoundError, ObjectStore, StoreError
+from loramux.histogram import DurationHistogram
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,10 @@ class DiskCache:
 
     def __contains__(self, digest: str) -> bool:
         return digest in self._sizes
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._sizes)
 
     def get(self, digest: str) -> bytes | None:
         """The verified blob, or None (a file that fails verification is removed)."""
@@ -135,6 +140,9 @@ class HostCache:
 
     def __contains__(self, digest: str) -> bool:
         return digest in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
     def pin(self, digest: str) -> LoRAAdapter | None:
         entry = self._entries.get(digest)
@@ -199,6 +207,8 @@ class AdapterCache:
         self.hits: Counter[str] = Counter()  # by tier: ram, disk, store
         self.failures = 0
         self.downloads = 0
+        # Seconds each successful load into host RAM took, by where it came from (each has its own lock).
+        self.load_seconds: dict[str, DurationHistogram] = {"disk": DurationHistogram(), "store": DurationHistogram()}
 
     # -- loading (worker threads) ----------------------------------------------------------------
     def _load(self, version: AdapterVersionInfo) -> tuple[LoRAAdapter, str]:
@@ -232,19 +242,29 @@ class AdapterCache:
         log.warning("adapter %s (%s): load failed: %s", version.label, version.storage_key, detail)
         return AdapterLoadError(version, detail, retryable)
 
-    def _start(self, version: AdapterVersionInfo) -> concurrent.futures.Future:
-        """The in-flight load of `version`, starting one if none runs (caller holds the lock)."""
+    def _start(self, version: AdapterVersionInfo) -> tuple[concurrent.futures.Future, bool]:
+        """The in-flight load of `version`, starting one if none runs, and whether this call started it
+        (caller holds the lock, then passes both to `_watched` once it has let the lock go)."""
         future = self._inflight.get(version.digest)
-        if future is None:
-            future = self._pool.submit(self._timed_load, version)
-            self._inflight[version.digest] = future
-            future.add_done_callback(lambda f, d=version.digest: self._done(d, f))
+        if future is not None:
+            return future, False
+        future = self._inflight[version.digest] = self._pool.submit(self._timed_load, version)
+        return future, True
+
+    def _watched(self, digest: str, future: concurrent.futures.Future, started: bool) -> concurrent.futures.Future:
+        """`future`, with `_done` to run when it ends if this caller started it. Added outside the lock: on a
+        load that is already done, add_done_callback runs `_done` at once in this thread, and `_done` takes
+        the lock (not reentrant), so a fast load added under the lock deadlocked its caller."""
+        if started:
+            future.add_done_callback(lambda f: self._done(digest, f))
         return future
 
     def _timed_load(self, version: AdapterVersionInfo):
         start = time.perf_counter()
         adapter, tier = self._load(version)
-        return adapter, tier, (time.perf_counter() - start) * 1000
+        seconds = time.perf_counter() - start
+        self.load_seconds[tier].observe(seconds)
+        return adapter, tier, seconds * 1000
 
     def _done(self, digest: str, future: concurrent.futures.Future) -> None:
         with self._lock:
@@ -265,7 +285,8 @@ class AdapterCache:
         with self._lock:
             if version.digest in self.host:
                 return None
-            return self._start(version)
+            future, started = self._start(version)
+        return self._watched(version.digest, future, started)
 
     def _pin_or_load(self, version: AdapterVersionInfo) -> Acquired | concurrent.futures.Future:
         """A RAM hit, pinned; or the (shared) load to wait for."""
@@ -274,7 +295,8 @@ class AdapterCache:
             if adapter is not None:
                 self.hits["ram"] += 1
                 return Acquired(adapter, "ram", 0.0)
-            return self._start(version)
+            future, started = self._start(version)
+        return self._watched(version.digest, future, started)
 
     def _pin_loaded(self, result) -> Acquired:
         adapter, tier, load_ms = result
@@ -316,6 +338,15 @@ class AdapterCache:
             self.host.discard(digest)
         self.disk.discard(digest)
 
+    def has_in_ram(self, digest: str) -> bool:
+        """Whether the version with this digest is in the host RAM cache now."""
+        with self._lock:
+            return digest in self.host
+
+    def has_on_disk(self, digest: str) -> bool:
+        """Whether the version with this digest is in the local disk cache now."""
+        return digest in self.disk
+
     def drain(self, timeout: float | None = None) -> None:
         """Wait until no load is in flight (tests, shutdown)."""
         with self._lock:
@@ -323,12 +354,15 @@ class AdapterCache:
         concurrent.futures.wait(futures, timeout)
 
     def stats(self) -> dict:
-        """Sizes and counters; read under the locks of the threads that change them (loads, other requests)."""
-        disk_bytes = self.disk.nbytes  # under the disk cache's own lock
+        """Sizes and counters; read under the locks of the threads that change them (loads, other requests).
+        `load_seconds`: {"disk": ..., "store": ...}, `DurationHistogram.snapshot()` of successful loads."""
+        disk_bytes, disk_adapters = self.disk.nbytes, len(self.disk)  # under the disk cache's own lock
+        load_seconds = {tier: hist.snapshot() for tier, hist in self.load_seconds.items()}  # their own locks
         with self._lock:  # the host cache and the counters only change under this lock
             return {"host_bytes": self.host.nbytes, "host_budget_bytes": self.host.budget,
-                    "disk_bytes": disk_bytes, "disk_budget_bytes": self.disk.budget,
-                    "hits": dict(self.hits), "downloads": self.downloads, "load_failures": self.failures}
+                    "host_adapters": len(self.host), "disk_bytes": disk_bytes, "disk_budget_bytes": self.disk.budget,
+                    "disk_adapters": disk_adapters, "hits": dict(self.hits), "downloads": self.downloads,
+                    "load_failures": self.failures, "load_seconds": load_seconds}
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -33,7 +33,8 @@ ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 def kernel_microbench(cfg, num_slots: int = 8, rank: int = 16, rows: int = 8) -> None:
     """One decoder layer's four projections: base matmuls vs the LoRA ops of each strategy."""
     from loramux.kernels import LoRABatch, torch_ops
-    from loramux.kernels.wrapper import LoRALayerWeights, LoRAWrapper
+    from loramux.kernels.ops import lora_shrink_expand
+    from loramux.kernels.wrapper import LoRALayerWeights
 
     h, i = cfg.hidden_size, cfg.intermediate_size
     modules = {"qkv": (h, [cfg.q_size, cfg.kv_size, cfg.kv_size]), "o": (cfg.q_size, [h]),
@@ -45,7 +46,8 @@ def kernel_microbench(cfg, num_slots: int = 8, rank: int = 16, rows: int = 8) ->
     lora = [{n: LoRALayerWeights(a=(torch.randn(d_in, num_slots, len(outs) * rank) * 0.01).permute(1, 2, 0),
                                  b=[torch.randn(num_slots, rank, o).transpose(1, 2) for o in outs],
                                  offsets=[sum(outs[:j]) for j in range(len(outs))],
-                                 scale=torch.ones(num_slots), names=[str(j) for j in range(len(outs))])
+                                 scale=torch.ones(num_slots), names=[str(j) for j in range(len(outs))],
+                                 targeted=[True] * num_slots)
              for n, (d_in, outs) in modules.items()} for _ in range(layers)]
     xs = {d: torch.randn(rows, d) for d in {h, i, cfg.q_size}}
     print(f"kernel micro-benchmark: {layers} layers x 4 projections, {rows} decode rows, {num_slots} slots, r={rank}")
@@ -58,22 +60,21 @@ def kernel_microbench(cfg, num_slots: int = 8, rank: int = 16, rows: int = 8) ->
     for layout_name, slot_map in (("U=8 (one adapter per row)", list(range(rows))),
                                   ("U=1 (all rows one adapter)", [0] * rows)):
         for strategy in ("loop", "dense", "gather"):
-            wrapper = LoRAWrapper()
-            wrapper.batch = LoRABatch.from_slot_map(slot_map)
+            batch = LoRABatch.from_slot_map(slot_map)
             original = torch_ops.pick_strategy
             torch_ops.pick_strategy = lambda seg, s=strategy: s
             ys = run_base()
 
-            def run_lora(wrapper=wrapper, ys=ys):
+            def run_lora(batch=batch, ys=ys):
                 k = 0
                 for layer in lora:
-                    for weights in layer.values():
-                        wrapper.apply(ys[k], xs[weights.a.shape[2]], weights)
+                    for w in layer.values():
+                        lora_shrink_expand(ys[k], xs[w.a.shape[2]], w.a, w.b, w.offsets, w.scale, batch)
                         k += 1
 
             lora_s = median_seconds(run_lora, 10)
             torch_ops.pick_strategy = original
-            chosen = original(wrapper.batch.segments)
+            chosen = original(batch.segments)
             print(f"  LoRA {layout_name:28s} {strategy:6s} {lora_s * 1e3:7.2f} ms  = {lora_s / base_s:5.2f} x base"
                   f"{'   <- chosen' if strategy == chosen else ''}")
 
@@ -97,8 +98,7 @@ def main() -> None:
     from loramux.settings import Settings
 
     batches = [int(b) for b in args.batches.split(",")]
-    engine = LLMEngine.from_settings(Settings(dtype="float32", device="cpu", max_loras=max(batches),
-                                              max_lora_rank=args.rank))
+    engine = LLMEngine.from_settings(Settings(dtype="float32", device="cpu", max_lora_rank=args.rank))
     cfg = engine.model.config
     print(f"SmolLM2-135M-Instruct float32, threads={torch.get_num_threads()}, r={args.rank} on all 7 projections, "
           f"{args.new_tokens} new tokens, rounds={args.rounds} (median), {time.strftime('%Y-%m-%d')}")

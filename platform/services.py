@@ -19,6 +19,7 @@ from loramux.admin.ledger import LedgerWriter
 from loramux.admin.pricing import PriceBook
 from loramux.db import Database
 from loramux.names import base_model_id
+from loramux.request_rates import RequestRates
 from loramux.settings import Settings
 from loramux.tenancy import Tenancy
 
@@ -43,6 +44,7 @@ class Services:
     prices: PriceBook
     ledger: LedgerWriter  # every finished request's row, written off the hot path
     admin_pins: dict[str, str] = field(default_factory=dict)  # adapters pinned by operators: id -> digest
+    request_rates: RequestRates = field(default_factory=RequestRates)  # recent requests per adapter id
 
     @classmethod
     def from_settings(cls, settings: Settings, engine=None, migrate: bool = True) -> Services:

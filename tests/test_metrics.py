@@ -4,14 +4,17 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
 import threading
+import time
 from datetime import datetime
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from loramux.histogram import DurationHistogram
 from loramux.server.logs import NOISY_LOGGERS, JsonFormatter, configure_logging, request_id_var
-from loramux.server.metrics import OUTCOMES, ServerMetrics
+from loramux.server.metrics import CACHE_TIERS, LORA_INFO, LORA_INFO_LABELS, OUTCOMES, ServerMetrics
 
 ALLOWED_LABELS = {"tier", "outcome", "kind", "cache_tier", "le"}
 
@@ -209,6 +212,162 @@ def test_state_source_can_be_replaced_and_removed():
     assert value(m, "loramux_running_requests") == 5
     m.set_state_source(None)
     assert value(m, "loramux_running_requests") is None
+
+
+# -- adapter residency and vLLM's lora_requests_info -------------------------------------------------------
+def histogram(*seconds: float) -> dict:
+    hist = DurationHistogram()
+    for s in seconds:
+        hist.observe(s)
+    return hist.snapshot()
+
+
+def lora_state(**lora) -> dict:
+    return {"running": 1, "waiting": 1,
+            "lora": {"running": ["alpha", "beta"], "waiting": ["gamma"], "max_lora": 4, "device_adapters": 2,
+                     "device_bytes": 2048, "device_budget_bytes": 8192, "loading": 1, "loads": 5, "evictions": 3,
+                     "load_seconds": histogram(0.0007, 0.002, 0.003), **lora},
+            "adapter_cache": {"hits": {"ram": 4, "disk": 1, "store": 2}, "downloads": 2, "load_failures": 0,
+                              "host_bytes": 4096, "host_budget_bytes": 1 << 20, "host_adapters": 3,
+                              "disk_bytes": 6144, "disk_budget_bytes": 1 << 30, "disk_adapters": 5,
+                              "load_seconds": {"disk": histogram(0.02), "store": histogram(0.3, 1.2)}}}
+
+
+def lora_info(metrics: ServerMetrics) -> list:
+    return [s for s in samples(metrics) if s.name == LORA_INFO]
+
+
+def test_lora_residency_families():
+    m = ServerMetrics()
+    m.set_state_source(lambda: lora_state())
+    before = time.time()
+    (info,) = lora_info(m)
+    assert info.labels == {"running_lora_adapters": "alpha,beta", "waiting_lora_adapters": "gamma", "max_lora": "4"}
+    assert before - 1 <= info.value <= time.time() + 1  # vLLM's value: the time of the scrape
+
+    for tier, resident, nbytes, budget in (("device", 2, 2048, 8192), ("ram", 3, 4096, 1 << 20),
+                                           ("disk", 5, 6144, 1 << 30)):
+        assert value(m, "loramux_adapters_resident", cache_tier=tier) == resident
+        assert value(m, "loramux_adapter_cache_bytes", cache_tier=tier) == nbytes
+        assert value(m, "loramux_adapter_cache_budget_bytes", cache_tier=tier) == budget
+    assert value(m, "loramux_adapters_resident", cache_tier="store") is None
+    assert value(m, "loramux_adapter_device_loading") == 1
+    assert value(m, "loramux_adapter_device_loads_total") == 5
+    assert value(m, "loramux_adapter_device_evictions_total") == 3
+
+    hist = "loramux_adapter_load_seconds"
+    assert value(m, f"{hist}_count", cache_tier="device") == 3
+    assert value(m, f"{hist}_sum", cache_tier="device") == pytest.approx(0.0057)
+    assert value(m, f"{hist}_bucket", cache_tier="device", le="0.001") == 1
+    assert value(m, f"{hist}_bucket", cache_tier="device", le="0.0025") == 2
+    assert value(m, f"{hist}_bucket", cache_tier="device", le="+Inf") == 3
+    assert value(m, f"{hist}_count", cache_tier="disk") == 1
+    assert value(m, f"{hist}_count", cache_tier="store") == 2
+    assert value(m, f"{hist}_bucket", cache_tier="store", le="1.0") == 1
+    assert value(m, f"{hist}_sum", cache_tier="store") == pytest.approx(1.5)
+    assert {s.labels["cache_tier"] for s in samples(m) if "cache_tier" in s.labels} <= set(CACHE_TIERS)
+
+
+def test_lora_info_without_adapters_has_empty_labels():
+    m = ServerMetrics()
+    m.set_state_source(lambda: {"lora": {"running": [], "waiting": [], "max_lora": 8}})
+    (info,) = lora_info(m)
+    assert info.labels == {"running_lora_adapters": "", "waiting_lora_adapters": "", "max_lora": "8"}
+    m.set_state_source(lambda: {"waiting": 0})  # an engine without the "lora" dict: no gauge, nothing breaks
+    assert lora_info(m) == [] and value(m, "loramux_queue_depth") == 0
+
+
+def test_lora_state_with_bad_values_is_read_defensively():
+    bad_histograms = [
+        {"buckets": [(0.1, 2), (math.inf, 1)], "sum": 0.1, "count": 1},  # counts going down
+        {"buckets": [(0.1, 1), (0.05, 1), (math.inf, 1)], "sum": 0.1, "count": 1},  # bounds not ascending
+        {"buckets": [(0.1, 1)], "sum": 0.1, "count": 1},  # no +Inf bucket
+        {"buckets": [(0.1, -1), (math.inf, 1)], "sum": 0.1, "count": 1},
+        {"buckets": [("x", 1), (math.inf, 1)], "sum": 0.1, "count": 1},
+        {"buckets": [(0.1, 1), (math.inf, 1)], "sum": float("nan"), "count": 1},
+        {"buckets": [], "sum": 0.0, "count": 0},
+        {"buckets": [0.1, math.inf]}, "nope", None,
+    ]
+    m = ServerMetrics()
+    for bad in bad_histograms:
+        m.set_state_source(lambda bad=bad: lora_state(
+            running="alpha", waiting=[None, "", "a,b", "ok", "ok"], max_lora="many", loads=-1, evictions=None,
+            device_bytes=float("inf"), load_seconds=bad))
+        (info,) = lora_info(m)
+        assert info.labels == {"running_lora_adapters": "", "waiting_lora_adapters": "ok", "max_lora": "0"}
+        assert value(m, "loramux_adapter_load_seconds_count", cache_tier="device") is None, bad
+        assert value(m, "loramux_adapter_load_seconds_count", cache_tier="store") == 2  # the other tiers stay
+        for absent in ("loramux_adapter_device_loads_total", "loramux_adapter_device_evictions_total"):
+            assert value(m, absent) is None
+        assert value(m, "loramux_adapter_cache_bytes", cache_tier="device") is None
+        assert value(m, "loramux_adapters_resident", cache_tier="device") == 2
+        assert value(m, "loramux_state_source_errors_total") == 0
+    m.set_state_source(lambda: {"lora": "not a dict", "adapter_cache": {"load_seconds": ["disk"]}})
+    assert lora_info(m) == [] and value(m, "loramux_state_source_errors_total") == 0
+
+
+def test_adapter_names_never_add_series():
+    m = ServerMetrics()
+    names = [f"adapter-{i}" for i in range(500)]
+    m.set_state_source(lambda: lora_state(running=names[:8], waiting=names[8:]))
+    first = samples(m)
+    m.set_state_source(lambda: lora_state(running=names[-8:], waiting=names[:-8]))
+    second = samples(m)
+    assert len(first) == len(second)
+    (info,) = [s for s in second if s.name == LORA_INFO]
+    assert info.labels["running_lora_adapters"] == ",".join(sorted(names[-8:]))
+    assert info.labels["waiting_lora_adapters"].count(",") == 491
+    for s in second:  # adapter names appear in the one vLLM-compatible sample and nowhere else
+        if s.name == LORA_INFO:
+            assert set(s.labels) == set(LORA_INFO_LABELS)
+        else:
+            assert set(s.labels) <= ALLOWED_LABELS and s.name.startswith("loramux_"), s
+            assert not any(v.startswith("adapter-") for v in s.labels.values()), s
+
+
+def test_lora_requests_info_of_a_real_engine(tiny_dir, tokenizer, tiny_cfg, tmp_path):
+    """One adapter's request runs and another's waits (one sequence per batch): the gauge a Prometheus
+    scraper reads from /metrics lists exactly those adapters."""
+    from conftest import make_engine, write_peft_adapter
+    from loramux.engine.sampling_params import SamplingParams
+
+    engine = make_engine(tiny_dir, tokenizer, max_num_seqs=1, max_loras=2, max_lora_rank=8)
+    for i, name in enumerate(("alpha", "beta")):
+        engine.load_adapter_dir(write_peft_adapter(tmp_path / name, tiny_cfg, 4, ["q_proj", "v_proj"], seed=i), name)
+    m = ServerMetrics()
+    m.set_state_source(engine.stats)  # what the server passes through (plus the host cache, not needed here)
+    max_lora = str(engine.stats()["lora"]["max_lora"])  # the most distinct adapters in one batch
+    (info,) = lora_info(m)
+    assert info.labels == {"running_lora_adapters": "", "waiting_lora_adapters": "", "max_lora": max_lora}
+
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    engine.add_request("r-alpha", "Hello there", params, adapter="alpha")
+    engine.add_request("r-beta", "Hello again", params, adapter="beta")
+    (info,) = lora_info(m)
+    assert info.labels == {"running_lora_adapters": "", "waiting_lora_adapters": "alpha,beta", "max_lora": max_lora}
+    # Step until one request runs (the first step, unless its adapter is still being copied to the device);
+    # the other waits for the one sequence a batch may hold.
+    for _ in range(1000):
+        engine.step()
+        if engine.stats()["lora"]["running"]:
+            break
+    body = m.render()[0].decode()
+    lines = [line for line in body.splitlines() if line.startswith(LORA_INFO)]
+    assert len(lines) == 1 and lines[0].startswith(LORA_INFO + "{")  # the name as written, unquoted (classic format)
+    (family,) = [f for f in text_string_to_metric_families(body) if f.name == LORA_INFO]
+    assert family.type == "gauge"
+    (info,) = family.samples
+    lora = engine.stats()["lora"]
+    assert lora["running"] == ["alpha"] and lora["waiting"] == ["beta"]  # first come, first served
+    assert info.labels == {"running_lora_adapters": "alpha", "waiting_lora_adapters": "beta", "max_lora": max_lora}
+    assert abs(info.value - time.time()) < 60
+    assert value(m, "loramux_adapters_resident", cache_tier="device") == lora["device_adapters"] >= 1
+    assert value(m, "loramux_adapter_device_loads_total") == lora["loads"] >= 1
+
+    while engine.has_unfinished():
+        engine.step()
+    (info,) = lora_info(m)
+    assert info.labels == {"running_lora_adapters": "", "waiting_lora_adapters": "", "max_lora": max_lora}
 
 
 # -- logs ------------------------------------------------------------------------------------------------

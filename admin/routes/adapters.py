@@ -81,9 +81,23 @@ def list_adapters(services: ServicesDep, tenant_id: str | None = None) -> dict:
 
 @router.get("/{adapter_id}", response_model=AdapterDetail)
 def show_adapter(adapter_id: str, services: ServicesDep) -> dict:
+    """Versions and pin state, where the latest version is now (device, host RAM, disk, store) and how many
+    requests this server started with the adapter lately."""
     owner = services.registry.owner_of(adapter_id)
-    return {"id": adapter_id, "tenant_id": owner, "versions": services.registry.versions(owner, adapter_id),
-            "pinned": adapter_id in services.admin_pins}
+    versions = services.registry.versions(owner, adapter_id)
+    return {"id": adapter_id, "tenant_id": owner, "versions": versions, "pinned": adapter_id in services.admin_pins,
+            "residency": _residency(services, versions[-1]) if versions else None,
+            "recent_requests": services.request_rates.recent(adapter_id)}
+
+
+_DEVICE_STATES = {"device": "resident", "loading": "loading"}  # the engine's answer -> the API's; else "absent"
+
+
+def _residency(services: Services, version: AdapterVersionInfo) -> dict:
+    cache = services.adapter_cache
+    return {"version": version.version,
+            "device": _DEVICE_STATES.get(services.engine.adapter_residency(version.digest), "absent"),
+            "ram": cache.has_in_ram(version.digest), "disk": cache.has_on_disk(version.digest), "store": True}
 
 
 @router.patch("/{adapter_id}", response_model=AdapterVersion)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from decimal import Decimal
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PlainSerializer
 
@@ -87,11 +87,33 @@ class AdapterList(Out):
     adapters: list[AdapterVersion] = Field(description="the latest version of each live adapter")
 
 
+class AdapterResidency(Out):
+    """Where the adapter's latest version is right now, tier by tier (a version may be in several)."""
+
+    version: int = Field(description="the version this describes: the latest ready one")
+    device: Literal["resident", "loading", "absent"] = Field(
+        description="on this server's device (resident), being copied there (loading), or not there (absent)")
+    ram: bool = Field(description="in this server's host RAM cache")
+    disk: bool = Field(description="in this server's local disk cache")
+    store: bool = Field(description="in the object store: always true for a ready version")
+
+
+class RecentRequests(Out):
+    """Requests this server started with the adapter (any version), counted per second of a monotonic clock."""
+
+    last_60s: int = Field(description="requests in the last 60 seconds")
+    last_300s: int = Field(description="requests in the last 300 seconds")
+    per_minute: float = Field(description="the average rate over the last 300 seconds, in requests per minute")
+
+
 class AdapterDetail(Out):
     id: str
     tenant_id: str
     versions: list[AdapterVersion] = Field(description="every ready version, oldest first")
     pinned: bool
+    residency: AdapterResidency | None = Field(
+        description="where the latest version is now on this server (null when no version is ready)")
+    recent_requests: RecentRequests = Field(description="how much this adapter is used on this server now")
 
 
 class DeletedAdapter(Out):

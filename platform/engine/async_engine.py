@@ -206,6 +206,8 @@ class AsyncEngine:
             self._stopped = True
             self._wake.notify()
         self._thread.join(timeout=30)
+        if self.engine.pool is not None:
+            self.engine.pool.shutdown()
 
     def _post(self, item) -> None:
         with self._wake:

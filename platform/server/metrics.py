@@ -2,8 +2,18 @@
 
 Label cardinality is bounded by construction: the only labels are `tier` (the fixed set given to
 `ServerMetrics`, anything else counted as "other"), `outcome` (`OUTCOMES`, else "other"), `kind`
-(`TOKEN_KINDS`) and `cache_tier` (`CACHE_TIERS`). Tenant ids, adapter names and request ids never
-become labels: they belong in the logs and the cost ledger.
+(`TOKEN_KINDS`) and `cache_tier` (`CACHE_TIERS`: device, ram, disk, store; "device" is the engine's
+adapter memory, the tier once labelled "slot"). Tenant ids, adapter names and request ids never become
+labels: they belong in the logs and the cost ledger.
+
+The one exception, and the one place adapter names appear in a label value, is `vllm:lora_requests_info`:
+vLLM's gauge of the same name and shape, which LoRA-affinity routers (the Kubernetes Gateway API Inference
+Extension, llm-d) scrape to send a request where its adapter already is. It has exactly one sample per
+scrape, whatever the adapters: labels `running_lora_adapters` and `waiting_lora_adapters` (comma-joined
+names of the adapters with running / waiting requests, "" when none) and `max_lora` (the most distinct
+adapters one batch may hold), value the current Unix time, as vLLM sets it. So the exposition never grows
+with the number of adapters or tenants (a Prometheus server storing it sees a new series whenever the set
+of names changes, as it does for vLLM; routers read only the latest sample).
 
 Request-level numbers are pushed by the server (`observe_finished`, `observe_inter_token`,
 `count_rejected`); engine and adapter-cache state is pulled at scrape time from a callable
@@ -15,20 +25,28 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 log = logging.getLogger(__name__)
 
 OTHER = "other"
 OUTCOMES: tuple[str, ...] = ("stop", "length", "timeout", "cancelled", "error", "rejected", "rate_limited")
 TOKEN_KINDS: tuple[str, ...] = ("prompt", "cached", "completion")
-CACHE_TIERS: tuple[str, ...] = ("ram", "disk", "store", "slot")
+CACHE_TIERS: tuple[str, ...] = ("device", "ram", "disk", "store")
 _OUTCOME_LABELS: dict[str, str] = {o: o for o in OUTCOMES}  # canonical plain str, also for str enums
-BYTES_CACHE_TIERS: dict[str, str] = {"ram": "host_bytes", "disk": "disk_bytes"}  # label -> state key
+# cache_tier label -> key in state["adapter_cache"]; the device tier's numbers come from state["lora"].
+BYTES_CACHE_TIERS: dict[str, str] = {"ram": "host_bytes", "disk": "disk_bytes"}
+BUDGET_CACHE_TIERS: dict[str, str] = {"ram": "host_budget_bytes", "disk": "disk_budget_bytes"}
+RESIDENT_CACHE_TIERS: dict[str, str] = {"ram": "host_adapters", "disk": "disk_adapters"}
+LOAD_CACHE_TIERS: tuple[str, ...] = ("disk", "store")  # adapter_cache.load_seconds (host RAM loads)
+LORA_INFO = "vllm:lora_requests_info"
+LORA_INFO_LABELS: tuple[str, ...] = ("running_lora_adapters", "waiting_lora_adapters", "max_lora")
 
 # Queue wait, time to first token and end-to-end latency: 5 ms .. 120 s.
 LATENCY_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -59,6 +77,41 @@ def _count(value) -> float | None:
     """A non-negative finite number (counter increment or state value), or None."""
     value = _finite(value)
     return None if value is None or value < 0 else value
+
+
+def _names(value) -> str:
+    """Adapter names (a list, tuple or set of str) comma-joined, sorted and unique; anything else -> "".
+    A name that could not be told apart in the joined list (empty, or with a comma) is left out."""
+    if not isinstance(value, (list, tuple, set, frozenset)):
+        return ""
+    return ",".join(sorted({v for v in value if isinstance(v, str) and v and "," not in v}))
+
+
+def _histogram(snapshot) -> tuple[list[tuple[str, float]], float] | None:
+    """A `DurationHistogram.snapshot()` as HistogramMetricFamily buckets [(le, cumulative count)] and sum, or
+    None if it is not one: bounds ascending and ending at +Inf, counts non-negative and non-decreasing."""
+    if not isinstance(snapshot, Mapping):
+        return None
+    raw, total = snapshot.get("buckets"), _finite(snapshot.get("sum"))
+    if not isinstance(raw, (list, tuple)) or not raw or total is None:
+        return None
+    buckets: list[tuple[str, float]] = []
+    last_bound, last_count = -math.inf, 0.0
+    for item in raw:
+        if not isinstance(item, (list, tuple)) or len(item) != 2 or isinstance(item[0], bool):
+            return None
+        try:
+            bound = float(item[0])
+        except (TypeError, ValueError):
+            return None
+        count = _count(item[1])
+        if math.isnan(bound) or bound <= last_bound or count is None or count < last_count:
+            return None
+        buckets.append((floatToGoString(bound), count))
+        last_bound, last_count = bound, count
+    if last_bound != math.inf:
+        return None
+    return buckets, max(0.0, total)
 
 
 class _StateCollector(Collector):
@@ -114,6 +167,22 @@ class _StateCollector(Collector):
                                    "Device adapter slots pinned by scheduled requests.")
         cache_bytes = GaugeMetricFamily("loramux_adapter_cache_bytes", "Bytes of adapter weights held per cache tier.",
                                         labels=["cache_tier"])
+        budget = GaugeMetricFamily("loramux_adapter_cache_budget_bytes",
+                                   "Byte budget of each adapter cache tier (device: the device adapter pool).",
+                                   labels=["cache_tier"])
+        resident = GaugeMetricFamily("loramux_adapters_resident", "Adapter versions held per cache tier.",
+                                     labels=["cache_tier"])
+        loading = GaugeMetricFamily("loramux_adapter_device_loading", "Adapter copies to the device in flight.")
+        device_loads = CounterMetricFamily("loramux_adapter_device_loads",
+                                           "Adapter copies from host RAM to the device.")
+        evictions = CounterMetricFamily("loramux_adapter_device_evictions", "Adapters evicted from the device.")
+        load_seconds = HistogramMetricFamily(
+            "loramux_adapter_load_seconds",
+            "Time to load an adapter into a tier: device (copy from host RAM), disk or store (into host RAM from "
+            "the local disk cache or the object store).", labels=["cache_tier"])
+        lora_info = GaugeMetricFamily(
+            LORA_INFO, "Running stats on LoRA requests (vLLM's shape): adapters with running and waiting requests, "
+            "max_lora; value: Unix time of the scrape.", labels=list(LORA_INFO_LABELS))
         hits = CounterMetricFamily("loramux_adapter_cache_hits", "Adapter lookups served by each cache tier.",
                                    labels=["cache_tier"])
         misses = CounterMetricFamily("loramux_adapter_cache_misses",
@@ -129,12 +198,38 @@ class _StateCollector(Collector):
         if used is not None and total:
             kv.add_metric([], min(1.0, used / total))
 
+        lora = state.get("lora")
+        if isinstance(lora, Mapping):
+            max_lora = _count(lora.get("max_lora"))
+            lora_info.add_metric([_names(lora.get("running")), _names(lora.get("waiting")),
+                                  str(int(max_lora)) if max_lora is not None else "0"], time.time())
+            for family, key in ((resident, "device_adapters"), (cache_bytes, "device_bytes"),
+                                (budget, "device_budget_bytes")):
+                value = _count(lora.get(key))
+                if value is not None:
+                    family.add_metric(["device"], value)
+            for family, key in ((loading, "loading"), (device_loads, "loads"), (evictions, "evictions")):
+                value = _count(lora.get(key))
+                if value is not None:
+                    family.add_metric([], value)
+            hist = _histogram(lora.get("load_seconds"))
+            if hist is not None:
+                load_seconds.add_metric(["device"], hist[0], hist[1])
+
         cache = state.get("adapter_cache")
         if isinstance(cache, Mapping):
-            for label, key in BYTES_CACHE_TIERS.items():
-                value = _count(cache.get(key))
-                if value is not None:
-                    cache_bytes.add_metric([label], value)
+            for family, keys in ((cache_bytes, BYTES_CACHE_TIERS), (budget, BUDGET_CACHE_TIERS),
+                                 (resident, RESIDENT_CACHE_TIERS)):
+                for label, key in keys.items():
+                    value = _count(cache.get(key))
+                    if value is not None:
+                        family.add_metric([label], value)
+            loads = cache.get("load_seconds")
+            if isinstance(loads, Mapping):
+                for label in LOAD_CACHE_TIERS:
+                    hist = _histogram(loads.get(label))
+                    if hist is not None:
+                        load_seconds.add_metric([label], hist[0], hist[1])
             tier_hits = cache.get("hits")
             if isinstance(tier_hits, Mapping):
                 for label in CACHE_TIERS:  # unknown tiers are left out: the label set stays fixed
@@ -145,7 +240,8 @@ class _StateCollector(Collector):
                 value = _count(cache.get(key))
                 if value is not None:
                     family.add_metric([], value)
-        return [queue, running, kv, pinned, cache_bytes, hits, misses, failures]
+        return [queue, running, kv, pinned, cache_bytes, budget, resident, hits, misses, failures, loading,
+                device_loads, evictions, load_seconds, lora_info]
 
 
 class ServerMetrics:
@@ -241,9 +337,12 @@ class ServerMetrics:
     def set_state_source(self, fn: Callable[[], dict] | None) -> None:
         """Read engine/cache state from `fn()` at each scrape (replaces any earlier source; None removes it).
 
-        Keys used: waiting, running, kv_blocks_used, kv_blocks_total, adapter_slots_pinned and
-        adapter_cache = {hits: {ram, disk, store, slot}, downloads, load_failures, host_bytes,
-        disk_bytes}. Missing or non-numeric values are left out; if `fn` raises, the error is logged,
+        Keys used: waiting, running, kv_blocks_used, kv_blocks_total, adapter_slots_pinned (if present),
+        lora = {running, waiting (adapter names), max_lora, device_adapters, device_bytes, device_budget_bytes,
+        loading, loads, evictions, load_seconds (a DurationHistogram snapshot)} and adapter_cache = {hits:
+        {ram, disk, store}, downloads, load_failures, host_bytes, host_budget_bytes, host_adapters, disk_bytes,
+        disk_budget_bytes, disk_adapters, load_seconds: {disk, store}}. Missing or non-numeric values are left
+        out (`vllm:lora_requests_info` is there whenever `lora` is); if `fn` raises, the error is logged,
         `loramux_state_source_errors_total` goes up and the rest of the scrape is served.
         """
         self._state.set_source(fn)

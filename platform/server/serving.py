@@ -265,6 +265,8 @@ class Server:
         try:
             version, lease, fallback_reason = await self._adapter(
                 tenant, model, arrival + admitted.timeout_s - time.monotonic())
+            if version is not None:
+                self.services.request_rates.record(version.adapter_id)
             salt = tenant.tenant_id if self.services.settings.prefix_cache_per_tenant else None
             started: list[Running] = []  # the Running, once it exists, for an abort of a stalled reader
             stream = self.services.engine.generate(request_id, prompt_ids, params, priority=tenant.tier.priority,
