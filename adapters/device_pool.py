@@ -1,9 +1,11 @@
-"""The device tier of adapters: a byte budget of adapter memory in rank buckets.
+"""The device tier of adapters: a byte budget of adapter memory in buckets of one rank and target set.
 
-Every distinct adapter rank present gets a bucket: for each LoRA-able projection of every layer, a stack
-of `capacity` slots of exactly that rank (`LoRALayerWeights`). So an adapter occupies, and each of its
-rows costs, its own rank: a rank-8 adapter next to a rank-64 one never does rank-64 work. The buckets
-share one byte budget; which adapter sits where, and when buckets grow or shrink, is decided by
+Adapters are grouped by (rank, merged projections they target): each such group present gets a bucket,
+which holds, for each of those projections in every layer, a stack of `capacity` slots of exactly that
+rank (`LoRALayerWeights`). So an adapter occupies, and each of its rows costs, its own rank on its own
+projections: a rank-8 adapter next to a rank-64 one never does rank-64 work, and one on q/v only never
+touches the MLP. (Within a merged projection every slice is held: a q/v adapter also holds zeros for k.)
+The buckets share one byte budget; which adapter sits where, and when buckets grow or shrink, is decided by
 `loramux.adapters.residency` (torch-free), which calls the operations here:
 
 * `resize(rank, capacity, keep)`: a bucket's new capacity, keeping the listed slots (in that order at
@@ -20,13 +22,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 from collections.abc import Callable
 
 import torch
 
 from loramux.adapters.peft_format import LoRAAdapter
 from loramux.kernels.wrapper import LoRALayerWeights, LoRAWrapper
-from loramux.model.llama import PROJECTION_SLICES, LlamaModel
+from loramux.model.llama import LORA_MODULES, PROJECTION_SLICES, LlamaModel
 
 
 def _a_buffer(num_slots: int, rows: int, d_in: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -38,14 +41,20 @@ def _a_buffer(num_slots: int, rows: int, d_in: int, dtype: torch.dtype, device: 
     return torch.zeros(num_slots, rows, d_in, dtype=dtype, device=device)
 
 
-class _Bucket:
-    """The slot stacks of one rank: per layer, per projection path, its LoRALayerWeights."""
+BucketKey = tuple[int, tuple[str, ...]]  # (rank, merged projection paths targeted, in model order)
 
-    def __init__(self, model: LlamaModel, rank: int, capacity: int, dtype: torch.dtype, device: torch.device):
-        self.rank, self.capacity = rank, capacity
+
+class _Bucket:
+    """The slot stacks of one bucket: per layer, per projection path it covers, its LoRALayerWeights."""
+
+    def __init__(self, model: LlamaModel, key: BucketKey, capacity: int, dtype: torch.dtype, device: torch.device):
+        (rank, paths), self.capacity = key, capacity
+        self.rank = rank
         self.scale = torch.zeros(capacity, dtype=torch.float32, device=device)  # one per slot, all projections
         self.weights: dict[tuple[int, str], LoRALayerWeights] = {}
         for layer, path, module in model.lora_modules():
+            if path not in paths:
+                continue
             self.weights[(layer, path)] = LoRALayerWeights(
                 a=_a_buffer(capacity, len(module.slices) * rank, module.in_features, dtype, device),
                 # B lives as [slots, R, d_out] (so slots 0..k stack into one GEMM operand without a copy)
@@ -70,60 +79,73 @@ class DevicePool:
                  lora_impl: str = "auto", async_loads: bool = True):
         self.model, self.budget, self.dtype, self.device = model, budget_bytes, dtype, torch.device(device)
         element = torch.finfo(dtype).bits // 8
-        # Bytes one unit of rank costs: A rows and B columns of every slice of every LoRA-able projection.
-        self.bytes_per_rank = sum((len(m.slices) * m.in_features + m.out_features) * element
-                                  for _, _, m in model.lora_modules())
-        self.buckets: dict[int, _Bucket] = {}
+        # Bytes one unit of rank costs per projection path: A rows and B columns of its slices, every layer.
+        self.bytes_per_rank: dict[str, int] = {}
+        for _, path, m in model.lora_modules():
+            self.bytes_per_rank[path] = self.bytes_per_rank.get(path, 0) + \
+                (len(m.slices) * m.in_features + m.out_features) * element
+        self.buckets: dict[BucketKey, _Bucket] = {}
         self.needs_active_prefix = self.device.type == "cpu"
         self.wrapper = LoRAWrapper(lora_impl, self.device, self._weights_of)
         for layer, path, module in model.lora_modules():
             module.lora_wrapper, module.lora_key = self.wrapper, (layer, path)
         self._lock = threading.Lock()  # one copy at a time into the pool: loads, swaps, resizes
-        self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="loramux-device-load") \
+        # One copy thread. On CPU it copies with one OpenMP thread: a second team of intra-op threads next
+        # to the engine's would contend for the same cores (measured: 6x slower decode steps while both
+        # teams existed, even after the copies ended).
+        self._loader = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="loramux-device-load",
+            initializer=(lambda: torch.set_num_threads(1)) if self.device.type == "cpu" else None) \
             if async_loads else None
         self._stream = torch.cuda.Stream(self.device) if async_loads and self.device.type == "cuda" else None
 
     # -- sizes -------------------------------------------------------------------------------------
-    def slot_bytes(self, rank: int) -> int:
-        """Device bytes one adapter of `rank` occupies (every projection, every layer)."""
-        return rank * self.bytes_per_rank
+    def bucket_of(self, adapter: LoRAAdapter) -> BucketKey:
+        """The bucket an adapter belongs in: its rank and the merged projections it targets."""
+        paths = {PROJECTION_SLICES[target][0] for _, target in adapter.weights}
+        return adapter.rank, tuple(p for p in LORA_MODULES if p in paths)
 
-    def capacity(self, rank: int) -> int:
-        bucket = self.buckets.get(rank)
+    def slot_bytes(self, key: BucketKey) -> int:
+        """Device bytes one slot of bucket `key` occupies (its projections, every layer)."""
+        rank, paths = key
+        return rank * sum(self.bytes_per_rank[p] for p in paths)
+
+    def capacity(self, key: BucketKey) -> int:
+        bucket = self.buckets.get(key)
         return bucket.capacity if bucket else 0
 
     @property
     def nbytes(self) -> int:
         """Bytes allocated to buckets (<= budget)."""
-        return sum(b.capacity * self.slot_bytes(r) for r, b in self.buckets.items())
+        return sum(b.capacity * self.slot_bytes(k) for k, b in self.buckets.items())
 
     # -- what the kernels read ---------------------------------------------------------------------
-    def _weights_of(self, rank: int, key: tuple[int, str]) -> LoRALayerWeights | None:
-        bucket = self.buckets.get(rank)
-        return None if bucket is None else bucket.weights.get(key)
+    def _weights_of(self, key: BucketKey, module: tuple[int, str]) -> LoRALayerWeights | None:
+        bucket = self.buckets.get(key)
+        return None if bucket is None else bucket.weights.get(module)
 
     # -- operations (called by the residency) ------------------------------------------------------
-    def resize(self, rank: int, capacity: int, keep: list[int], then: Callable[[], None] = lambda: None) -> None:
-        """Give the `rank` bucket `capacity` slots; old slot keep[i] moves to slot i; the rest is dropped.
+    def resize(self, key: BucketKey, capacity: int, keep: list[int], then: Callable[[], None] = lambda: None) -> None:
+        """Give bucket `key` `capacity` slots; old slot keep[i] moves to slot i; the rest is dropped.
         `then` runs under the pool lock right after, so a queued load reads its new slot."""
         if len(keep) > capacity:
             raise ValueError("cannot keep more slots than the new capacity")
-        extra = (capacity - self.capacity(rank)) * self.slot_bytes(rank)
+        extra = (capacity - self.capacity(key)) * self.slot_bytes(key)
         if self.nbytes + extra > self.budget:
-            raise MemoryError(f"a rank-{rank} bucket of {capacity} slots exceeds the adapter pool budget")
+            raise MemoryError(f"a bucket of {capacity} slots for {key} exceeds the adapter pool budget")
         with self._lock:
-            old = self.buckets.pop(rank, None)
+            old = self.buckets.pop(key, None)
             if capacity > 0:
-                new = _Bucket(self.model, rank, capacity, self.dtype, self.device)
+                new = _Bucket(self.model, key, capacity, self.dtype, self.device)
                 for dst, src in enumerate(keep):
                     new.copy_slot(old, src, dst)
-                self.buckets[rank] = new
+                self.buckets[key] = new
             then()
 
-    def swap(self, rank: int, i: int, j: int, then: Callable[[], None] = lambda: None) -> None:
-        """Exchange slots i and j of the `rank` bucket; `then` runs under the pool lock (see resize)."""
+    def swap(self, key: BucketKey, i: int, j: int, then: Callable[[], None] = lambda: None) -> None:
+        """Exchange slots i and j of bucket `key`; `then` runs under the pool lock (see resize)."""
         with self._lock:
-            bucket = self.buckets[rank]
+            bucket = self.buckets[key]
             for weights in bucket.weights.values():
                 for stack in (weights.a, *weights.b):
                     held = stack[i].clone()
@@ -133,29 +155,27 @@ class DevicePool:
             bucket.scale[[i, j]] = bucket.scale[[j, i]]
             then()
 
-    def load(self, rank: int, slot_of: Callable[[], int], adapter: LoRAAdapter) -> concurrent.futures.Future:
+    def load(self, key: BucketKey, slot_of: Callable[[], int], adapter: LoRAAdapter) -> concurrent.futures.Future:
         """Copy `adapter` into its slot (`slot_of()` at copy time); a future of the copy's duration (s)."""
-        if adapter.rank != rank:
-            raise ValueError(f"adapter {adapter.name!r} has rank {adapter.rank}, not {rank}")
+        if self.bucket_of(adapter) != key:
+            raise ValueError(f"adapter {adapter.name!r} belongs in bucket {self.bucket_of(adapter)}, not {key}")
         if self._loader is not None:
-            return self._loader.submit(self._timed_write, rank, slot_of, adapter)
+            return self._loader.submit(self._timed_write, key, slot_of, adapter)
         future: concurrent.futures.Future = concurrent.futures.Future()
         try:
-            future.set_result(self._timed_write(rank, slot_of, adapter))
+            future.set_result(self._timed_write(key, slot_of, adapter))
         except Exception as exc:  # noqa: BLE001 - the caller sees it through the future, as with async loads
             future.set_exception(exc)
         return future
 
-    def _timed_write(self, rank: int, slot_of: Callable[[], int], adapter: LoRAAdapter) -> float:
-        import time
-
+    def _timed_write(self, key: BucketKey, slot_of: Callable[[], int], adapter: LoRAAdapter) -> float:
         start = time.perf_counter()
         with self._lock:
             if self._stream is None:
-                self._write(self.buckets[rank], slot_of(), adapter)
+                self._write(self.buckets[key], slot_of(), adapter)
             else:  # a side stream, so the copy overlaps the engine's kernels on the default stream
                 with torch.cuda.stream(self._stream):
-                    self._write(self.buckets[rank], slot_of(), adapter)
+                    self._write(self.buckets[key], slot_of(), adapter)
                 self._stream.synchronize()
         return time.perf_counter() - start
 

@@ -45,6 +45,12 @@ class AdapterLoadError(RuntimeError):
         return type(self), (self.version, self.detail, self.retryable)
 
 
+def _one_intra_op_thread() -> None:
+    import torch
+
+    torch.set_num_threads(1)  # this thread's own setting; the engine thread keeps its own
+
+
 class DiskCache:
     """Blobs on local disk under their digest, within a byte budget (least recently used evicted)."""
 
@@ -203,7 +209,10 @@ class AdapterCache:
         self.host = host
         self._lock = threading.Lock()
         self._inflight: dict[str, concurrent.futures.Future] = {}
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="loramux-adapter-load")
+        # Loads parse and convert tensors: with one intra-op thread each, so they never add OpenMP teams
+        # that contend with the engine's for the cores (see DevicePool).
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="loramux-adapter-load",
+                                                           initializer=_one_intra_op_thread)
         self.hits: Counter[str] = Counter()  # by tier: ram, disk, store
         self.failures = 0
         self.downloads = 0

@@ -101,7 +101,7 @@ def decode_timing(cfg_dict, device, dtype, tiny: bool) -> None:
     from loramux.engine.scheduler import Scheduler
     from loramux.engine.sequence import Sequence
     from loramux.model.config import ModelConfig
-    from loramux.model.llama import LlamaModel
+    from loramux.model.llama import LORA_MODULES, LlamaModel
 
     cfg = ModelConfig.from_hf(cfg_dict)
     batch, rank, steps, prompt_len = (32, 16, 32, 128) if not tiny else (4, 4, 4, 8)
@@ -114,7 +114,8 @@ def decode_timing(cfg_dict, device, dtype, tiny: bool) -> None:
     block_size = 16
     num_blocks = batch * (prompt_len + steps + 2 * block_size) // block_size
     pool = DevicePool(model, 1 << 62, dtype, device, async_loads=False)
-    pool.resize(rank, batch, [])
+    key = (rank, LORA_MODULES)
+    pool.resize(key, batch, [])
     shapes = {"q_proj": (cfg.hidden_size, cfg.q_size), "k_proj": (cfg.hidden_size, cfg.kv_size),
               "v_proj": (cfg.hidden_size, cfg.kv_size), "o_proj": (cfg.q_size, cfg.hidden_size),
               "gate_proj": (cfg.hidden_size, cfg.intermediate_size),
@@ -124,7 +125,7 @@ def decode_timing(cfg_dict, device, dtype, tiny: bool) -> None:
         weights = {(layer, t): (torch.randn(rank, d_in, device=device) * 0.01,
                                 torch.randn(d_out, rank, device=device) * 0.01)
                    for layer in range(cfg.num_layers) for t, (d_in, d_out) in shapes.items()}
-        pool.load(rank, lambda slot=slot: slot,
+        pool.load(key, lambda slot=slot: slot,
                   LoRAAdapter(f"a{slot}", rank, 2.0 * rank, False, tuple(shapes), weights, f"d{slot}")).result()
 
     class Preloaded:
@@ -141,7 +142,7 @@ def decode_timing(cfg_dict, device, dtype, tiny: bool) -> None:
     results = {}
     for label, distinct in (("base only", 0), ("1 adapter", 1), (f"{batch} adapters", batch)):
         runner = ModelRunner(model, num_blocks, block_size, dtype, device, pool.wrapper,
-                             lambda digest: (rank, int(digest[1:])))
+                             lambda digest: (key, int(digest[1:])))
         blocks = BlockManager(num_blocks, block_size)
         scheduler = Scheduler(blocks, batch, max(batch, batch * prompt_len), Preloaded())
         seqs = [Sequence(f"s{i}", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=steps),

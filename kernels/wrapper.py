@@ -3,8 +3,8 @@
 Semantics, for every row i of the step's flat batch and every slice of a merged projection:
     y[i, slice] += (x[i] @ A_slice[adapter(i)]^T) @ B_slice[adapter(i)]^T * scale[adapter(i)]
 where rows without an adapter are left untouched. Adapters live in rank buckets (see
-`loramux.adapters.device_pool`): every adapter of a bucket has the bucket's rank, exactly, so each row
-costs its own adapter's rank. The engine sets each row's location (rank, slot) once per step; every
+`loramux.adapters.device_pool`): every adapter of a bucket has the bucket's rank and projections,
+exactly, so each row costs its own adapter's rank. The engine sets each row's location (rank, slot) once per step; every
 layer then calls `apply` with its own key, and the wrapper runs the shared ops once per bucket present,
 on the span of rows that bucket's adapters cover.
 """
@@ -17,7 +17,7 @@ import torch
 
 from loramux.kernels.ops import LoRABatch, LoRACost, lora_shrink_expand, resolve_lora_impl
 
-Location = tuple[int, int]  # (rank bucket, slot in it)
+Location = tuple[object, int]  # (bucket key, slot in it): see loramux.adapters.device_pool
 
 
 @dataclass
@@ -45,7 +45,7 @@ class LoRALayerWeights:
 
 @dataclass
 class _BucketRows:
-    rank: int
+    bucket: object
     start: int  # rows [start, stop) of the step hold every row of this bucket
     stop: int
     batch: LoRABatch
@@ -53,7 +53,7 @@ class _BucketRows:
 
 class LoRAWrapper:
     def __init__(self, impl: str = "auto", device: torch.device | str = "cpu",
-                 weights_of: Callable[[int, tuple[int, str]], LoRALayerWeights | None] | None = None) -> None:
+                 weights_of: Callable[[object, tuple[int, str]], LoRALayerWeights | None] | None = None) -> None:
         """`impl`: "auto" (Triton on CUDA, torch on CPU), "triton" or "torch"; resolved once, here.
         `weights_of(rank, key)`: the bucket buffers of projection `key` (the device pool provides it)."""
         self.impl = resolve_lora_impl(impl, device)
@@ -67,21 +67,21 @@ class LoRAWrapper:
         self.buckets = []
         if not locations:
             return
-        rows_of: dict[int, list[int]] = {}
+        rows_of: dict[object, list[int]] = {}
         for row, location in enumerate(locations):
             if location is not None:
                 rows_of.setdefault(location[0], []).append(row)
-        for rank, rows in sorted(rows_of.items()):
+        for bucket, rows in rows_of.items():
             start, stop = rows[0], rows[-1] + 1
             slot_map = [-1] * (stop - start)
             for row in rows:
                 slot_map[row - start] = locations[row][1]
-            self.buckets.append(_BucketRows(rank, start, stop, LoRABatch.from_slot_map(slot_map, self.device)))
+            self.buckets.append(_BucketRows(bucket, start, stop, LoRABatch.from_slot_map(slot_map, self.device)))
 
     def apply(self, y: torch.Tensor, x: torch.Tensor, key: tuple[int, str] | None) -> torch.Tensor:
         """Add the LoRA deltas of this step's adapters to y = base(x), in place; returns y."""
         for bucket in self.buckets:
-            weights = self.weights_of(bucket.rank, key)
+            weights = self.weights_of(bucket.bucket, key)
             if weights is None or not any(weights.targeted[s] for s in bucket.batch.segments.active_slots):
                 continue
             lora_shrink_expand(y[bucket.start:bucket.stop], x[bucket.start:bucket.stop], weights.a, weights.b,

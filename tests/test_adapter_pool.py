@@ -11,6 +11,7 @@ from conftest import make_engine, write_peft_adapter
 from loramux.adapters.peft_format import AdapterFormatError, load_adapter_dir
 from loramux.engine.engine import RequestError
 from loramux.engine.sampling_params import SamplingParams
+from loramux.model.llama import LORA_MODULES, PROJECTION_SLICES
 from loramux.model.loader import read_model_config
 
 
@@ -19,13 +20,15 @@ def tiny_cfg(tiny_dir):
     return read_model_config(tiny_dir)[0]
 
 
-def lora_engine(tiny_dir, tokenizer, fit: int | None = None, rank: int = 8, **kw):
-    """An engine whose pool holds `fit` adapters of `rank` (None: the default budget); copies inline."""
+def lora_engine(tiny_dir, tokenizer, fit: int | None = None, rank: int = 8, targets=("q_proj",), **kw):
+    """An engine whose pool holds `fit` adapters of `rank` on `targets` (None: the default budget); copies
+    inline."""
     kw.setdefault("async_adapter_loads", False)
     kw.setdefault("adapter_min_residency_s", 0.0)
     engine = make_engine(tiny_dir, tokenizer, max_lora_rank=kw.pop("max_lora_rank", 8), **kw)
     if fit is not None:
-        engine.pool.budget = fit * engine.pool.slot_bytes(rank)
+        paths = {PROJECTION_SLICES[t][0] for t in targets}
+        engine.pool.budget = fit * engine.pool.slot_bytes((rank, tuple(p for p in LORA_MODULES if p in paths)))
     return engine
 
 
@@ -66,7 +69,7 @@ def test_running_adapters_stay_while_a_third_waits(tiny_dir, tokenizer, tiny_cfg
 
 
 def test_cycling_many_adapters_keeps_memory_in_budget_and_outputs_stable(tiny_dir, tokenizer, tiny_cfg, tmp_path):
-    engine = lora_engine(tiny_dir, tokenizer, fit=3, rank=8)
+    engine = lora_engine(tiny_dir, tokenizer, fit=3, rank=8, targets=("q_proj", "down_proj"))
     names = [f"a{i}" for i in range(20)]  # ranks 1..8 in a pool that holds 3 rank-8 adapters
     for i, name in enumerate(names):
         engine.load_adapter_dir(write_peft_adapter(tmp_path / name, tiny_cfg, 1 + i % 8, ["q_proj", "down_proj"],

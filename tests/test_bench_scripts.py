@@ -1,6 +1,7 @@
 """Benchmark scripts stay runnable: gpu_check --tiny (Triton interpreter) and a one-round adapter_tiers."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -83,3 +84,31 @@ def test_ledger_durability_bench_quick_run_reports_figure():
     last = out.strip().splitlines()[-1]
     assert last.startswith("FIGURE ledger_final_chunk_p99_ms "), out
     assert float(last.split()[-1]) > 0
+
+
+@pytest.mark.real_model
+def test_many_adapters_bench_quick_run_reports_figures(tmp_path):
+    """Smoke mode: the base model, the table set (1 and uniform over 8) and the mixed set at N 1 and 8, 2 clients,
+    8 tokens, 4 s windows, over HTTP with adapters uploaded through the admin API; JSON and plot written."""
+    out_json, out_png = tmp_path / "many_adapters.json", tmp_path / "many_adapters.png"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "many_adapters.py"), "--quick", "--json",
+                           str(out_json), "--plot", str(out_png)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "machine: " in out and "SIMD " in out and "torch " in out, out
+    assert "uploaded 16 adapters through the admin API" in out and "FAILURES" not in out, out
+    for name in ("base", "table-1", "table-uniform-8", "mixed-uniform-1", "mixed-uniform-8", "mixed-zipf-8"):
+        assert f"\n{name} " in out, out
+    lines = out.strip().splitlines()[-4:]
+    names = ["adapters_64_vs_base_tok_s", "adapters_64_ttft_p50_ratio", "adapters_1000_vs_8_tok_s",
+             "adapters_1000_ttft_p99_ms"]
+    assert [line.split()[:2] for line in lines] == [["FIGURE", n] for n in names], out
+    values = dict(line.split()[1:] for line in lines)
+    assert float(values["adapters_64_vs_base_tok_s"]) > 0 and float(values["adapters_1000_vs_8_tok_s"]) > 0, out
+    # Latency figures need a request to end inside a 4 s window: nan on a slow machine is fine for a smoke run.
+    assert all(float(v) > 0 or v == "nan" for v in values.values()), out
+    results = json.loads(out_json.read_text())
+    assert results["uploads"]["adapters"] == 16
+    assert all(r["failures"] == {} for r in results["scenarios"].values()), results["scenarios"]
+    assert out_png.is_file() or "matplotlib is not installed" in out

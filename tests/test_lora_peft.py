@@ -20,8 +20,7 @@ ADAPTERS = {  # name: (rank, targets, rslora)
     "r64-ko": (64, ["k_proj", "o_proj", "down_proj"], False),
     "r128-all": (128, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], False),
 }
-QUESTIONS = ["What is the capital of France?", "Write a haiku about snow.", "Name three colours.",
-             "What is 2 plus 2?", "Tell me a fun fact about octopuses."]
+QUESTIONS = ["What is the capital of France?", "Write a haiku about snow.", "Name three colours."]
 NEW_TOKENS = 16
 
 
@@ -92,4 +91,4 @@ def test_mixed_batch_equals_peft_per_adapter(smol_dir, tokenizer, adapter_dirs, 
         assert any(peft_outputs[(q, name)] != peft_outputs[(q, None)] for q in range(len(QUESTIONS))), name
     stats = engine.stats()
     assert stats["adapter_slots_pinned"] == 0 and stats["kv_blocks_used"] == 0
-    assert sorted(engine.pool.buckets) == sorted(rank for rank, _, _ in ADAPTERS.values())  # one bucket per rank
+    assert sorted(rank for rank, _ in engine.pool.buckets) == sorted(r for r, _, _ in ADAPTERS.values())

@@ -97,10 +97,10 @@ def test_request_rates_are_thread_safe():
 
 
 # -- the adapter cache: residency answers and load timings --------------------------------------------------
-def test_adapter_cache_residency_and_load_seconds(tmp_path, tiny_cfg):
+def _registered_version(tmp_path, tiny_cfg, seed: int):
+    """A registry on SQLite and a file store holding one adapter version: (database, store, version)."""
     from loramux.adapters.registry import AdapterRegistry
     from loramux.adapters.store import FileStore
-    from loramux.adapters.tiers import AdapterCache, DiskCache, HostCache
     from loramux.db import Database
 
     db = Database(f"sqlite:///{tmp_path / 'registry.db'}")
@@ -108,8 +108,14 @@ def test_adapter_cache_residency_and_load_seconds(tmp_path, tiny_cfg):
     store = FileStore(tmp_path / "store")
     registry = AdapterRegistry(db, store, tiny_cfg, "tiny-llama")
     tenant = registry.tenancy.create_tenant("acme")
-    source = write_peft_adapter(tmp_path / "src", tiny_cfg, 4, ["q_proj", "v_proj"], seed=3)
-    version = registry.register(tenant.id, "bot", adapter_files(source))
+    source = write_peft_adapter(tmp_path / "src", tiny_cfg, 4, ["q_proj", "v_proj"], seed=seed)
+    return db, store, registry.register(tenant.id, "bot", adapter_files(source))
+
+
+def test_adapter_cache_residency_and_load_seconds(tmp_path, tiny_cfg):
+    from loramux.adapters.tiers import AdapterCache, DiskCache, HostCache
+
+    db, store, version = _registered_version(tmp_path, tiny_cfg, seed=3)
     disk = DiskCache(tmp_path / "disk", 1 << 30)
     cache = AdapterCache(store, disk, HostCache(1 << 30), max_workers=1)
     other = AdapterCache(store, disk, HostCache(1 << 30), max_workers=1)  # a second cache on the same disk
@@ -173,18 +179,9 @@ class DoneFirstPool:
 
 
 def test_a_load_done_before_its_callback_is_added_does_not_deadlock(tmp_path, tiny_cfg):
-    from loramux.adapters.registry import AdapterRegistry
-    from loramux.adapters.store import FileStore
     from loramux.adapters.tiers import AdapterCache, DiskCache, HostCache
-    from loramux.db import Database
 
-    db = Database(f"sqlite:///{tmp_path / 'registry.db'}")
-    db.upgrade()
-    store = FileStore(tmp_path / "store")
-    registry = AdapterRegistry(db, store, tiny_cfg, "tiny-llama")
-    tenant = registry.tenancy.create_tenant("acme")
-    source = write_peft_adapter(tmp_path / "src", tiny_cfg, 4, ["q_proj", "v_proj"], seed=4)
-    version = registry.register(tenant.id, "bot", adapter_files(source))
+    db, store, version = _registered_version(tmp_path, tiny_cfg, seed=4)
     disk = DiskCache(tmp_path / "disk", 1 << 30)
     disk.put(version.digest, store.get(version.storage_key))  # a disk hit: the load needs no lock of the cache
     cache = AdapterCache(store, disk, HostCache(1 << 30), max_workers=1)

@@ -33,6 +33,9 @@ class FakePool:
         self.pending: list[tuple[concurrent.futures.Future, int, object, object]] = []
         self.swaps = 0
 
+    def bucket_of(self, adapter):
+        return adapter.rank
+
     def slot_bytes(self, rank):
         return rank * BYTES_PER_RANK
 

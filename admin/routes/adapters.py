@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+import torch
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 
@@ -67,6 +68,9 @@ def _flag(fields: dict, name: str) -> bool:
 
 
 def _register(services: Services, fields: dict, files: dict) -> AdapterVersionInfo:
+    # Validation converts and checks tensors on this worker thread: with one intra-op thread, so no second
+    # OpenMP team is left to contend with the engine's for the cores (see loramux.adapters.device_pool).
+    torch.set_num_threads(1)
     tenant = services.tenancy.tenant(fields["tenant_id"])  # an id or a name
     return services.registry.register(tenant.id, fields["name"], files, fields.get("visibility") or "private",
                                       allow_base_mismatch=_flag(fields, "allow_base_mismatch"))

@@ -99,7 +99,7 @@ class ModelRunner:
             max_blocks = max(len(seq.block_table) for seq in plain_decodes)
             padded, context_lens = [], []
             # Rows of one adapter side by side: fewer, longer LoRA segments.
-            for seq in sorted(plain_decodes, key=lambda s: where[s] or (-1, -1)):
+            for seq in sorted(plain_decodes, key=lambda s: (0,) if where[s] is None else (1, *where[s])):
                 lora_rows.append(where[seq])
                 p = seq.num_computed_tokens
                 tokens.append(seq.last_token())
