@@ -227,6 +227,9 @@ def test_tiers_and_prices(stack):
     assert put.status_code == 200 and put.json()["priority"] == 3
     bad = c.put("/admin/tiers/odd", json={"priority": 0, "default_timeout_s": 100, "max_timeout_s": 10})
     assert bad.status_code == 400 and "default_timeout_s <= max_timeout_s" in bad.text
+    huge = c.put("/admin/tiers/odd", json={"priority": 0, "tokens_per_min": 2**40, "default_timeout_s": 1,
+                                           "max_timeout_s": 10})  # beyond the INTEGER column: a clear 422, no 500
+    assert huge.status_code == 422 and "tokens_per_min" in huge.text
     price = c.post("/admin/prices", json={"input_per_mtok": "0.10", "cached_input_per_mtok": "0.05",
                                           "output_per_mtok": "0.40", "effective_from": "2026-01-01T00:00:00Z"})
     assert price.status_code == 201, price.text

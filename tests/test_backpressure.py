@@ -91,7 +91,10 @@ def test_lagging_reader_gets_coalesced_outputs_with_everything(long_dir, tokeniz
         def sample():
             peak["outputs"] = max(peak["outputs"], engine.stats()["buffered_outputs"])
 
-        await until(lambda: engine.stats()["running"] == 0, every=sample)  # done while nobody read
+        # Done while nobody read: the request has left the batch and its last output is buffered (the
+        # engine thread finishes a request before it hands over that step's outputs).
+        await until(lambda: engine.stats()["running"] == 0 and engine.stats()["buffered_tokens"] == 119,
+                    every=sample)
         waiting = engine.stats()
         return first, peak["outputs"], waiting, [out async for out in stream]
 

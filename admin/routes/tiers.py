@@ -12,11 +12,14 @@ from loramux.tenancy import TierInfo
 router = APIRouter(prefix="/tiers")
 
 
+INT32_MAX = 2**31 - 1  # the limits are INTEGER columns: larger values would fail in the database (a 500)
+
+
 class TierBody(RequestBody):
     priority: int = Field(ge=-100, le=100)
-    requests_per_min: int = Field(default=0, ge=0)
-    tokens_per_min: int = Field(default=0, ge=0)
-    max_concurrent: int = Field(default=0, ge=0)
+    requests_per_min: int = Field(default=0, ge=0, le=INT32_MAX)
+    tokens_per_min: int = Field(default=0, ge=0, le=INT32_MAX)
+    max_concurrent: int = Field(default=0, ge=0, le=INT32_MAX)
     default_timeout_s: float = Field(gt=0, le=86_400)
     max_timeout_s: float = Field(gt=0, le=86_400)
 
