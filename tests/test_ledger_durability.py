@@ -314,9 +314,10 @@ def test_rows_reach_sql_without_a_flush_in_lingered_batches(database, tmp_path):
         futures = [writer.submit(record(i)) for i in range(30)]
         assert all(f.result(10) for f in futures)
         deadline = time.monotonic() + 10
-        while len(request_ids(database)) < 30:  # no flush: the SQL thread writes on its own
+        # No flush: the SQL thread writes on its own. The counter moves just after the commit, so wait on it.
+        while writer.stats()["written"] < 30:
             assert time.monotonic() < deadline, "rows not written without a flush"
             time.sleep(0.02)
-        assert writer.stats()["written"] == 30
+        assert len(request_ids(database)) == 30 and writer.stats()["written"] == 30
     finally:
         writer.close()
