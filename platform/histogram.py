@@ -1,4 +1,4 @@
-"""A thread-safe cumulative histogram of durations (torch-free, no Prometheus types).
+"""A thread-safe cumulative histogram of durations or sizes (torch-free, no Prometheus types).
 
 Components that time things (device adapter loads, host-RAM loads from disk or the object store) keep one
 of these; `/metrics` renders its `snapshot()` as a Prometheus histogram at scrape time, so the timed code
@@ -33,6 +33,11 @@ class DurationHistogram:
         with self._lock:
             self._counts[bisect.bisect_left(self.buckets, seconds)] += 1
             self._sum += seconds
+
+    def reset(self) -> None:
+        with self._lock:
+            self._counts = [0] * (len(self.buckets) + 1)
+            self._sum = 0.0
 
     def snapshot(self) -> dict:
         """{"buckets": [(upper bound, cumulative count), ..., (inf, count)], "sum": seconds, "count": n}."""

@@ -36,7 +36,10 @@ class Settings(BaseSettings):
     block_size: int = 16
     kv_cache_bytes: int = 512 * 1024**2  # memory budget for the paged KV pool
     max_num_seqs: int = 64  # most sequences in one batch
-    max_num_batched_tokens: int = 512  # token budget per step: bounds how long a prefill chunk stalls decodes
+    max_num_batched_tokens: int = 512  # token cap of one step (prefill chunks are cut to fit)
+    # How long a step carrying prefill work may take while streams decode; 0 = auto: twice the cost of the
+    # step's decodes alone (a fitted cost model, seeded at start), so no prefill stalls the streams.
+    step_target_ms: float = Field(default=0.0, ge=0)
     max_model_len: int = 4096
     priority_aging_s: float = 10.0  # queue aging: waiting this long is worth one tier of priority
     prefix_caching: bool = True  # reuse the KV of shared prompt prefixes (never across adapter versions)

@@ -11,6 +11,7 @@ import torch
 from loramux.adapters.peft_format import LoRAAdapter
 from loramux.adapters.residency import LOADING, RESIDENT, AdapterResidency
 from loramux.engine.block_manager import BlockManager
+from loramux.engine.calibration import calibrate_step_cost
 from loramux.engine.detokenizer import IncrementalDetokenizer
 from loramux.engine.model_runner import ModelRunner, StepLogits
 from loramux.engine.outputs import EngineConfig, RequestError, RequestOutput, SoFar
@@ -19,6 +20,7 @@ from loramux.engine.sampling_params import SamplingParams
 from loramux.engine.scheduler import ScheduledBatch, Scheduler
 from loramux.engine.sequence import FinishReason, Sequence
 from loramux.engine.spec_decode import build_verdict, propose_ngram, verify
+from loramux.engine.step_budget import step_budget_for
 from loramux.histogram import DurationHistogram
 from loramux.names import base_model_id
 
@@ -70,8 +72,9 @@ class LLMEngine:
                                    config.lora_impl, config.async_adapter_loads)
             self.adapters = AdapterResidency(self.pool, config.max_loras, config.adapter_min_residency_s,
                                              config.adapter_drain_after_s, on_load=self._load_histogram.observe)
+        self.step_budget = step_budget_for(config.step_target_ms, device.type, min_chunk=config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.adapters, aging_s=config.priority_aging_s)
+                                   self.adapters, aging_s=config.priority_aging_s, step_budget=self.step_budget)
         self.runner = ModelRunner(model, num_blocks, config.block_size, dtype, device,
                                   self.pool.wrapper if self.pool else None,
                                   self.adapters.location if self.adapters else None)
@@ -100,6 +103,7 @@ class LLMEngine:
         config = EngineConfig(block_size=settings.block_size, kv_cache_bytes=settings.kv_cache_bytes,
                               max_num_seqs=settings.max_num_seqs,
                               max_num_batched_tokens=settings.max_num_batched_tokens,
+                              step_target_ms=settings.step_target_ms,
                               max_model_len=settings.max_model_len, max_loras=settings.max_loras,
                               max_lora_rank=settings.max_lora_rank, lora_impl=settings.lora_impl,
                               adapter_pool_bytes=settings.adapter_pool_bytes,
@@ -113,6 +117,7 @@ class LLMEngine:
         engine.model_name = settings.model
         for name, path in (settings.adapter_dirs() if load_adapters else {}).items():
             engine.load_adapter_dir(path, name)
+        calibrate_step_cost(engine)
         return engine
 
     # -- adapters --------------------------------------------------------------------------------
@@ -424,6 +429,7 @@ class LLMEngine:
             "adapter_slots_pinned": len(lora["running"]) if lora else 0,  # adapters pinned by running requests
             "adapter_slot_loads": lora["loads"] if lora else 0,
             "lora": lora,
+            "steps": self.step_budget.stats() if self.step_budget is not None else {},
         }
 
     def lora_stats(self) -> dict:

@@ -18,7 +18,10 @@ class EngineConfig:
     num_blocks: int | None = None  # None: derived from kv_cache_bytes
     kv_cache_bytes: int = 512 * 1024**2
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = 512  # token cap of one step
+    # Time target of a step that carries prefill work while streams decode (see loramux.engine.step_budget):
+    # 0 = auto (twice the decodes' own cost), None = no time target, the token cap alone (tests that count).
+    step_target_ms: float | None = 0.0
     max_model_len: int = 4096
     max_loras: int = 0  # most distinct adapters with running requests (one batch); 0 = no cap
     max_lora_rank: int = 128  # largest adapter rank served; 0 disables LoRA

@@ -1,8 +1,9 @@
 """Continuous batching: which sequences run in the next step, and with how many tokens (torch-free).
 
-Each step has a token budget. Running decodes come first (one token each), then running prefills
-continue in chunks, then waiting sequences are admitted by priority. A long prompt is therefore
-split across steps instead of stalling the decodes. When the KV pool runs dry the running sequence of
+Each step has a token cap and, with a `StepBudget`, a time target (see loramux.engine.step_budget).
+Running decodes come first (one token each), then running prefills continue in chunks, then waiting
+sequences are admitted by priority, while the predicted step time stays within the target. A long prompt
+is therefore split across steps instead of stalling the decodes. When the KV pool runs dry the running sequence of
 lowest effective priority (see `rank_key`) is preempted: its blocks are freed and it is recomputed later.
 
 A sequence with an adapter is admitted only once its adapter is on the device (`adapters`, an
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 
 from loramux.engine.block_manager import BlockManager
 from loramux.engine.sequence import FinishReason, Sequence, SequenceStatus
+from loramux.engine.step_budget import StepBudget, StepPlan
 
 
 @dataclass
@@ -32,6 +34,8 @@ class ScheduledBatch:
     prefills: list[tuple[Sequence, int]] = field(default_factory=list)
     decodes: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    plan: StepPlan | None = None  # the time budget's account of this step (None: token cap only)
+    started: float = 0.0  # time.monotonic() when it was scheduled
 
     @property
     def num_tokens(self) -> int:
@@ -54,7 +58,7 @@ def rank_key(seq: Sequence, aging_s: float) -> tuple:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 adapters=None, aging_s: float = 10.0):
+                 adapters=None, aging_s: float = 10.0, step_budget: StepBudget | None = None):
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs so every decode fits a step")
         self.blocks = block_manager
@@ -64,6 +68,7 @@ class Scheduler:
         if aging_s <= 0:
             raise ValueError("aging_s must be > 0")
         self.aging_s = aging_s
+        self.step_budget = step_budget  # None: each step is bounded by max_num_batched_tokens alone
         self._waiting: list[tuple[tuple, Sequence]] = []  # heap by _rank
         self.running: list[Sequence] = []
 
@@ -105,8 +110,10 @@ class Scheduler:
 
     # -- scheduling ----------------------------------------------------------------------------
     def schedule(self, now: float | None = None) -> ScheduledBatch:
-        now = now if now is not None else time.monotonic()
-        batch = ScheduledBatch()
+        started = time.monotonic()
+        now = now if now is not None else started
+        plan = self.step_budget.plan() if self.step_budget is not None else None
+        batch = ScheduledBatch(plan=plan, started=started)
         budget = self.max_num_batched_tokens
         # A new sorted list, not list.sort(): CPython empties a list while sorting it in place, and other
         # threads (the server's queue-wait estimate, stats) read `running` meanwhile.
@@ -118,21 +125,21 @@ class Scheduler:
             draft = seq.draft_token_ids
             if draft and (1 + len(draft) > budget or not self.blocks.can_allocate(seq, 1 + len(draft))):
                 seq.draft_token_ids = draft = []  # speculation never preempts anyone
-            if draft:
-                self.blocks.allocate(seq, 1 + len(draft))
+            n = 1 + len(draft)
+            if draft or self._make_room(seq, 1, batch):
+                self.blocks.allocate(seq, n)
                 batch.decodes.append(seq)
-                budget -= 1 + len(draft)
-            elif self._make_room(seq, 1, batch):
-                self.blocks.allocate(seq, 1)
-                batch.decodes.append(seq)
-                budget -= 1
+                budget -= n
+        if plan is not None:
+            for seq in batch.decodes:  # the survivors: _make_room may have preempted earlier ones
+                plan.add_decode(1 + len(seq.draft_token_ids), seq.num_computed_tokens)
         for seq in [s for s in self.running if s.is_prefill]:
-            if budget <= 0:
+            n = self._chunk(seq, seq.num_computed_tokens, budget, plan)
+            if n <= 0:
                 break
-            n = min(seq.num_uncomputed_tokens, budget)
             if seq.status is SequenceStatus.RUNNING and self._make_room(seq, n, batch):
                 self.blocks.allocate(seq, n)
-                batch.prefills.append((seq, n))
+                self._add_prefill(batch, seq, n)
                 budget -= n
 
         # Admit new work only when nothing had to be preempted this step: otherwise they would thrash.
@@ -146,8 +153,9 @@ class Scheduler:
             # first decode) must fit, and it is allocated at once, so an admitted prefill is never
             # preempted halfway by the admissions after it.
             hits = self.blocks.match_prefix(seq)
-            remaining = seq.num_tokens - len(hits) * self.blocks.block_size
-            if not self.blocks.can_admit(seq, hits, remaining + 1):
+            cached = len(hits) * self.blocks.block_size
+            remaining = seq.num_tokens - cached
+            if self._chunk(seq, cached, budget, plan) <= 0 or not self.blocks.can_admit(seq, hits, remaining + 1):
                 break
             heapq.heappop(self._waiting)
             if seq.adapter is not None:
@@ -156,12 +164,12 @@ class Scheduler:
             self.blocks.admit(seq, hits, remaining)  # the whole prompt, not just this chunk
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = self._chunk(seq, seq.num_computed_tokens, budget, plan)
             seq.status = SequenceStatus.RUNNING
             if seq.timings.first_scheduled is None:
                 seq.timings.first_scheduled = now
             self.running.append(seq)
-            batch.prefills.append((seq, n))
+            self._add_prefill(batch, seq, n)
             budget -= n
         for item in passed_over:
             heapq.heappush(self._waiting, item)
@@ -172,6 +180,8 @@ class Scheduler:
         now has the KV of what it was scheduled for (a speculative decode: its last token and the
         `accepted[seq]` drafts kept), and its full blocks go to the prefix cache."""
         accepted = accepted or {}
+        if batch.plan is not None:
+            self.step_budget.observe(batch.plan, time.monotonic() - batch.started)
         for seq, n in batch.prefills:
             if not seq.is_finished:
                 seq.num_computed_tokens += n
@@ -180,6 +190,19 @@ class Scheduler:
             if not seq.is_finished:
                 seq.num_computed_tokens += 1 + accepted.get(seq, 0)  # KV of rejected drafts is overwritten later
                 self.blocks.commit(seq)
+
+    @staticmethod
+    def _chunk(seq: Sequence, context: int, budget: int, plan: StepPlan | None) -> int:
+        """Prompt tokens of `seq` (with `context` computed or cached) this step takes: within the token cap
+        left and, with a time budget, what fits the step's target."""
+        n = min(seq.num_tokens - context, budget)
+        return n if plan is None or n <= 0 else plan.prefill_allowance(context, n)
+
+    @staticmethod
+    def _add_prefill(batch: ScheduledBatch, seq: Sequence, n: int) -> None:
+        batch.prefills.append((seq, n))
+        if batch.plan is not None:
+            batch.plan.add_prefill(n, seq.num_computed_tokens)
 
     def _unpin(self, seq: Sequence) -> None:
         if seq.adapter_pinned:

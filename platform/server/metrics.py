@@ -241,7 +241,30 @@ class _StateCollector(Collector):
                 if value is not None:
                     family.add_metric([], value)
         return [queue, running, kv, pinned, cache_bytes, budget, resident, hits, misses, failures, loading,
-                device_loads, evictions, load_seconds, lora_info]
+                device_loads, evictions, load_seconds, lora_info, *_step_families(state.get("steps"))]
+
+
+def _step_families(steps) -> list[Metric]:
+    """The engine's steps (StepBudget.stats()): how long they take and what they carry, so stalls show."""
+    seconds = HistogramMetricFamily("loramux_step_seconds", "Wall time of one engine step (schedule to tokens).")
+    tokens = HistogramMetricFamily("loramux_step_tokens", "Tokens computed in one engine step (prefill + decode).")
+    prefill = HistogramMetricFamily("loramux_step_prefill_tokens", "Prompt tokens computed in one engine step.")
+    delayed = GaugeMetricFamily("loramux_decodes_delayed_by_prefill",
+                                "Decode streams that shared the last step with prefill work.")
+    delayed_total = CounterMetricFamily("loramux_decode_tokens_delayed_by_prefill",
+                                        "Decode tokens produced in steps that also carried prefill work.")
+    families = [seconds, tokens, prefill, delayed, delayed_total]
+    if not isinstance(steps, Mapping):
+        return families
+    for family, key in ((seconds, "step_seconds"), (tokens, "step_tokens"), (prefill, "step_prefill_tokens")):
+        hist = _histogram(steps.get(key))
+        if hist is not None:
+            family.add_metric([], hist[0], hist[1])
+    for family, key in ((delayed, "decodes_delayed_by_prefill"), (delayed_total, "decodes_delayed_by_prefill_total")):
+        value = _count(steps.get(key))
+        if value is not None:
+            family.add_metric([], value)
+    return families
 
 
 class ServerMetrics:
