@@ -89,7 +89,7 @@ def histogram_delta(before: Samples, after: Samples, name: str) -> dict | None:
 
 def server_counters(engine: str, before: Samples, after: Samples, error: str | None = None) -> dict:
     """The per-engine numbers of one window (after - before), best effort; {"scrape_error": ...} without a scrape."""
-    spec, out = SPECS.get(engine), {}
+    spec, out = SPECS.get(engine.partition("@")[0]), {}  # vllm@N: a vLLM variant
     if error or not after:
         return {"scrape_error": error or "empty /metrics"}
     if spec is None:

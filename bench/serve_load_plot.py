@@ -14,7 +14,17 @@ from pathlib import Path
 
 PANELS = (("tok_s", "output tok/s", False), ("goodput_req_s", "goodput (req/s meeting the SLO)", False),
           ("ttft_p99_ms", "TTFT p99 (ms)", True), ("itl_p99_ms", "inter-token p99 (ms)", True))
-COLOURS = {"loramux": "tab:blue", "vllm": "tab:orange"}
+COLOURS = {"loramux": "tab:blue", "vllm": "tab:orange"}  # vllm@N variants: the next colours of the cycle
+
+
+def colour(name: str) -> str:
+    if name in COLOURS:
+        return COLOURS[name]
+    variants = sorted(n for n in _seen if n not in COLOURS)
+    return ("tab:red", "tab:green", "tab:purple", "tab:brown")[variants.index(name) % 4]
+
+
+_seen: set[str] = set()
 
 
 def _num(value) -> float:
@@ -51,19 +61,20 @@ def plot(results: dict, path: Path) -> bool:
         print("(matplotlib is not installed: no plot)")
         return False
     engines = {name: e for name, e in results.get("engines", {}).items() if e.get("open")}
+    _seen.update(engines)
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
     offered = sorted({x for e in engines.values() for x in series(e, "tok_s")[0]})
     for ax, (key, label, log_y) in zip(axes.flat, PANELS):
         for name, e in engines.items():
             xs, ys = series(e, key)
-            ax.plot(xs, ys, "o-", color=COLOURS.get(name), label=name)
+            ax.plot(xs, ys, "o-", color=colour(name), label=name)
             closed = e.get("closed") or {}
             if key == "tok_s" and closed.get("tok_s") is not None:
-                ax.axhline(closed["tok_s"], ls=":", color=COLOURS.get(name),
+                ax.axhline(closed["tok_s"], ls=":", color=colour(name),
                            label=f"{name} closed loop, {_g(closed.get('clients', '?'))} clients")
             sustainable = e.get("sustainable_req_s")
             if key == "goodput_req_s" and sustainable:
-                ax.axvline(sustainable, ls="-.", lw=0.8, color=COLOURS.get(name),
+                ax.axvline(sustainable, ls="-.", lw=0.8, color=colour(name),
                            label=f"{name} sustainable {sustainable:g} req/s")
         if key == "goodput_req_s" and offered:
             ax.plot([0, max(offered)], [0, max(offered)], "--", color="grey", lw=1, label="ideal (y = x)")
