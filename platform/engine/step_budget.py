@@ -12,11 +12,13 @@ predicted step time stays within the target.
   model or machine. A step with no decodes has nothing to stall: only the token cap applies.
 - **Progress**: the first prefill of a step always gets at least `min_chunk` tokens, so a long prompt
   finishes even when the decodes alone use up the target.
-- **The cost model** (`StepCostModel`): seconds = fixed + per_seq * sequences + per_token * tokens +
-  per_kv * attended, where attended counts each new token times the context it attends to (in thousands
-  of tokens). It is fitted by least squares over the last `window` steps, pulled toward a prior so a run of
-  similar steps cannot swing it; `calibrate` seeds it at start (the server runs a few steps of synthetic
-  work), and every real step refines it.
+- **The cost model** (`StepCostModel`): seconds = fixed + per_seq * sequences + per_chunk * chunks +
+  per_token * tokens + per_kv * attended, where chunks are the sequences computing several tokens (prefill
+  chunks and speculative verifications: each runs its own attention call per layer) and attended counts
+  each new token times the context it attends to (in thousands of tokens). It is fitted by least squares
+  over the last `window` steps, pulled toward a prior so a run of similar steps cannot swing it;
+  loramux.engine.calibration seeds it at start (a few steps of synthetic work), and every real step refines
+  it.
 """
 from __future__ import annotations
 
@@ -29,28 +31,31 @@ from loramux.histogram import DurationHistogram
 STEP_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
 STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
-# Priors (fixed, per_seq, per_token, per_kv seconds) until steps have been measured: rough figures for a
-# ~100M-parameter model on a few CPU cores and on a GPU. They only shape the first steps.
-CPU_PRIOR = (0.02, 0.0005, 0.002, 0.0005)
-GPU_PRIOR = (0.005, 0.00002, 0.00002, 0.00001)
+# Priors (fixed, per_seq, per_chunk, per_token, per_kv seconds) until steps have been measured: rough figures
+# for a ~100M-parameter model on a few CPU cores and on a GPU. They only shape the first steps.
+CPU_PRIOR = (0.02, 0.0005, 0.003, 0.002, 0.0005)
+GPU_PRIOR = (0.005, 0.00002, 0.0002, 0.00002, 0.00001)
 
 
 @dataclass
 class StepWork:
-    """What one step computes: sequences, new tokens, and attended = sum of new tokens x context / 1024."""
+    """What one step computes: sequences, chunks (sequences computing several tokens), new tokens, and
+    attended = sum of new tokens x context / 1024."""
 
     seqs: int = 0
+    chunks: int = 0
     tokens: int = 0
     attended: float = 0.0
 
     def add(self, num_tokens: int, context: int) -> None:
         """A sequence computing `num_tokens` new tokens after `context` already in its KV cache."""
         self.seqs += 1
+        self.chunks += num_tokens > 1
         self.tokens += num_tokens
         self.attended += attended_work(num_tokens, context)
 
-    def features(self) -> tuple[float, float, float, float]:
-        return (1.0, float(self.seqs), float(self.tokens), self.attended)
+    def features(self) -> tuple[float, ...]:
+        return (1.0, float(self.seqs), float(self.chunks), float(self.tokens), self.attended)
 
 
 def attended_work(num_tokens: int, context: int) -> float:
@@ -61,7 +66,7 @@ def attended_work(num_tokens: int, context: int) -> float:
 class StepCostModel:
     """Predicts a step's wall time from its `StepWork` (see the module docstring)."""
 
-    def __init__(self, prior: tuple[float, float, float, float] = CPU_PRIOR, window: int = 256,
+    def __init__(self, prior: tuple[float, ...] = CPU_PRIOR, window: int = 256,
                  refit_every: int = 8, prior_weight: float = 4.0):
         self.prior = tuple(float(c) for c in prior)
         self.coefficients = self.prior
@@ -148,8 +153,8 @@ class StepPlan:
             return 0
         if not self.decodes:  # nothing to stall: only the token cap applies
             return remaining
-        per_seq = self.budget.model.coefficients[1]  # the chunk's sequence joins the step
-        left = self.budget.target_for(self.decode_s) - self.budget.model.predict(self.work) - per_seq
+        _, per_seq, per_chunk, _, _ = self.budget.model.coefficients  # the chunk's sequence joins the step
+        left = self.budget.target_for(self.decode_s) - self.budget.model.predict(self.work) - per_seq - per_chunk
         n = self.budget.tokens_within(left, context)
         if self.prefill_tokens == 0:
             n = max(n, self.budget.min_chunk)  # progress: a long prompt always moves
@@ -197,7 +202,7 @@ class StepBudget:
         per_token * n + per_kv * n * (context + (n + 1) / 2) / 1024 <= seconds."""
         if seconds <= 0:
             return 0
-        _, _, per_token, per_kv = self.model.coefficients
+        *_, per_token, per_kv = self.model.coefficients
         a = per_kv / 2048  # n^2 term
         b = per_token + per_kv * (context + 0.5) / 1024
         if a <= 0:
