@@ -35,6 +35,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from timing import pct
+
 TIERS = ("free", "standard", "premium")
 TIER_WEIGHTS = (0.3, 0.4, 0.3)
 BASE = "base"  # the workload's name for the base model; Endpoint.models maps it to the served name
@@ -84,14 +86,6 @@ def make_prompts(seed: int) -> dict[str, list[str]]:
 
 def workload_models() -> list[str]:
     return [BASE, *(name for name, _, _ in ADAPTERS)]
-
-
-def pct(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100); NaN for no values."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,8 @@ from pathlib import Path
 
 from many_adapters_plot import mixed_points, plot
 
+from timing import pct
+
 TABLE_NS = (1, 8, 64)
 MIXED_NS = (1, 8, 64, 256, 1000)
 TABLE_RANK, TABLE_TARGETS = 8, ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -94,14 +96,6 @@ def machine_line(threads: int) -> str:
     simd = " ".join(f for f in SIMD_FLAGS if f in flags) or "unknown"
     return (f"machine: {info.get('model name', 'unknown CPU')}, {os.cpu_count()} logical CPUs, SIMD {simd}; "
             f"torch {torch.__version__}, {threads} threads")
-
-
-def pct(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100); NaN for no values."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
 
 
 # --- adapters -------------------------------------------------------------------------------------------

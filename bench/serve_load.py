@@ -119,32 +119,14 @@ def free_port() -> int:
 
 
 def write_adapters(root: Path, model_cfg, seed: int, b_std: float = 0.05) -> dict[str, Path]:
-    """The 4 random PEFT LoRA adapters (B non-zero, float32), one directory each: what both engines load."""
-    import torch
-    from safetensors.torch import save_file
+    """The 4 random PEFT LoRA adapters (B non-zero, float32, alpha = 2r), one directory each: what both engines
+    load."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from conftest import write_peft_adapter
 
-    from loramux.adapters.validation import projection_shapes
-
-    sections = {t: "self_attn" if t.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
-                for t in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")}
-    shapes, out = projection_shapes(model_cfg), {}
-    for i, (name, rank, targets) in enumerate(ADAPTERS):
-        g, tensors = torch.Generator().manual_seed(seed + i), {}
-        for layer in range(model_cfg.num_layers):
-            for target in targets:
-                d_in, d_out = shapes[target]
-                prefix = f"base_model.model.model.layers.{layer}.{sections[target]}.{target}"
-                tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, d_in, generator=g) / d_in**0.5
-                tensors[f"{prefix}.lora_B.weight"] = torch.randn(d_out, rank, generator=g) * b_std
-        path = root / name
-        path.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, path / "adapter_model.safetensors")
-        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
-                  "target_modules": targets, "use_rslora": False, "lora_dropout": 0.0, "bias": "none",
-                  "fan_in_fan_out": False, "base_model_name_or_path": None}
-        (path / "adapter_config.json").write_text(json.dumps(config))
-        out[name] = path
-    return out
+    return {name: write_peft_adapter(root / name, model_cfg, rank, list(targets), seed=seed + i, alpha=2 * rank,
+                                     b_std=b_std)
+            for i, (name, rank, targets) in enumerate(ADAPTERS)}
 
 
 def prepare_files(tmp: Path, seed: int) -> tuple[Path, dict[str, Path]]:

@@ -1,8 +1,17 @@
-"""Shared timing helper for the benchmark scripts."""
+"""Shared timing helpers for the benchmark scripts."""
 from __future__ import annotations
 
+import math
 import statistics
 import time
+
+
+def pct(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100); NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
 
 
 def median_seconds(fn, reps: int = 5) -> float:

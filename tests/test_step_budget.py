@@ -5,6 +5,7 @@ import random
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from test_scheduler import advance  # the simulated engine's bookkeeping after a step
 
 from loramux.engine.block_manager import BlockManager
 from loramux.engine.sampling_params import SamplingParams
@@ -25,15 +26,6 @@ def frozen_model(coefficients=TRUE) -> StepCostModel:
 def seq(rid: str, prompt_len: int, priority: int = 0, arrival: float = 0.0, max_tokens: int = 1000) -> Sequence:
     return Sequence(rid, list(range(prompt_len)), SamplingParams(max_tokens=max_tokens), priority=priority,
                     arrival=arrival)
-
-
-def advance(scheduler: Scheduler, batch) -> None:
-    for s, n in batch.prefills:
-        if s.num_computed_tokens + n == s.num_tokens:
-            s.output_token_ids.append(7)
-    for s in batch.decodes:
-        s.output_token_ids.append(7)
-    scheduler.complete(batch)
 
 
 def decoding(scheduler: Scheduler, n: int, prompt_len: int = 20) -> list[Sequence]:
