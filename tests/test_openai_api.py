@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+import threading
 import time
 
 import httpx
@@ -316,16 +317,32 @@ def test_a_queue_that_cannot_meet_the_deadline_answers_503(small):
     long = {"model": "base", "prompt": "Count:", "max_tokens": 500, "temperature": 0, "ignore_eos": True,
             "stream": True}
     headers = {"Authorization": f"Bearer {keys['standard']}"}
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=long, headers=headers, timeout=30) as a, \
-            httpx.stream("POST", f"{server.url}/v1/completions", json=long, headers=headers, timeout=30) as b:
-        next(a.iter_lines()), next(b.iter_lines())
-        engine = server.services.engine
-        assert wait_until(lambda: engine.stats()["running"] == 2), engine.stats()  # the batch (2) is full
-        assert engine.estimated_queue_wait_s() > 0.001, (engine.stats(), engine.engine._service_s_ewma)
-        with pytest.raises(openai.InternalServerError) as info:
-            c.completions.create(model="base", prompt="urgent", max_tokens=4, extra_body={"timeout_s": 0.001})
-        assert info.value.status_code == 503 and "estimated queue wait" in str(info.value)
-        assert int(info.value.response.headers["retry-after"]) >= 1
+    engine = server.services.engine
+    llm, resume = engine.engine, threading.Event()
+    real_step = llm.step
+
+    def step_until_the_batch_is_full():
+        # Hold the engine once both long requests run, so they cannot finish (a fast machine does 500 tiny-model
+        # tokens in about a second) while the urgent request is judged.
+        if len(llm.scheduler.running) == 2:
+            resume.wait(30)
+        return real_step()
+
+    llm.step = step_until_the_batch_is_full
+    try:
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=long, headers=headers, timeout=30) as a, \
+                httpx.stream("POST", f"{server.url}/v1/completions", json=long, headers=headers, timeout=30) as b:
+            next(a.iter_lines()), next(b.iter_lines())
+            assert wait_until(lambda: engine.stats()["running"] == 2), engine.stats()  # the batch (2) is full
+            assert engine.estimated_queue_wait_s() > 0.001, (engine.stats(), llm._service_s_ewma)
+            with pytest.raises(openai.InternalServerError) as info:
+                c.completions.create(model="base", prompt="urgent", max_tokens=4, extra_body={"timeout_s": 0.001})
+            assert info.value.status_code == 503 and "estimated queue wait" in str(info.value)
+            assert int(info.value.response.headers["retry-after"]) >= 1
+            resume.set()
+    finally:
+        resume.set()
+        llm.step = real_step
     assert wait_until(lambda: engine_is_idle(server))
 
 
