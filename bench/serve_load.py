@@ -169,7 +169,7 @@ def open_engine(engine: str, rnd: int, model_dir: Path, adapters: dict[str, Path
         return
     import vllm_peer
 
-    chunk = int(engine.partition("@")[2] or 0) or args.vllm_max_num_batched_tokens
+    chunk = int(engine.partition("@")[2] or 0)  # vllm@N; plain vllm keeps its own default (2048 on CPU)
     extra = ("--max-num-batched-tokens", str(chunk)) if chunk else ()
     with vllm_peer.VLLMServer(model_dir, adapters, max_loras=MAX_LORAS, max_lora_rank=MAX_LORA_RANK,
                        max_cpu_loras=MAX_CPU_LORAS, threads=args.threads, kv_cache_gib=args.vllm_kv_gib,
@@ -370,8 +370,6 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1), help="threads per engine")
     ap.add_argument("--max-num-seqs", type=int, default=None,
                     help="vLLM's max_num_seqs (default: loramux's max_num_seqs setting)")
-    ap.add_argument("--vllm-max-num-batched-tokens", type=int, default=None,
-                    help="vLLM's max_num_batched_tokens (default: vLLM's own, 2048 on CPU)")
     ap.add_argument("--vllm-kv-gib", type=int, default=4, help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE)")
     ap.add_argument("--out", type=Path, help="JSON results (default docs/serve_load.json; none with --quick)")
     ap.add_argument("--plot", type=Path, help="PNG plot (default docs/serve_load.png; none with --quick)")
@@ -482,7 +480,6 @@ def main() -> None:
                    "closed_duration_s": args.closed_duration, "rounds": args.rounds, "seed": args.seed,
                    "slo_ttft_ms": args.slo_ttft_ms, "slo_itl_ms": args.slo_itl_ms, "max_loras": MAX_LORAS,
                    "max_lora_rank": MAX_LORA_RANK, "vllm_max_num_seqs": args.max_num_seqs,
-                   "vllm_max_num_batched_tokens": args.vllm_max_num_batched_tokens,
                    "adapters": [list(a) for a in ADAPTERS]},
                "engines": engines, "figures": figs}
     if args.out:

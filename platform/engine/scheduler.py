@@ -3,8 +3,8 @@
 Each step has a token cap and, with a `StepBudget`, a time target (see loramux.engine.step_budget).
 Running decodes come first (one token each), then running prefills continue in chunks, then waiting
 sequences are admitted by priority, while the predicted step time stays within the target. A long prompt
-is therefore split across steps instead of stalling the decodes. When the KV pool runs dry the running sequence of
-lowest effective priority (see `rank_key`) is preempted: its blocks are freed and it is recomputed later.
+is therefore split across steps instead of stalling the decodes. When the KV pool runs dry the running
+sequence of lowest effective priority (see `rank_key`) is preempted: its blocks are freed and it is recomputed later.
 
 A sequence with an adapter is admitted only once its adapter is on the device (`adapters`, an
 `AdapterResidency`: see loramux.adapters.residency for the load, eviction and drain policy); it pins the
@@ -131,7 +131,9 @@ class Scheduler:
                 batch.decodes.append(seq)
                 budget -= n
         if plan is not None:
-            for seq in batch.decodes:  # the survivors: _make_room may have preempted earlier ones
+            # The survivors: _make_room may have preempted earlier ones. (A prefill's _make_room below can
+            # still preempt a planned decode; the plan then over-counts that step, erring on the safe side.)
+            for seq in batch.decodes:
                 plan.add_decode(1 + len(seq.draft_token_ids), seq.num_computed_tokens)
         for seq in [s for s in self.running if s.is_prefill]:
             n = self._chunk(seq, seq.num_computed_tokens, budget, plan)
@@ -155,7 +157,8 @@ class Scheduler:
             hits = self.blocks.match_prefix(seq)
             cached = len(hits) * self.blocks.block_size
             remaining = seq.num_tokens - cached
-            if self._chunk(seq, cached, budget, plan) <= 0 or not self.blocks.can_admit(seq, hits, remaining + 1):
+            n = self._chunk(seq, cached, budget, plan)
+            if n <= 0 or not self.blocks.can_admit(seq, hits, remaining + 1):
                 break
             heapq.heappop(self._waiting)
             if seq.adapter is not None:
@@ -164,7 +167,6 @@ class Scheduler:
             self.blocks.admit(seq, hits, remaining)  # the whole prompt, not just this chunk
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
-            n = self._chunk(seq, seq.num_computed_tokens, budget, plan)
             seq.status = SequenceStatus.RUNNING
             if seq.timings.first_scheduled is None:
                 seq.timings.first_scheduled = now
