@@ -14,9 +14,10 @@ The buckets share one byte budget; which adapter sits where, and when buckets gr
   runs on a helper thread (and a side CUDA stream on GPU) while the engine keeps stepping; the returned
   future completes when the weights are in place. `slot_of()` is read at copy time, under the pool lock,
   because the slot may move (swap, resize) while the load is queued.
-* `swap(rank, i, j)`: exchange two slots. On CPU the dense LoRA strategy multiplies a bucket's slots
-  0..k-1 as one GEMM operand (kernels/torch_ops.py), so the residency keeps a bucket's active adapters in
-  its lowest slots (`needs_active_prefix`); on GPU the kernels read any slot and nothing is swapped.
+* `swap(rank, i, j)`: exchange two slots. On CPU the LoRA ops read a contiguous range of slots as a view
+  of the stacks and copy any other set first (kernels/torch_ops.py), so the residency keeps a bucket's
+  active adapters in its lowest slots (`needs_active_prefix`); on GPU the kernels read any slot and nothing
+  is swapped.
 """
 from __future__ import annotations
 
@@ -33,11 +34,11 @@ from loramux.model.llama import LORA_MODULES, PROJECTION_SLICES, LlamaModel
 
 
 def _a_buffer(num_slots: int, rows: int, d_in: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zeros for A as the kernels see it, [slots, rows, d_in]. On CPU it lives as [d_in, slots, rows] so
-    that slots 0..k form one [d_in, k*rows] GEMM operand in the layout CPU BLAS reads fastest at small
-    batch (see MergedLinear); on GPU it lives as is (contiguous rows for the Triton tiles)."""
+    """Zeros for A as the kernels see it, [slots, rows, d_in]. On CPU it lives as [slots, d_in, rows], so
+    that a range of slots is one batched-GEMM operand [slots, d_in, rows] in the layout CPU BLAS reads
+    fastest at small batch (see MergedLinear); on GPU it lives as is (contiguous rows for the Triton tiles)."""
     if device.type == "cpu":
-        return torch.zeros(d_in, num_slots, rows, dtype=dtype, device=device).permute(1, 2, 0)
+        return torch.zeros(num_slots, d_in, rows, dtype=dtype, device=device).transpose(1, 2)
     return torch.zeros(num_slots, rows, d_in, dtype=dtype, device=device)
 
 
@@ -70,7 +71,7 @@ class _Bucket:
             weights.a[dst_slot].copy_(other.a[src_slot])
             for b, other_b in zip(weights.b, other.b):
                 b[dst_slot].copy_(other_b[src_slot])
-            weights.targeted[dst_slot] = other.targeted[src_slot]
+            weights.set_targeted(dst_slot, other.targeted[src_slot])
         self.scale[dst_slot] = src.scale[src_slot]
 
 
@@ -151,7 +152,9 @@ class DevicePool:
                     held = stack[i].clone()
                     stack[i].copy_(stack[j])
                     stack[j].copy_(held)
-                weights.targeted[i], weights.targeted[j] = weights.targeted[j], weights.targeted[i]
+                flag_i, flag_j = weights.targeted[i], weights.targeted[j]
+                weights.set_targeted(i, flag_j)
+                weights.set_targeted(j, flag_i)
             bucket.scale[[i, j]] = bucket.scale[[j, i]]
             then()
 
@@ -186,14 +189,14 @@ class DevicePool:
             weights.a[slot].zero_()
             for b in weights.b:
                 b[slot].zero_()
-            weights.targeted[slot] = False
+            weights.set_targeted(slot, False)
         for (layer, target), (a, b) in adapter.weights.items():
             path, slice_name = PROJECTION_SLICES[target]
             weights = bucket.weights[(layer, path)]
             index = weights.names.index(slice_name)
             weights.a[slot, index * r:(index + 1) * r].copy_(a, non_blocking=True)
             weights.b[index][slot].copy_(b, non_blocking=True)
-            weights.targeted[slot] = True
+            weights.set_targeted(slot, True)
         bucket.scale[slot] = adapter.scale
 
     def shutdown(self) -> None:

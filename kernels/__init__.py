@@ -7,6 +7,7 @@ Rows whose slot is -1 are left untouched. Layers never call these directly: they
 `LoRAWrapper` (loramux.kernels.wrapper).
 """
 from loramux.kernels.ops import LoRABatch, lora_expand, lora_shrink
-from loramux.kernels.segments import NO_ADAPTER, Segments, build_segments
+from loramux.kernels.segments import NO_ADAPTER, Groups, Segments, build_groups, build_segments
 
-__all__ = ["LoRABatch", "NO_ADAPTER", "Segments", "build_segments", "lora_expand", "lora_shrink"]
+__all__ = ["Groups", "LoRABatch", "NO_ADAPTER", "Segments", "build_groups", "build_segments", "lora_expand",
+           "lora_shrink"]

@@ -1,18 +1,18 @@
 """One dispatch for the LoRA ops: Triton on CUDA tensors, the torch path on CPU.
 
-`LoRABatch` is the per-step metadata (segments + the per-token slot map on the device), built once
-per step and shared by every layer.
+`LoRABatch` is the per-step metadata, built once per step and shared by every layer: the segments and
+their device tensors for Triton, the rows grouped by slot for the torch path.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 
 from loramux.kernels import torch_ops
-from loramux.kernels.segments import Segments, build_segments
-from loramux.kernels.torch_ops import lora_expand_torch, lora_shrink_torch
+from loramux.kernels.segments import Segments, build_groups, build_segments
+from loramux.kernels.torch_ops import GroupedRows, lora_expand_torch, lora_shrink_torch
 
 
 @dataclass
@@ -20,16 +20,15 @@ class LoRABatch:
     segments: Segments
     slot_map: torch.Tensor  # [T] long, -1 = base model only
     seg_tensors: tuple | None = None  # (starts, lengths, slots) int32 on the device, for Triton
-    _row_weights: dict = field(default_factory=dict)
+    _slot_list: tuple[int, ...] = ()
+    _rows: GroupedRows | None = None
 
-    def row_weights(self, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """[T, max_slot + 1]: scale[slot] at each row's own slot, zero elsewhere (built once per step)."""
-        key = (id(scale), dtype)
-        if key not in self._row_weights:
-            k = self.segments.max_slot + 1
-            onehot = self.slot_map.unsqueeze(1) == torch.arange(k, device=self.slot_map.device)
-            self._row_weights[key] = (onehot * scale[:k]).to(dtype)
-        return self._row_weights[key]
+    @property
+    def rows(self) -> GroupedRows:
+        """The rows grouped by slot, for the torch path (built on first use, once per step)."""
+        if self._rows is None:
+            self._rows = GroupedRows(build_groups(self._slot_list), self.slot_map.device)
+        return self._rows
 
     @classmethod
     def from_slot_map(cls, slot_map: list[int], device: torch.device | str = "cpu") -> LoRABatch:
@@ -38,7 +37,7 @@ class LoRABatch:
         if torch.device(device).type == "cuda" and seg.has_lora:
             tensors = tuple(torch.tensor(v, dtype=torch.int32, device=device)
                             for v in (seg.starts, seg.lengths, seg.slots))
-        return cls(seg, torch.tensor(slot_map, dtype=torch.long, device=device), tensors)
+        return cls(seg, torch.tensor(slot_map, dtype=torch.long, device=device), tensors, tuple(slot_map))
 
 
 @dataclass
@@ -54,23 +53,17 @@ class LoRACost:
         self.macs = self.weight_bytes = 0
 
 
-def _count(cost: LoRACost, strategy: str, seg: Segments, a: torch.Tensor, bs: list[torch.Tensor]) -> None:
-    """loop / Triton: each segment's rows times its own slot's matrices, each active slot read once;
-    dense: every row of the batch times slots 0..max_slot (each read once); gather: one copy per row."""
+def _count(cost: LoRACost, batch: LoRABatch, triton: bool, a: torch.Tensor, bs: list[torch.Tensor]) -> None:
+    """Each active slot's matrices are read once; each adapter row costs its own rank, and on the torch
+    path's bmm strategy so does each padding row of a group shorter than the longest."""
     rank = bs[0].shape[2]
     per_row = rank * (a.shape[1] // rank * a.shape[2] + sum(b.shape[1] for b in bs))  # shrink + expands
-    element = a.element_size()
-    if strategy == "dense":
-        k = seg.max_slot + 1
-        cost.macs += seg.num_tokens * k * per_row
-        cost.weight_bytes += k * per_row * element
-    elif strategy == "gather":
-        rows = sum(seg.lengths)
-        cost.macs += rows * per_row
-        cost.weight_bytes += rows * per_row * element
-    else:
-        cost.macs += sum(seg.lengths) * per_row
-        cost.weight_bytes += len(seg.active_slots) * per_row * element
+    seg = batch.segments
+    rows = sum(seg.lengths)
+    if not triton and batch.rows.strategy == "bmm":
+        rows = batch.rows.groups.num_groups * batch.rows.groups.max_count
+    cost.macs += rows * per_row
+    cost.weight_bytes += len(seg.active_slots) * per_row * a.element_size()
 
 
 @lru_cache(maxsize=1)
@@ -105,7 +98,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, batch: LoRABatch, impl: str | 
         from loramux.kernels.triton_ops import lora_shrink_triton
 
         return lora_shrink_triton(x, a, batch.segments, batch.seg_tensors)
-    return lora_shrink_torch(x, a, batch.segments, batch.slot_map)
+    return lora_shrink_torch(x, a, batch.rows)
 
 
 def lora_expand(y: torch.Tensor, v: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, batch: LoRABatch,
@@ -116,22 +109,20 @@ def lora_expand(y: torch.Tensor, v: torch.Tensor, b: torch.Tensor, scale: torch.
 
         lora_expand_triton(y, v, b, scale, batch.segments, col_offset, batch.seg_tensors)
         return
-    lora_expand_torch(y, v, b, scale, batch.segments, batch.slot_map, col_offset)
+    lora_expand_torch(y, v, b, scale, batch.rows, col_offset)
 
 
 def lora_shrink_expand(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor],
                        offsets: list[int], scale: torch.Tensor, batch: LoRABatch, impl: str | None = None,
                        cost: LoRACost | None = None) -> None:
     """Stacked slices: one shrink against A = [n_slots, n_slices * R, d_in], then one expand per slice
-    (B_i [n_slots, d_out_i, R] into columns offsets[i]...). Same result as lora_shrink + lora_expand;
-    on CPU with many short segments it fuses them (see torch_ops.shrink_expand_dense). `cost`, when
-    given, is charged with what the op touches (see LoRACost)."""
+    (B_i [n_slots, d_out_i, R] into columns offsets[i]...). Same result as lora_shrink + lora_expand.
+    `cost`, when given, is charged with what the op touches (see LoRACost)."""
     triton = _use_triton(x, impl)
-    strategy = "triton" if triton else torch_ops.pick_strategy(batch.segments)
     if cost is not None:
-        _count(cost, strategy, batch.segments, a, bs)
-    if strategy == "dense":
-        torch_ops.shrink_expand_dense(y, x, a, bs, offsets, batch.row_weights(scale, x.dtype), batch.segments)
+        _count(cost, batch, triton, a, bs)
+    if not triton:
+        torch_ops.shrink_expand_torch(y, x, a, bs, offsets, scale, batch.rows)
         return
     v = lora_shrink(x, a, batch, impl)
     rank = bs[0].shape[2]

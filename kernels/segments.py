@@ -1,10 +1,13 @@
-"""Segments: runs of consecutive tokens that share one adapter slot (pure Python, torch-free).
+"""Segments and groups of the rows that share one adapter slot (pure Python, torch-free).
 
-The LoRA kernels work per segment: every token of a segment multiplies the same A and B matrices,
-so a segment is one small GEMM. Rows with slot -1 (the base model alone) belong to no segment.
+The Triton kernels work per segment (a run of consecutive rows of one slot): every row of a segment
+multiplies the same A and B matrices, so a segment is one small GEMM tile. The torch path works per group
+(all rows of one slot, wherever they sit) so that one batched GEMM serves every adapter of a step.
+Rows with slot -1 (the base model alone) belong to neither.
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -56,3 +59,53 @@ def build_segments(slot_map: Sequence[int]) -> Segments:
     active = tuple(dict.fromkeys(slots))
     return Segments(tuple(starts), tuple(lengths), tuple(slots), len(slot_map), max(lengths, default=0), active,
                     max(slots, default=NO_ADAPTER))
+
+
+@dataclass(frozen=True)
+class Groups:
+    """A batch's adapter rows grouped by slot, for one batched GEMM per layer (the torch CPU path).
+
+    Group g holds the rows `rows[offsets[g]:offsets[g + 1]]` (in batch order), all of slot `slots[g]`;
+    slots ascend. `span` is (start, stop) when the groups are exactly the rows start..stop-1 in batch
+    order with equal counts, so the batch reshapes to [groups, count] with no gather; else None.
+    """
+
+    slots: tuple[int, ...]
+    rows: tuple[int, ...]
+    offsets: tuple[int, ...]  # len(slots) + 1 cumulative counts
+    max_count: int
+    span: tuple[int, int] | None
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.slots)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows)
+
+    def padded_rows(self) -> list[int]:
+        """num_groups * max_count rows: each group's rows, padded by repeating the group's first row."""
+        out: list[int] = []
+        for g in range(self.num_groups):
+            rows = self.rows[self.offsets[g]:self.offsets[g + 1]]
+            out.extend(rows + (rows[0],) * (self.max_count - len(rows)))
+        return out
+
+
+def build_groups(slot_map: Sequence[int]) -> Groups:
+    """Group the rows of a per-token slot map by slot (base-only rows, -1, belong to no group)."""
+    rows_of: dict[int, list[int]] = {}
+    for row, slot in enumerate(slot_map):
+        if slot < NO_ADAPTER:
+            raise ValueError(f"slot ids must be >= -1, got {slot} at row {row}")
+        if slot != NO_ADAPTER:
+            rows_of.setdefault(slot, []).append(row)
+    slots = tuple(sorted(rows_of))
+    rows = tuple(r for s in slots for r in rows_of[s])
+    counts = [len(rows_of[s]) for s in slots]
+    offsets = (0, *itertools.accumulate(counts))
+    uniform = len(set(counts)) <= 1
+    contiguous = bool(rows) and rows == tuple(range(rows[0], rows[0] + len(rows)))
+    span = (rows[0], rows[0] + len(rows)) if rows and uniform and contiguous else None
+    return Groups(slots, rows, offsets, max(counts, default=0), span)

@@ -1,115 +1,186 @@
 """CPU (and fallback) implementations of the LoRA shrink / expand ops in plain torch.
 
 Semantics (shared with the Triton kernels):
-    lora_shrink: v[t, :]  = x[t, :] @ A[slot[t]]^T                     for rows in a segment, else 0
-    lora_expand: y[t, o:o+d_out] += (v[t, :] @ B[slot[t]]^T) * scale[slot[t]]   for rows in a segment
-with A: [n_slots, R, d_in], B: [n_slots, d_out, R] (PEFT's lora_A / lora_B per slot, zero-padded to the
-pool's max rank R) and scale: [n_slots].
+    lora_shrink: v[t, :]  = x[t, :] @ A[slot[t]]^T                     for rows with an adapter, else 0
+    lora_expand: y[t, o:o+d_out] += (v[t, :] @ B[slot[t]]^T) * scale[slot[t]]   for rows with an adapter
+with A: [n_slots, R, d_in], B: [n_slots, d_out, R] (PEFT's lora_A / lora_B per slot) and scale: [n_slots].
 
-Three strategies, picked per call from the segment shape (bench/multi_lora.py measures them):
-  * loop:   one GEMM pair per segment; best for few or long segments (prefill, one adapter).
-  * dense:  for many short segments (decode with many adapters): one GEMM against the A matrices of
-            slots 0..max_slot stacked, each row keeping its own slot's block, then one GEMM against
-            the stacked B matrices with every other block zeroed. Reads each active slot's weights
-            once and copies none of them; the wasted multiply-adds (x max_slot) are cheap at decode
-            sizes.
-  * gather: each row gathers its slot's matrices and runs a batched mat-vec (large batches of
-            short segments, where dense would waste too much compute).
+The rows of a step are grouped by slot once (`GroupedRows`, shared by every layer), and each op is then
+one batched GEMM over all groups, whatever the number of adapters: no Python per adapter, every active
+adapter's weights read once, no wasted multiply-adds. Two strategies (bench/multi_lora.py measures them):
+  * bmm:     groups padded to the largest group's row count and multiplied as one `torch.bmm`
+             ([groups, rows, d_in] x [groups, d_in, R]). Decode rows are sorted by slot (model_runner),
+             so a decode batch is usually already in that shape: no gather, no scatter.
+  * grouped: `torch._grouped_mm` over the rows sorted by slot, with each group's own length: for skewed
+             steps (a long prefill next to single decode rows) where padding would multiply mostly
+             copies. Used only where torch has it for these tensors; bmm is the fallback.
+The slot pool stores A as [slots, d_in, R] and B as [slots, R, d_out] on CPU, so the operands of a
+contiguous range of slots are views in the layout the GEMMs read fastest.
 """
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 
-from loramux.kernels.segments import Segments
+from loramux.kernels.segments import Groups
 
-# Loop when there are at most this many segments, or segments average at least LOOP_MIN_AVG_SEGMENT rows.
-LOOP_MAX_SEGMENTS = 2
-LOOP_MIN_AVG_SEGMENT = 8
-# Dense only while rows x stacked slots stays small (the wasted work grows with both).
-DENSE_MAX_ROWS_X_SLOTS = 2048
+# Pad to the largest group while padded rows stay under this multiple of the real rows; beyond it the
+# copies cost more than grouped_mm's per-group calls (bench/multi_lora.py, "CPU LoRA kernel strategies").
+BMM_MAX_PADDING = 2.0
 
 
-def pick_strategy(seg: Segments) -> str:
-    if seg.num_segments <= LOOP_MAX_SEGMENTS or seg.num_tokens >= LOOP_MIN_AVG_SEGMENT * seg.num_segments:
-        return "loop"
-    if seg.num_tokens * (seg.max_slot + 1) <= DENSE_MAX_ROWS_X_SLOTS:
-        return "dense"
-    return "gather"
+@cache
+def grouped_mm_available() -> bool:
+    """Whether this torch has a CPU `torch._grouped_mm` that agrees with a per-group matmul."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    x, w = torch.randn(6, 16), torch.randn(2, 16, 8)
+    try:
+        out = torch._grouped_mm(x, w, offs=torch.tensor([2, 6], dtype=torch.int32))
+    except (RuntimeError, NotImplementedError):
+        return False
+    return torch.allclose(out, torch.cat([x[:2] @ w[0], x[2:] @ w[1]]), atol=1e-5)
 
 
-def _stacked_t(a: torch.Tensor, k: int) -> torch.Tensor:
-    """A of slots 0..k-1 as one [d_in, k * rows] operand: a view for the slot pool's CPU layout
-    ([d_in, slots, rows] seen through a permute), a copy otherwise."""
-    return a[:k].permute(2, 0, 1).reshape(a.shape[2], k * a.shape[1])
+def pick_strategy(groups: Groups) -> str:
+    padded = groups.num_groups * groups.max_count
+    if groups.num_groups > 1 and padded > BMM_MAX_PADDING * groups.num_rows and grouped_mm_available():
+        return "grouped"
+    return "bmm"
 
 
-def _row_mask(slot_map: torch.Tensor, num_slots: int, dtype) -> torch.Tensor:
-    """[T, num_slots] one-hot of each row's slot (all zero for base-only rows)."""
-    return (slot_map.unsqueeze(1) == torch.arange(num_slots, device=slot_map.device)).to(dtype)
+def _aligned(*tensors: torch.Tensor) -> bool:
+    """grouped_mm needs 16-byte aligned data and strides."""
+    return all(t.data_ptr() % 16 == 0 and all((s * t.element_size()) % 16 == 0 for s in t.stride() if s != 1)
+               for t in tensors)
 
 
-def lora_shrink_torch(x: torch.Tensor, a: torch.Tensor, seg: Segments, slot_map: torch.Tensor,
-                      strategy: str | None = None) -> torch.Tensor:
-    """v [T, R] (dtype of x); rows outside segments are zero. `slot_map` [T] long, -1 = no adapter."""
-    num_tokens, rank = x.shape[0], a.shape[1]
-    if not seg.has_lora:
-        return x.new_zeros(num_tokens, rank)
-    strategy = strategy or pick_strategy(seg)
-    if strategy == "loop":
-        v = x.new_zeros(num_tokens, rank)
-        for start, length, slot in zip(seg.starts, seg.lengths, seg.slots):
-            torch.matmul(x[start:start + length], a[slot].t(), out=v[start:start + length])
-        return v
-    if strategy == "dense":
-        k = seg.max_slot + 1
-        v_all = (x @ _stacked_t(a, k)).view(num_tokens, k, rank)
-        return (v_all * _row_mask(slot_map, k, x.dtype).unsqueeze(2)).sum(1)
-    rows = slot_map.clamp(min=0)
-    v = torch.bmm(a.index_select(0, rows), x.unsqueeze(2)).squeeze(2)  # [T, R]
-    if seg.num_tokens != sum(seg.lengths):  # some rows are base-only: zero them
-        v = v * (slot_map >= 0).unsqueeze(1).to(v.dtype)
+class GroupedRows:
+    """One step's `Groups` as tensors on the device, and the per-group views of slot stacks."""
+
+    def __init__(self, groups: Groups, device: torch.device | str, strategy: str | None = None):
+        self.groups = groups
+        self.strategy = strategy or pick_strategy(groups)
+        tensor = lambda v, dtype=torch.long: torch.tensor(v, dtype=dtype, device=device)  # noqa: E731
+        slots = groups.slots
+        self.slot_range = (slots[0], slots[-1] + 1) if slots and slots[-1] - slots[0] + 1 == len(slots) else None
+        self.slot_index = None if self.slot_range or not slots else tensor(slots)
+        counts = [groups.offsets[g + 1] - groups.offsets[g] for g in range(groups.num_groups)]
+        self._counts = counts
+        self.contiguous = bool(groups.rows) and groups.rows == tuple(range(groups.rows[0],
+                                                                             groups.rows[0] + groups.num_rows))
+        # bmm: rows of the padded [groups, max_count] layout (None: the span reshapes in place).
+        self.pad_index = None if groups.span else tensor(groups.padded_rows())
+        # grouped: the rows in group order and each group's end offset.
+        self.row_index = None if self.contiguous else tensor(groups.rows)
+        self.offs = tensor(groups.offsets[1:], torch.int32)
+        self._scales: dict = {}
+
+    def per_group(self, stack: torch.Tensor) -> torch.Tensor:
+        """stack [n_slots, ...] -> [groups, ...]: a view for a contiguous slot range, else a copy."""
+        if self.slot_range is not None:
+            return stack[self.slot_range[0]:self.slot_range[1]]
+        return stack.index_select(0, self.slot_index)
+
+    def row_scale(self, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Each laid-out row's scale[slot]: [groups, max_count, 1] for bmm (0 on padding), [rows, 1] else."""
+        key = (id(scale), dtype)
+        if key not in self._scales:
+            g = self.per_group(scale).to(dtype)
+            if self.strategy == "bmm":
+                live = torch.arange(self.groups.max_count, device=scale.device)[None, :] < \
+                    torch.tensor(self._counts, device=scale.device)[:, None]
+                self._scales[key] = (live * g[:, None]).unsqueeze(2).to(dtype)
+            else:
+                self._scales[key] = g.repeat_interleave(torch.tensor(self._counts, device=scale.device)).unsqueeze(1)
+        return self._scales[key]
+
+    # -- the two layouts ------------------------------------------------------------------------------
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, d] -> the rows in this layout: [groups, max_count, d] (bmm) or [rows, d] (grouped)."""
+        g = self.groups
+        if self.strategy == "bmm":
+            if g.span is not None:
+                return x[g.span[0]:g.span[1]].view(g.num_groups, g.max_count, x.shape[1])
+            return x.index_select(0, self.pad_index).view(g.num_groups, g.max_count, x.shape[1])
+        if self.contiguous:
+            return x[g.rows[0]:g.rows[0] + g.num_rows]
+        return x.index_select(0, self.row_index)
+
+    def matmul(self, xs: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """xs in this layout times each group's w [groups, k, n] (the group's own matrix)."""
+        if self.strategy == "grouped" and _aligned(xs, w):
+            return torch._grouped_mm(xs, w, offs=self.offs)
+        if self.strategy == "grouped":  # unaligned operands: one small GEMM per group
+            out = xs.new_empty(xs.shape[0], w.shape[2])
+            for gi, (lo, hi) in enumerate(zip((0, *self.groups.offsets[1:-1]), self.groups.offsets[1:])):
+                torch.matmul(xs[lo:hi], w[gi], out=out[lo:hi])
+            return out
+        return torch.bmm(xs, w)
+
+    def scatter_add(self, y: torch.Tensor, delta: torch.Tensor) -> None:
+        """y[row] += delta for every laid-out row (padding rows carry zeros: their scale is 0)."""
+        g = self.groups
+        if self.strategy == "bmm" and g.span is not None:
+            y[g.span[0]:g.span[1]].view(g.num_groups, g.max_count, y.shape[1]).add_(delta)
+        elif self.strategy == "bmm":
+            y.index_add_(0, self.pad_index, delta.reshape(-1, delta.shape[-1]))
+        elif self.contiguous:
+            y[g.rows[0]:g.rows[0] + g.num_rows].add_(delta)
+        else:
+            y.index_add_(0, self.row_index, delta)
+
+    def scatter_copy(self, v: torch.Tensor, laid_out: torch.Tensor) -> None:
+        """v[row] = laid_out row (a padding row repeats its group's first row, so duplicates agree)."""
+        g = self.groups
+        if self.strategy == "bmm" and g.span is not None:
+            v[g.span[0]:g.span[1]] = laid_out.reshape(-1, v.shape[1])
+        elif self.strategy == "bmm":
+            v.index_copy_(0, self.pad_index, laid_out.reshape(-1, v.shape[1]))
+        elif self.contiguous:
+            v[g.rows[0]:g.rows[0] + g.num_rows] = laid_out
+        else:
+            v.index_copy_(0, self.row_index, laid_out)
+
+
+def _a_operand(rows: GroupedRows, a: torch.Tensor) -> torch.Tensor:
+    return rows.per_group(a).transpose(1, 2)  # [groups, d_in, R]: a view in the slot pool's CPU layout
+
+
+def _b_operand(rows: GroupedRows, b: torch.Tensor) -> torch.Tensor:
+    return rows.per_group(b).transpose(1, 2)  # [groups, R, d_out]
+
+
+def lora_shrink_torch(x: torch.Tensor, a: torch.Tensor, rows: GroupedRows) -> torch.Tensor:
+    """v [T, R] (dtype of x); rows without an adapter are zero."""
+    v = x.new_zeros(x.shape[0], a.shape[1])
+    if rows.groups.num_rows:
+        rows.scatter_copy(v, rows.matmul(rows.gather(x), _a_operand(rows, a)))
     return v
 
 
-def lora_expand_torch(y: torch.Tensor, v: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, seg: Segments,
-                      slot_map: torch.Tensor, col_offset: int = 0, strategy: str | None = None) -> None:
-    """In place: y[:, col_offset:col_offset + d_out] += (v @ B[slot]^T) * scale[slot] on segment rows."""
-    d_out, rank = b.shape[1], b.shape[2]
-    if not seg.has_lora:
+def lora_expand_torch(y: torch.Tensor, v: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, rows: GroupedRows,
+                      col_offset: int = 0) -> None:
+    """In place: y[:, col_offset:col_offset + d_out] += (v @ B[slot]^T) * scale[slot] on adapter rows."""
+    if not rows.groups.num_rows:
         return
-    target = y[:, col_offset:col_offset + d_out]
-    strategy = strategy or pick_strategy(seg)
-    if strategy == "loop":
-        for start, length, slot in zip(seg.starts, seg.lengths, seg.slots):
-            target[start:start + length].addmm_(v[start:start + length], b[slot].t(), alpha=float(scale[slot]))
-        return
-    if strategy == "dense":
-        k = seg.max_slot + 1
-        weights = _row_mask(slot_map, k, v.dtype) * scale[:k].to(v.dtype)  # [T, k]: scale on the row's slot
-        spread = (weights.unsqueeze(2) * v.unsqueeze(1)).reshape(v.shape[0], k * rank)
-        # b is [slots, d_out, R]; its transpose [slots, R, d_out] is contiguous in the slot pool's layout.
-        target.addmm_(spread, b[:k].transpose(1, 2).reshape(k * rank, d_out))
-        return
-    rows = slot_map.clamp(min=0)
-    factor = scale.index_select(0, rows) * (slot_map >= 0).to(scale.dtype)
-    delta = torch.bmm(b.index_select(0, rows), (v * factor.unsqueeze(1).to(v.dtype)).unsqueeze(2)).squeeze(2)
-    target.add_(delta)
+    vs = rows.gather(v) * rows.row_scale(scale, v.dtype)
+    rows.scatter_add(y[:, col_offset:col_offset + b.shape[1]], rows.matmul(vs, _b_operand(rows, b)))
 
 
-def shrink_expand_dense(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor],
-                        offsets: list[int], row_weights: torch.Tensor, seg: Segments) -> None:
-    """Fused dense shrink + expand for stacked slices: x @ A of slots 0..k at once, each row's own slot
-    block kept (times its scale) by `row_weights` [T, k], then one GEMM per slice against B of slots 0..k."""
-    k = seg.max_slot + 1
-    num_tokens = x.shape[0]
+def shrink_expand_torch(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor],
+                        offsets: list[int], scale: torch.Tensor, rows: GroupedRows) -> None:
+    """Stacked slices in one pass: one shrink against A = [n_slots, n_slices * R, d_in] in the grouped
+    layout, scaled there, then one expand per slice added into y's columns offsets[i]..."""
+    if not rows.groups.num_rows:
+        return
     rank = bs[0].shape[2]
-    n_slices = len(bs)
-    v_all = (x @ _stacked_t(a, k)).view(num_tokens, k, n_slices, rank)
-    v_all.mul_(row_weights.unsqueeze(2).unsqueeze(3))
+    v = rows.matmul(rows.gather(x), _a_operand(rows, a))
+    v.mul_(rows.row_scale(scale, v.dtype))
     for i, (b, offset) in enumerate(zip(bs, offsets)):
-        d_out = b.shape[1]
-        spread = v_all[:, :, i].reshape(num_tokens, k * rank)
-        y[:, offset:offset + d_out].addmm_(spread, b[:k].transpose(1, 2).reshape(k * rank, d_out))
+        delta = rows.matmul(v[..., i * rank:(i + 1) * rank], _b_operand(rows, b))
+        rows.scatter_add(y[:, offset:offset + b.shape[1]], delta)
 
 
 def lora_shrink_reference(x, a, slot_map):

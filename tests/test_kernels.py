@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from loramux.kernels import LoRABatch, build_segments, lora_expand, lora_shrink, torch_ops
+from loramux.kernels import LoRABatch, build_groups, build_segments, lora_expand, lora_shrink, torch_ops
 from loramux.kernels.torch_ops import lora_expand_reference, lora_shrink_reference
 
 
@@ -26,6 +26,62 @@ def test_build_segments(slot_map, starts, lengths, slots):
     assert seg.max_length == max(lengths, default=0)
     assert seg.active_slots == tuple(dict.fromkeys(slots))
     assert seg.has_lora == bool(slots)
+
+
+@pytest.mark.parametrize("slot_map,slots,rows,offsets,max_count,span", [
+    ([], (), (), (0,), 0, None),
+    ([-1, -1], (), (), (0,), 0, None),
+    ([0, 1, 2, 3], (0, 1, 2, 3), (0, 1, 2, 3), (0, 1, 2, 3, 4), 1, (0, 4)),  # decode, one adapter a row
+    ([-1, 0, 0, 2, 2], (0, 2), (1, 2, 3, 4), (0, 2, 4), 2, (1, 5)),
+    ([1, 0, 1, 0], (0, 1), (1, 3, 0, 2), (0, 2, 4), 2, None),  # not in slot order: a gather
+    ([5, 5, 5, -1, 2], (2, 5), (4, 0, 1, 2), (0, 1, 4), 3, None),
+    ([0, 0, 0, 1], (0, 1), (0, 1, 2, 3), (0, 3, 4), 3, None),  # contiguous but uneven: padded
+])
+def test_build_groups(slot_map, slots, rows, offsets, max_count, span):
+    groups = build_groups(slot_map)
+    assert (groups.slots, groups.rows, groups.offsets, groups.max_count, groups.span) == (
+        slots, rows, offsets, max_count, span)
+    padded = groups.padded_rows()
+    assert len(padded) == len(slots) * max_count
+    for g, slot in enumerate(slots):  # each group's rows first, then repeats of its first row
+        block = padded[g * max_count:(g + 1) * max_count]
+        own = [r for r in range(len(slot_map)) if slot_map[r] == slot]
+        assert block[:len(own)] == own and set(block[len(own):]) <= {own[0]}
+
+
+def test_build_groups_rejects_bad_slots():
+    with pytest.raises(ValueError, match="slot ids must be >= -1"):
+        build_groups([1, -3])
+
+
+def test_skewed_steps_use_grouped_gemms_and_decode_batches_need_no_gather():
+    decode = LoRABatch.from_slot_map([-1, 0, 1, 2, 3]).rows
+    assert decode.strategy == "bmm" and decode.pad_index is None and decode.slot_range == (0, 4)
+    skewed = LoRABatch.from_slot_map([0] * 300 + [1, 2, 3]).rows  # a long prefill beside three decodes
+    assert skewed.strategy == ("grouped" if torch_ops.grouped_mm_available() else "bmm")
+    scattered = LoRABatch.from_slot_map([4, 0, 4, 0]).rows  # slots 0 and 4: the stacks are gathered
+    assert scattered.slot_range is None and scattered.slot_index.tolist() == [0, 4]
+
+
+def test_unaligned_grouped_operands_fall_back_to_per_group_gemms(monkeypatch):
+    """grouped_mm needs 16-byte strides: a rank-3 slice of the stacked shrink output is not; same result."""
+    from loramux.kernels.ops import lora_shrink_expand
+
+    monkeypatch.setattr(torch_ops, "pick_strategy", lambda groups: "grouped")
+    g = torch.Generator().manual_seed(5)
+    rank, d_in, outs, slot_map = 3, 10, [6, 5], [1, 1, 1, 0, -1, 1]
+    x = torch.randn(len(slot_map), d_in, generator=g)
+    a = torch.randn(2, len(outs) * rank, d_in, generator=g)
+    bs = [torch.randn(2, o, rank, generator=g) for o in outs]
+    scale = torch.tensor([0.5, 2.0])
+    y = torch.randn(len(slot_map), sum(outs), generator=g)
+    sm = torch.tensor(slot_map)
+    expected = y.double().clone()
+    for i, (b, off) in enumerate(zip(bs, [0, 6])):
+        expected = lora_expand_reference(expected, lora_shrink_reference(x, a[:, i * rank:(i + 1) * rank], sm), b,
+                                         scale, sm, off)
+    lora_shrink_expand(y, x, a, bs, [0, 6], scale, LoRABatch.from_slot_map(slot_map), impl="torch")
+    torch.testing.assert_close(y.double(), expected, atol=1e-4, rtol=1e-4)
 
 
 def test_build_segments_rejects_bad_slots():
@@ -63,7 +119,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("impl", ["torch", "torch-loop", "torch-dense", "torch-gather", "triton"])
+@pytest.mark.parametrize("impl", ["torch", "torch-bmm", "torch-grouped", "triton"])
 @pytest.mark.parametrize("num_tokens,d_in,rank,d_out,layout", CASES)
 def test_ops_match_float64_reference(impl, num_tokens, d_in, rank, d_out, layout, monkeypatch):
     if impl.startswith("torch-"):
@@ -71,11 +127,11 @@ def test_ops_match_float64_reference(impl, num_tokens, d_in, rank, d_out, layout
     g = torch.Generator().manual_seed(num_tokens * 1000 + rank)
     n_slots = 4
     x = torch.randn(num_tokens, d_in, generator=g)
-    # Alternate between a contiguous A and the slot pool's CPU layout ([d_in, slots, R] seen permuted).
+    # Alternate between a contiguous A and the slot pool's CPU layout ([slots, d_in, R] seen transposed).
     if num_tokens % 2:
         a = torch.randn(n_slots, rank, d_in, generator=g) / d_in**0.5
     else:
-        a = (torch.randn(d_in, n_slots, rank, generator=g) / d_in**0.5).permute(1, 2, 0)
+        a = (torch.randn(n_slots, d_in, rank, generator=g) / d_in**0.5).transpose(1, 2)
     # The slot pool's layout: B stored as [slots, R, d_out] and handed over transposed (a strided view).
     b = torch.randn(n_slots, rank, d_out, generator=g).transpose(1, 2)
     scale = torch.tensor([0.5, 2.0, 1.0, 0.25])
@@ -114,8 +170,9 @@ def test_bfloat16_torch_path_close_to_reference():
     assert (y.double() - ref_y).abs().max() < 0.1
 
 
-@pytest.mark.parametrize("strategy", ["loop", "dense", "gather"])
-@pytest.mark.parametrize("slot_map", [[0, 1, 2, 3, 1, -1, 2, 0], [3] * 5 + [-1] * 2, [2, -1, 0]])
+@pytest.mark.parametrize("strategy", ["bmm", "grouped"])
+@pytest.mark.parametrize("slot_map", [[0, 1, 2, 3, 1, -1, 2, 0], [3] * 5 + [-1] * 2, [2, -1, 0], [0, 0, 1, 1, 2, 2],
+                                      [1] * 9 + [0, 3]])
 def test_stacked_slices_match_per_slice_reference(strategy, slot_map, monkeypatch):
     from loramux.kernels.ops import lora_shrink_expand
 
