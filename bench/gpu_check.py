@@ -5,9 +5,13 @@ On a CUDA machine (real shapes, bf16):
      decode (one row per adapter) and prefill (long segments) layouts.
   2. Kernel timings (triton.testing.do_bench): achieved GB/s (bytes the op must move) against a copy
      bandwidth measured here, and LoRA-op time / base GEMM time for the same rows.
-  3. Decode of a random-weight Llama-7B-shaped model, batch 32: tokens/s with 1 vs 32 distinct adapters
-     (r=16 on all 7 projections), and base-only.
-`--tiny` runs the same code at tiny shapes on CPU (Triton interpreter), so a test keeps it working.
+  3. The fixed-shape BGMV kernels (one row per program, per-token slot index: what CUDA graphs replay)
+     vs the same reference, and their time next to the segment kernels' on the decode layout.
+  4. Decode of a random-weight Llama-7B-shaped model, batch 32: tokens/s with 1 vs 32 distinct adapters
+     (r=16 on all 7 projections), and base-only, each eagerly and replayed as CUDA graphs
+     (loramux.engine.cuda_graphs), with the graph step's logits checked against the eager step's.
+`--tiny` runs the same code at tiny shapes on CPU (Triton interpreter), so a test keeps it working; there the
+"cuda graphs" runs take the same fixed-shape path eagerly (capture and replay need CUDA).
 """
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from loramux.kernels import LoRABatch, lora_expand, lora_shrink  # noqa: E402
+from loramux.kernels.bgmv import bgmv_shrink_expand  # noqa: E402
+from loramux.kernels.ops import lora_shrink_expand  # noqa: E402
 from loramux.kernels.torch_ops import lora_expand_reference, lora_shrink_reference  # noqa: E402
 
 LLAMA_7B = dict(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
@@ -89,7 +95,46 @@ def check_kernels(cfg, device, dtype, tiny: bool) -> None:
                       f"shrink {shrink_s * 1e6:7.1f} us {shrink_bytes / shrink_s / 1e9:6.0f} GB/s | "
                       f"expand {expand_s * 1e6:7.1f} us {expand_bytes / expand_s / 1e9:6.0f} GB/s | "
                       f"LoRA/base GEMM {(shrink_s + expand_s) / gemm_s:5.2f}")
+    failures += check_bgmv(cfg, device, dtype, measure, g)
     print(f"kernel checks: {'all ok' if not failures else f'{failures} FAILED'}")
+
+
+def check_bgmv(cfg, device, dtype, measure, g) -> int:
+    """BGMV (fixed-shape) shrink+expand vs the float64 reference on the decode layout: 32 rows, 28 of them on
+    distinct adapters, 4 without one; timed next to the segment kernels on the same rows. Returns failures."""
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    slot_map = [s if s % 8 != 7 else -1 for s in range(32)]
+    slots = torch.tensor(slot_map, device=device)
+    batch = LoRABatch.from_slot_map(slot_map, device)
+    failures = 0
+    for rank in (16, 64):
+        for d_in, d_outs, what in ((h, [h, h, h], "qkv_proj"), (h, [inter] * 2, "gate_up"), (inter, [h], "down_proj")):
+            n = len(d_outs)
+            x = torch.randn(32, d_in, generator=g).to(device, dtype)
+            a = (torch.randn(32, n * rank, d_in, generator=g) / d_in**0.5).to(device, dtype)
+            bs = [(torch.randn(32, rank, d, generator=g) * 0.1).to(device, dtype).transpose(1, 2) for d in d_outs]
+            offsets = [sum(d_outs[:i]) for i in range(n)]
+            scale = torch.rand(32, generator=g).to(device)
+            y = torch.randn(32, sum(d_outs), generator=g).to(device, dtype)
+            ref = y.cpu().double()
+            for i, (b, off) in enumerate(zip(bs, offsets)):
+                v = lora_shrink_reference(x.cpu().float(), a[:, i * rank:(i + 1) * rank].cpu().float(), slots.cpu())
+                ref = lora_expand_reference(ref, v, b.cpu().float(), scale.cpu(), slots.cpu(), off)
+            out = y.clone()
+            bgmv_shrink_expand(out, x, a, bs, offsets, scale, slots, impl="triton")
+            err = ((out.cpu().double() - ref).abs().max() / ref.abs().max().clamp(min=1e-6)).item()
+            ok = err < (1e-3 if dtype == torch.float32 else 3e-2)
+            failures += not ok
+            times = ""
+            if device.type == "cuda":  # interpreter timings mean nothing
+                bgmv_s = measure(lambda x=x, a=a, bs=bs, offsets=offsets, scale=scale, y=y:
+                                 bgmv_shrink_expand(y, x, a, bs, offsets, scale, slots, impl="triton"))
+                sgmv_s = measure(lambda x=x, a=a, bs=bs, offsets=offsets, scale=scale, y=y:
+                                 lora_shrink_expand(y, x, a, bs, offsets, scale, batch, impl="triton"))
+                times = f" | bgmv {bgmv_s * 1e6:7.1f} us | sgmv (segments) {sgmv_s * 1e6:7.1f} us"
+            print(f"bgmv r={rank:2d} {what:9s} decode 32 rows x 28 adapters {'ok ' if ok else 'BAD'} "
+                  f"rel.err {err:.1e}{times}")
+    return failures
 
 
 def decode_timing(cfg_dict, device, dtype, tiny: bool) -> None:
@@ -104,7 +149,7 @@ def decode_timing(cfg_dict, device, dtype, tiny: bool) -> None:
     from loramux.model.llama import LORA_MODULES, LlamaModel
 
     cfg = ModelConfig.from_hf(cfg_dict)
-    batch, rank, steps, prompt_len = (32, 16, 32, 128) if not tiny else (4, 4, 4, 8)
+    batch, rank, steps, prompt_len = (32, 16, 32, 128) if not tiny else (4, 4, 5, 8)
     with torch.device(device):
         model = LlamaModel(cfg, max_positions=1024)
     with torch.no_grad():
@@ -139,10 +184,16 @@ def decode_timing(cfg_dict, device, dtype, tiny: bool) -> None:
 
         unpin = requeue = drop_waiting = pin
 
-    results = {}
-    for label, distinct in (("base only", 0), ("1 adapter", 1), (f"{batch} adapters", batch)):
+    results, first_logits = {}, {}
+    graphs_label = "cuda graphs" if device.type == "cuda" else "static path (eager on CPU)"
+    runs = [(label, distinct, graphs) for label, distinct in (("base only", 0), ("1 adapter", 1),
+                                                               (f"{batch} adapters", batch))
+            for graphs in (False, True)]
+    for label, distinct, graphs in runs:
         runner = ModelRunner(model, num_blocks, block_size, dtype, device, pool.wrapper,
                              lambda digest: (key, int(digest[1:])))
+        if graphs:  # capture on CUDA; on CPU the same fixed-shape buffers, run eagerly
+            runner.use_decode_graphs(capture=device.type == "cuda", max_batch=batch)
         blocks = BlockManager(num_blocks, block_size)
         scheduler = Scheduler(blocks, batch, max(batch, batch * prompt_len), Preloaded())
         seqs = [Sequence(f"s{i}", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=steps),
@@ -154,23 +205,44 @@ def decode_timing(cfg_dict, device, dtype, tiny: bool) -> None:
         for seq in seqs:
             seq.output_token_ids.append(1)
         scheduler.complete(first)
+        # One untimed decode step (it captures the graph), whose logits are compared across the two paths.
+        step = greedy_decode_step(scheduler, runner)
+        first_logits[label, graphs] = {seq.request_id: step.logits[row].cpu() for seq, row, _ in step.rows}
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        for _ in range(steps - 1):
-            b = scheduler.schedule()
-            step = runner.run(b)
-            next_ids = step.logits.argmax(-1).tolist()
-            for (seq, _, _), tok in zip(step.rows, next_ids):
-                seq.output_token_ids.append(tok)
-            scheduler.complete(b)
+        for _ in range(steps - 2):
+            greedy_decode_step(scheduler, runner)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        results[label] = batch * (steps - 1) / (time.perf_counter() - t0)
-        print(f"decode batch {batch}, {label:12s}: {results[label]:8.1f} tok/s")
-    base = results["base only"]
-    print(f"decode ratio {batch} adapters / 1 adapter: {results[f'{batch} adapters'] / results['1 adapter']:.2f}; "
-          f"{batch} adapters / base: {results[f'{batch} adapters'] / base:.2f}")
+        results[label, graphs] = batch * (steps - 2) / (time.perf_counter() - t0)
+        mode = graphs_label if graphs else "eager"
+        print(f"decode batch {batch}, {label:12s}, {mode}: {results[label, graphs]:8.1f} tok/s")
+        if graphs:
+            dg = runner.graphs
+            eager, static = first_logits[label, False], first_logits[label, True]
+            err = max(((static[r] - eager[r]).abs().max() / eager[r].abs().max().clamp(min=1e-6)).item() for r in eager)
+            ok = not dg.disabled and err < (1e-3 if dtype == torch.float32 else 5e-2)
+            print(f"{graphs_label} vs eager, {label}: {'ok ' if ok else 'BAD'} first-step logits rel.err {err:.1e}; "
+                  f"{dg.steps} steps from fixed-shape buffers, {dg.captures} graphs captured"
+                  f"{', capture FAILED (see the log)' if dg.disabled else ''}")
+    for graphs in (False, True):
+        r = {label: results[label, graphs] for label, _, g in runs if g == graphs}
+        print(f"decode ratio ({graphs_label if graphs else 'eager'}) {batch} adapters / 1 adapter: "
+              f"{r[f'{batch} adapters'] / r['1 adapter']:.2f}; {batch} adapters / base: "
+              f"{r[f'{batch} adapters'] / r['base only']:.2f}")
+    print(f"{graphs_label} / eager, tok/s: " + ", ".join(
+        f"{label} {results[label, True] / results[label, False]:.2f}" for label, _, g in runs if g))
+
+
+def greedy_decode_step(scheduler, runner):
+    b = scheduler.schedule()
+    step = runner.run(b)
+    next_ids = step.logits.argmax(-1).tolist()
+    for (seq, _, _), tok in zip(step.rows, next_ids):
+        seq.output_token_ids.append(tok)
+    scheduler.complete(b)
+    return step
 
 
 def main() -> None:

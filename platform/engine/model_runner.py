@@ -33,15 +33,36 @@ class ModelRunner:
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, lora_wrapper=None,
-                 locate_adapter: Callable[[str], tuple[int, int]] | None = None):
-        """`locate_adapter(digest)`: (rank bucket, slot) of a resident adapter, for the LoRA wrapper."""
+                 locate_adapter: Callable[[str], tuple[int, int]] | None = None, config=None,
+                 max_model_len: int | None = None):
+        """`locate_adapter(digest)`: (rank bucket, slot) of a resident adapter, for the LoRA wrapper.
+        `config` (an EngineConfig): with `cuda_graphs` on a CUDA device, plain decode steps replay CUDA
+        graphs (loramux.engine.cuda_graphs) for up to `max_num_seqs` sequences of up to `max_model_len`."""
         cfg = model.config
         self.model = model
-        self.device = device
+        self.device = torch.device(device)
         self.block_size = block_size
-        self.kv = KVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+        # One block more than the block manager hands out: the scratch block that padding rows of a
+        # fixed-shape decode step write their KV into.
+        self.scratch_block = num_blocks
+        self.kv = KVCache(cfg.num_layers, num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device)
         self.lora_wrapper = lora_wrapper
         self.locate_adapter = locate_adapter
+        self.max_model_len = min(max_model_len or num_blocks * block_size, model.rope.cos.shape[0])
+        self.graphs = None  # DecodeGraphs when plain decode steps run from fixed-shape buffers
+        self.graph_batch = config.max_num_seqs if config is not None else 32
+        if config is not None and getattr(config, "cuda_graphs", False) and self.device.type == "cuda":
+            self.use_decode_graphs(capture=True)
+
+    def use_decode_graphs(self, capture: bool, max_batch: int | None = None, backend=None) -> None:
+        """Run plain decode steps of at most `max_batch` sequences from fixed-shape buffers: replayed as CUDA
+        graphs with `capture` (CUDA only), else the same path eagerly (CPU tests, bench --tiny). `backend`:
+        what captures and replays (loramux.engine.cuda_graphs.CudaGraphBackend; tests pass a stand-in)."""
+        from loramux.engine.cuda_graphs import DecodeGraphs
+
+        if capture and backend is None and self.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device; use capture=False to run the static path eagerly")
+        self.graphs = DecodeGraphs(self, max_batch or self.graph_batch, self.max_model_len, capture, backend)
 
     def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
@@ -55,9 +76,7 @@ class ModelRunner:
         chunks: list[PrefillChunk] = []
         sample_rows: list[int] = []
         sampled: list[tuple[Sequence, int, int]] = []  # (seq, first logits row, rows)
-        locate = self.locate_adapter
-        where = {seq: locate(seq.adapter) if seq.adapter is not None else None
-                 for seq in [s for s, _ in batch.prefills] + batch.decodes}
+        where = self._locations([s for s, _ in batch.prefills] + batch.decodes)
         lora_rows: list[tuple[int, int] | None] = []  # adapter (rank, slot) per row, None = base model
         for seq, n in batch.prefills:
             start = seq.num_computed_tokens
@@ -99,7 +118,7 @@ class ModelRunner:
             max_blocks = max(len(seq.block_table) for seq in plain_decodes)
             padded, context_lens = [], []
             # Rows of one adapter side by side: fewer, longer LoRA segments.
-            for seq in sorted(plain_decodes, key=lambda s: (0,) if where[s] is None else (1, *where[s])):
+            for seq in sorted(plain_decodes, key=lambda s: _adapter_order(where[s])):
                 lora_rows.append(where[seq])
                 p = seq.num_computed_tokens
                 tokens.append(seq.last_token())
@@ -121,12 +140,34 @@ class ModelRunner:
             self.lora_wrapper.set_batch(lora_rows)
         return self._tensor(tokens), self._tensor(positions), meta, sample_rows, sampled
 
+    def _locations(self, seqs: list[Sequence]) -> dict:
+        locate = self.locate_adapter
+        return {seq: locate(seq.adapter) if seq.adapter is not None else None for seq in seqs}
+
+    def _run_graphed(self, batch: ScheduledBatch) -> StepLogits | None:
+        """A plain decode step from the fixed-shape buffers (see loramux.engine.cuda_graphs), or None when
+        it fits no graph shape."""
+        where = self._locations(batch.decodes)
+        seqs = sorted(batch.decodes, key=lambda s: _adapter_order(where[s]))
+        logits = self.graphs.run(seqs, [where[s] for s in seqs])
+        return None if logits is None else StepLogits(logits, [(seq, i, 1) for i, seq in enumerate(seqs)])
+
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepLogits:
         """Forward the batch; the logits of every sequence that has a token to sample."""
+        if self.graphs is not None and self.graphs.accepts(batch):
+            step = self._run_graphed(batch)
+            if step is not None:
+                return step
         input_ids, positions, meta, sample_rows, sampled = self.prepare(batch)
         hidden = self.model(input_ids, positions, self.kv, meta)
         if not sampled:
             return StepLogits(torch.empty(0), sampled)
         rows = hidden[self._tensor(sample_rows)] if len(sample_rows) != hidden.shape[0] else hidden
         return StepLogits(self.model.compute_logits(rows).float(), sampled)
+
+
+def _adapter_order(location) -> tuple:
+    """Sort key of a decode row: base-model rows first, then by (bucket, slot): one adapter's rows side by side
+    (fewer, longer LoRA segments)."""
+    return (0,) if location is None else (1, *location)

@@ -30,6 +30,7 @@ class EngineConfig:
     adapter_drain_after_s: float = 2.0  # a request blocked this long on a full pool reserves room (a drain)
     async_adapter_loads: bool = True  # host -> device copies on a helper thread (False: inline, for tests)
     lora_impl: str = "auto"  # LoRA kernels: auto (Triton on CUDA, torch on CPU), triton or torch
+    cuda_graphs: bool = True  # plain decode steps replay CUDA graphs (CUDA only; loramux.engine.cuda_graphs)
     priority_aging_s: float = 10.0  # waiting this long is worth one priority level
     enable_prefix_caching: bool = True  # reuse the KV of shared prompt prefixes (per adapter version)
     num_speculative_tokens: int = 0  # prompt-lookup draft length; 0 = no speculation
