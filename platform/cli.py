@@ -16,10 +16,11 @@ class ConfigError(ValueError):
 
 
 def settings_from_args(args) -> Settings:
-    """The one Settings of a command: LORAMUX_* variables, overridden by --model/--dtype/--device/--host/--port."""
+    """The one Settings of a command: LORAMUX_* variables, overridden by --model/--dtype/--device/--quantization/
+    --host/--port."""
     from pydantic import ValidationError
 
-    overrides = {k: getattr(args, k, None) for k in ("model", "dtype", "device", "host", "port")}
+    overrides = {k: getattr(args, k, None) for k in ("model", "dtype", "device", "quantization", "host", "port")}
     try:
         return Settings(**{k: v for k, v in overrides.items() if v})
     except ValidationError as exc:
@@ -89,9 +90,12 @@ def cmd_plan(args, settings: Settings) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    plan = plan_memory(cfg, DTYPE_BYTES[dtype], args.context_len, args.batch_size, pool, args.adapter_rank)
+    quantization = args.quantization or settings.quantization
+    plan = plan_memory(cfg, DTYPE_BYTES[dtype], args.context_len, args.batch_size, pool, args.adapter_rank,
+                       quantization)
     print(f"model: {cfg.model_type}, {cfg.num_parameters() / 1e6:.1f}M parameters, {cfg.num_layers} layers, "
-          f"{cfg.num_kv_heads} KV heads x {cfg.head_dim}, dtype {dtype}")
+          f"{cfg.num_kv_heads} KV heads x {cfg.head_dim}, dtype {dtype}"
+          + (", int8 linear weights" if quantization == "int8" else ""))
     print(f"weights        {fmt_bytes(plan.weights):>12}")
     print(f"KV cache       {fmt_bytes(plan.kv_cache):>12}   ({fmt_bytes(plan.kv_per_token)}/token x "
           f"{args.context_len} tokens x {args.batch_size} sequences)")
@@ -219,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--model", help=f"base model: {DEFAULT_MODEL} (default), a .gguf file or an HF directory")
         p.add_argument("--dtype", help="auto (default), float32, bfloat16, float16")
         p.add_argument("--device", help="auto (default), cpu, cuda")
+        p.add_argument("--quantization", choices=("none", "int8"),
+                       help="base weights: none (default) or int8 (per-channel scales; LORAMUX_QUANTIZATION)")
 
     g = sub.add_parser("generate", help="generate text for one prompt (greedy unless --temperature)")
     model_opts(g)

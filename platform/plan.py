@@ -45,9 +45,25 @@ class MemoryPlan:
         return self.weights + self.kv_cache + self.adapter_pool
 
 
+def weight_bytes(cfg: ModelConfig, dtype_bytes: int, quantization: str = "none") -> int:
+    """Bytes of the base weights: parameters x bytes, or with int8 quantization, 1 byte per linear-layer
+    parameter (the LM head included) plus a float32 scale per output channel, the rest (embedding, norms,
+    biases) at `dtype_bytes`. A tied embedding then counts twice: float rows for the lookup, int8 for the head."""
+    if quantization == "none":
+        return cfg.num_parameters() * dtype_bytes
+    if quantization != "int8":
+        raise ValueError(f"quantization {quantization!r} is not one of none, int8")
+    h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    outs = [cfg.q_size + 2 * cfg.kv_size, h, 2 * i, h]  # qkv, o, gate_up, down
+    linear = cfg.num_layers * (h * outs[0] + cfg.q_size * h + h * 2 * i + i * h)
+    scales = cfg.num_layers * sum(outs) + v
+    float_params = cfg.num_parameters() - linear - (0 if cfg.tie_word_embeddings else v * h)
+    return float_params * dtype_bytes + linear + v * h + 4 * scales
+
+
 def plan_memory(cfg: ModelConfig, dtype_bytes: int, context_len: int, batch_size: int, adapter_pool: int,
-                adapter_rank: int) -> MemoryPlan:
-    """weights = parameters x bytes; KV per token = 2 x layers x kv_heads x head_dim x bytes; an
+                adapter_rank: int, quantization: str = "none") -> MemoryPlan:
+    """weights: see `weight_bytes`; KV per token = 2 x layers x kv_heads x head_dim x bytes; an
     adapter = rank x sum over the 7 projections of (d_in + d_out) x layers x bytes (the device pool holds
     each adapter at its own rank, so this is exact for one targeting every projection)."""
     h, i = cfg.hidden_size, cfg.intermediate_size
@@ -55,7 +71,7 @@ def plan_memory(cfg: ModelConfig, dtype_bytes: int, context_len: int, batch_size
     per_slot = adapter_rank * sum(a + b for a, b in dims) * cfg.num_layers * dtype_bytes
     kv_token = cfg.kv_bytes_per_token(dtype_bytes)
     return MemoryPlan(
-        weights=cfg.num_parameters() * dtype_bytes,
+        weights=weight_bytes(cfg, dtype_bytes, quantization),
         kv_per_token=kv_token,
         kv_cache=kv_token * context_len * batch_size,
         adapter_bytes=per_slot,

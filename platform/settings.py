@@ -55,6 +55,10 @@ class Settings(BaseSettings):
     adapter_min_residency_s: float = Field(default=2.0, ge=0)
     adapter_drain_after_s: float = Field(default=2.0, ge=0)
     lora_impl: Literal["auto", "triton", "torch"] = "auto"  # LoRA kernels: auto = Triton on CUDA, torch on CPU
+    # Base weights: "int8" = int8 with per-channel scales (LM head included; adapters stay float), see
+    # loramux.model.quantization.
+    quantization: Literal["none", "int8"] = "none"
+    cuda_graphs: bool = True  # decode steps replay CUDA graphs per batch-size bucket (CUDA only)
     # Adapter directories registered at start as public adapters of the tenant `local`: "name=dir,name2=dir2".
     adapters: str = ""
 

@@ -77,7 +77,7 @@ class LLMEngine:
                                    self.adapters, aging_s=config.priority_aging_s, step_budget=self.step_budget)
         self.runner = ModelRunner(model, num_blocks, config.block_size, dtype, device,
                                   self.pool.wrapper if self.pool else None,
-                                  self.adapters.location if self.adapters else None)
+                                  self.adapters.location if self.adapters else None, config, self.max_model_len)
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, _Request] = {}
@@ -98,7 +98,7 @@ class LLMEngine:
                               else ("cpu" if settings.device == "auto" else settings.device))
         dtype = torch_dtype(settings.dtype, device)
         model_dir = resolve_model_dir(settings.model, Path(settings.cache_dir))
-        model, mcfg = build_model(model_dir, dtype, device, max_positions=settings.max_model_len)
+        model, mcfg = build_model(model_dir, dtype, device, settings.max_model_len, settings.quantization)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         config = EngineConfig(block_size=settings.block_size, kv_cache_bytes=settings.kv_cache_bytes,
                               max_num_seqs=settings.max_num_seqs,
@@ -109,7 +109,7 @@ class LLMEngine:
                               adapter_pool_bytes=settings.adapter_pool_bytes,
                               adapter_min_residency_s=settings.adapter_min_residency_s,
                               adapter_drain_after_s=settings.adapter_drain_after_s,
-                              priority_aging_s=settings.priority_aging_s,
+                              priority_aging_s=settings.priority_aging_s, cuda_graphs=settings.cuda_graphs,
                               enable_prefix_caching=settings.prefix_caching,
                               num_speculative_tokens=settings.speculative_tokens,
                               speculative_max_batch=settings.speculative_max_batch)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loramux.model import cpu_linear
+from loramux.model import cpu_linear, quantization
 from loramux.model.attention import AttentionMetadata, KVCache, paged_attention
 from loramux.model.config import ModelConfig
 from loramux.model.rope import RotaryEmbedding, apply_rope
@@ -33,7 +33,8 @@ class MergedLinear(nn.Module):
 
     W is stored transposed relative to nn.Linear, as [in_features, out_features]: on CPU, small-batch
     decode matmuls run about 2x faster in this layout (measured: docs/performance.md), and on GPU it
-    costs nothing. On CPU, `pack_for_cpu` may swap W for oneDNN's packed layout (see cpu_linear).
+    costs nothing. On CPU, `pack_for_cpu` may swap W for oneDNN's packed layout (see cpu_linear);
+    `quantize_int8` swaps it for int8 weights with per-channel scales (see quantization).
     """
 
     def __init__(self, in_features: int, slices: tuple[tuple[str, int], ...], bias: bool = False):
@@ -44,6 +45,7 @@ class MergedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(in_features, self.out_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(self.out_features), requires_grad=False) if bias else None
         self.packed_weight: torch.Tensor | None = None  # oneDNN layout, when packed for CPU
+        self.int8: quantization.Int8Linear | None = None  # int8 weights (and bias), when quantized
         # Set by the device adapter pool: the shared LoRA wrapper and this projection's key for it.
         self.lora_key: tuple[int, str] | None = None
         self.lora_wrapper = None
@@ -66,8 +68,15 @@ class MergedLinear(nn.Module):
         self.weight = None
         return True
 
+    def quantize_int8(self, kernel: str) -> None:
+        """Replace W (and b) by int8 weights computed through `kernel`; W is then dropped (None)."""
+        self.int8 = quantization.Int8Linear(self.weight.data, None if self.bias is None else self.bias.data, kernel)
+        self.weight = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is not None:
+        if self.int8 is not None:
+            y = self.int8(x)
+        elif self.packed_weight is not None:
             y = cpu_linear.packed_linear(x, self.packed_weight, self.bias)
         elif self.bias is None:
             y = x @ self.weight
@@ -162,13 +171,27 @@ class LlamaModel(nn.Module):
             for path in LORA_MODULES:
                 yield index, path, layer.get_submodule(path)
 
-    def pack_for_cpu(self, batch_hint: int = 8) -> int:
-        """Pack every linear layer oneDNN can take (see cpu_linear); returns how many were packed."""
+    def untie_embedding(self) -> None:
+        """Give a tied embedding its own float rows, so the LM head's W may change layout or be dropped."""
         if self.embed_tokens is None:
-            # The tied LM head doubles as the embedding; give the embedding its own rows before packing.
             table = self.lm_head.weight.data.t().contiguous()
             self.embed_tokens = nn.Embedding(table.shape[0], table.shape[1], _weight=table, _freeze=True)
+
+    def pack_for_cpu(self, batch_hint: int = 8) -> int:
+        """Pack every linear layer oneDNN can take (see cpu_linear); returns how many were packed."""
+        self.untie_embedding()
         return sum(m.pack_for_cpu(batch_hint) for m in self.modules() if isinstance(m, MergedLinear))
+
+    def quantize_int8(self, kernel: str) -> int:
+        """int8 weights for every linear layer, the LM head included (see quantization); returns how many.
+
+        The embedding keeps float rows: a lookup reads only a few of them, while the head reads all each step.
+        """
+        self.untie_embedding()
+        layers = [m for m in self.modules() if isinstance(m, MergedLinear)]
+        for layer in layers:
+            layer.quantize_int8(kernel)
+        return len(layers)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache,

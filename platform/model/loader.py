@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 
 from loramux.model.config import ModelConfig
 from loramux.model.llama import PROJECTION_SLICES, LlamaModel
+from loramux.model.quantization import check_mode, choose_kernel
 from loramux.settings import DEFAULT_MODEL
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -211,11 +212,14 @@ def torch_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def build_model(model_dir: Path, dtype: torch.dtype, device: torch.device, max_positions: int | None = None,
-                pack_cpu: bool = True):
+                quantization: str = "none", pack_cpu: bool = True, int8_kernel: str | None = None):
     """Instantiate the model from `model_dir` (weights loaded, eval mode) and return (model, config).
 
-    On CPU, `pack_cpu` switches linear layers to oneDNN's packed layout (see model/cpu_linear.py).
+    `quantization="int8"` turns every linear layer's weight into int8 with per-channel scales after
+    loading, computed through `int8_kernel` (default: the rule in model/quantization.py). Otherwise, on
+    CPU, `pack_cpu` switches linear layers to oneDNN's packed layout (see model/cpu_linear.py).
     """
+    check_mode(quantization)
     cfg, _ = read_model_config(model_dir)
     model = LlamaModel(cfg, max_positions)
     load_weights(model, model_dir)
@@ -223,6 +227,8 @@ def build_model(model_dir: Path, dtype: torch.dtype, device: torch.device, max_p
     # Cast parameters only: the RoPE sin/cos tables stay float32, as in the reference.
     for param in model.parameters():
         param.data = param.data.to(dtype)
-    if pack_cpu and torch.device(device).type == "cpu":
+    if quantization == "int8":
+        model.quantize_int8(int8_kernel or choose_kernel(device, dtype))
+    elif pack_cpu and torch.device(device).type == "cpu":
         model.pack_for_cpu()
     return model.eval(), cfg
