@@ -14,6 +14,9 @@ the engine) while 3 short requests arrive over HTTP. Steady state: the arrivals 
 in host RAM (they still need a slot load and a prefill). Cold: the arrivals use adapters cold in S3.
 The ratio of the streams' p99 inter-token latency, cold / steady, isolates the cost of loading.
 Ends with FIGURE cold_load_itl_p99_ratio and FIGURE cold_s3_ttft_ms.
+
+Default: 3 rounds (about 2 minutes on a quiet 2-vCPU machine; 5 rounds took 4.6 min under a load average of
+4-8); `--full`: 5 rounds, as in docs/performance.md. Each round prints its figures and the elapsed seconds.
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPT = "Summarise in one sentence why the sky looks blue during the day and red at sunset."
 CREDS = {"s3_access_key_id": "bench", "s3_secret_access_key": "bench"}
+T_START = time.perf_counter()
 
 
 def free_port() -> int:
@@ -94,6 +98,9 @@ class Bench:
         wait_for_port(self.port)
         self.seed = 0
 
+    def progress(self, what: str) -> None:
+        print(f"  {what} [{time.perf_counter() - T_START:.0f} s]", flush=True)
+
     def new_adapter(self, name: str):
         from conftest import write_peft_adapter
 
@@ -148,6 +155,8 @@ class Bench:
                     self.evict(version.digest, ram=True)
                 elif tier == "disk":
                     self.evict(version.digest, ram=False)
+            self.progress(f"TTFT round {round_ + 1}/{self.args.rounds}: " + ", ".join(
+                f"{tier} {values[-1]:.0f} ms" for tier, values in results.items()))
         return results
 
     async def _streams_with_arrivals(self, arrival_adapters: list[str]) -> list[float]:
@@ -201,6 +210,8 @@ class Bench:
             steady_p99.append(p99(asyncio.run(self._streams_with_arrivals(ram_names))))
             cold_names = [self.new_adapter(f"cold-{round_}-{i}").name for i in range(3)]
             cold_p99.append(p99(asyncio.run(self._streams_with_arrivals(cold_names))))
+            self.progress(f"ITL round {round_ + 1}/{self.args.rounds}: p99 arrivals in RAM {steady_p99[-1]:.0f} ms, "
+                          f"cold in S3 {cold_p99[-1]:.0f} ms")
         return steady_p99, cold_p99
 
     def close(self) -> None:
@@ -209,11 +220,14 @@ class Bench:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=None, help="rounds (default 3; --full: 5)")
+    ap.add_argument("--full", action="store_true", help="the long run: 5 rounds")
     ap.add_argument("--tokens", type=int, default=96, help="new tokens of each long stream")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     args = ap.parse_args()
+    if args.rounds is None:
+        args.rounds = 5 if args.full else 3
 
     import torch
 
@@ -224,7 +238,8 @@ def main() -> None:
             bench = Bench(args, Path(tmp), endpoint)
             size = bench.new_adapter("size-probe").size_bytes
             print(f"SmolLM2-135M fp32, {args.threads} threads, rank {args.rank} on 7 projections "
-                  f"({size / 2**20:.1f} MiB per adapter blob), {args.rounds} rounds, S3 = moto in a subprocess")
+                  f"({size / 2**20:.1f} MiB per adapter blob), {args.rounds} rounds, S3 = moto in a subprocess",
+                  flush=True)
             ttfts = bench.tier_ttfts()
             print("\nTTFT, streamed over HTTP (ms, median of rounds):")
             for tier, values in ttfts.items():

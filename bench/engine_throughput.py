@@ -1,7 +1,13 @@
 """Engine vs HF transformers `generate`: same prompts, greedy, up to 64 new tokens, batch 8 and 16.
 
 Both sides get the same weights (float32), the same chat-templated token ids, the same thread count
-and one warm-up run; rounds alternate between them and the median is reported.
+and a warm-up run; rounds alternate between them (who goes first alternates too) and the median is
+reported.
+
+Default (about 3-4 minutes on a quiet 2-vCPU machine): 3 rounds; one warm-up run per side and batch size,
+in the eos workload (it visits every batch shape the fixed workload uses: all B rows, then fewer as rows
+finish). `--full`: 5 rounds and a warm-up run before every workload and batch size (docs/performance.md).
+Progress (workload, batch, round, elapsed seconds) is printed as it goes.
 
 Two workloads, both printed:
   * eos   - each request generates until its end-of-turn token or 64 new tokens, as a real request
@@ -45,10 +51,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="8,16")
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=None, help="timed rounds (default 3; --full: 5)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--full", action="store_true",
+                    help="the long run: 5 rounds, a warm-up before every workload and batch size")
     args = ap.parse_args()
+    if args.rounds is None:
+        args.rounds = 5 if args.full else 3
     torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
+
+    def elapsed() -> str:
+        return f"[{time.perf_counter() - t_start:.0f} s]"
 
     from transformers import AutoModelForCausalLM
 
@@ -63,9 +77,11 @@ def main() -> None:
     eos_ids = sorted(engine.eos_token_ids)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos_ids[0]
     print(f"model SmolLM2-135M-Instruct float32, threads={args.threads}, up to {args.new_tokens} new tokens, "
-          f"rounds={args.rounds} (median), {time.strftime('%Y-%m-%d')}")
+          f"rounds={args.rounds} (median), {time.strftime('%Y-%m-%d')}, load {time.perf_counter() - t_start:.1f} s",
+          flush=True)
 
     figures = {}
+    warmed: set[int] = set()  # batch sizes warmed up
     for mode in ("eos", "fixed"):
         for batch in [int(b) for b in args.batches.split(",")]:
             chats = [engine.encode_chat([{"role": "user", "content": p}]) for p in (PROMPTS * 4)[:batch]]
@@ -87,21 +103,33 @@ def main() -> None:
                 # Keep each row up to and including its first end-of-turn token, as the engine does.
                 return [row[: next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))] for row in rows]
 
-            ours, theirs = run_engine(), run_hf()  # warm-up, and the outputs must agree
-            same = sum(a == b for a, b in zip(ours, theirs))
+            outputs: dict[str, list[list[int]]] = {}
+            if args.full or batch not in warmed:  # warm-up, and the outputs must agree
+                t0 = time.perf_counter()
+                outputs = {"loramux": run_engine(), "hf": run_hf()}
+                warmed.add(batch)
+                print(f"[{mode:5s}] batch {batch:2d}: warm-up {time.perf_counter() - t0:.1f} s {elapsed()}",
+                      flush=True)
             tps = {"loramux": [], "hf": []}
-            for _ in range(args.rounds):
-                for name, fn in (("loramux", run_engine), ("hf", run_hf)):
+            for r in range(args.rounds):
+                order = (("loramux", run_engine), ("hf", run_hf))
+                for name, fn in order if r % 2 == 0 else order[::-1]:
                     t0 = time.perf_counter()
-                    n = sum(len(r) for r in fn())
+                    rows = fn()
+                    n = sum(len(row) for row in rows)
                     tps[name].append(n / (time.perf_counter() - t0))
+                    outputs.setdefault(name, rows)  # no warm-up here: the first round's outputs are checked
+                print(f"[{mode:5s}] batch {batch:2d}: round {r + 1}/{args.rounds} loramux {tps['loramux'][-1]:.1f} "
+                      f"tok/s, HF {tps['hf'][-1]:.1f} tok/s {elapsed()}", flush=True)
+            ours, theirs = outputs["loramux"], outputs["hf"]
+            same = sum(a == b for a, b in zip(ours, theirs))
             med = {k: statistics.median(v) for k, v in tps.items()}
             ratio = med["loramux"] / med["hf"]
             lengths = [len(r) for r in ours]
             print(f"[{mode:5s}] batch {batch:2d}: loramux {med['loramux']:6.1f} tok/s  HF generate {med['hf']:6.1f} "
                   f"tok/s  ratio {ratio:.2f}  | outputs identical {same}/{batch}, tokens per request "
                   f"min {min(lengths)} max {max(lengths)} | rounds loramux {[round(x) for x in tps['loramux']]} "
-                  f"hf {[round(x) for x in tps['hf']]}")
+                  f"hf {[round(x) for x in tps['hf']]} {elapsed()}", flush=True)
             figures[f"engine_vs_hf{'_fixed' if fixed else ''}_b{batch}"] = ratio
     for name in sorted(figures, key=lambda n: ("fixed" in n, n)):
         print(f"FIGURE {name} {figures[name]:.2f}")

@@ -27,10 +27,16 @@ a failure, counted (over the whole scenario) and reported. Server counters come 
 window's edges: device adapter loads and evictions per second, adapter cache hits by tier (ram / disk / store).
 Clients and server share this process (and its GIL), as in serve_load.py.
 
-Prints the machine (CPU model, SIMD flags, torch, threads), a table per scenario, writes `--json` and a plot
-(`--plot`: mixed set, tok/s and TTFT p99 against N) and ends with the FIGURE lines adapters_64_vs_base_tok_s,
+Prints the machine (CPU model, SIMD flags, torch, threads), progress as it goes (uploads, each scenario's start,
+warm-up and end, with the elapsed seconds), a table per scenario, writes `--json` and a plot (`--plot`: mixed set,
+tok/s and TTFT p99 against N) and ends with the FIGURE lines adapters_64_vs_base_tok_s,
 adapters_64_ttft_p50_ratio, adapters_1000_vs_8_tok_s, adapters_1000_ttft_p99_ms (`--quick`: the largest N it
 ran stands in for 64 and 1000, the smallest other N for 8; it says so).
+
+Default: only the four scenarios behind the FIGURE lines (base, table-uniform-64, mixed-zipf-8, mixed-zipf-1000),
+same load, warm-up and window as the full sweep, no plot unless `--plot` (about 4-5 minutes with the adapter
+files cached; the first run also generates them, 5 GB). `--full`: all 13 scenarios (table 1 / 8 / 64, mixed N
+1 .. 1000 uniform and Zipf) and the plot docs/many_adapters.png, as in docs/performance.md (about 13 minutes).
 """
 from __future__ import annotations
 
@@ -59,6 +65,8 @@ from timing import pct
 
 TABLE_NS = (1, 8, 64)
 MIXED_NS = (1, 8, 64, 256, 1000)
+FIGURE_SCENARIOS = "base,table-uniform-64,mixed-zipf-8,mixed-zipf-1000"  # the default run: what the FIGUREs need
+T_START = time.perf_counter()
 TABLE_RANK, TABLE_TARGETS = 8, ("q_proj", "k_proj", "v_proj", "o_proj")
 MIXED_RANKS, MIXED_RANK_WEIGHTS = (8, 16, 32, 64), (4, 3, 2, 1)
 MIXED_TARGETS = (("q_proj", "v_proj"), TABLE_TARGETS,
@@ -79,6 +87,10 @@ SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "av
               "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
 TENANT = "bench"
 REQUEST_TIMEOUT_S = 300.0
+
+
+def progress(message: str) -> None:
+    print(f"  {message} [{time.perf_counter() - T_START:.0f} s]", flush=True)
 
 
 def machine_line(threads: int) -> str:
@@ -237,18 +249,37 @@ def check_disk(stack: Stack, specs: set[AdapterSpec]) -> None:
         sys.exit("not enough disk space for these adapters (use --n to run fewer)")
 
 
-async def upload(client, stack: Stack, specs: list[AdapterSpec]) -> None:
-    """Upload the specs not uploaded yet, generating the files that are not cached first."""
+async def upload(client, stack: Stack, specs: list[AdapterSpec], concurrency: int = 1) -> None:
+    """Upload the specs not uploaded yet, generating the files that are not cached first; `concurrency` uploads
+    in flight at a time (the server validates each on a worker thread), before the scenario that needs them."""
     todo = [s for s in specs if s not in stack.uploaded]
+    if not todo:
+        return
+    every = max(1, len(todo) // 4)  # a progress line about every quarter
     t0 = time.perf_counter()
-    paths = [adapter_dir(s, stack.base_cfg) for s in todo]
+    missing = sum(adapter_dir(s, stack.base_cfg, generate=False) is None for s in todo)
+    paths = []
+    for k, spec in enumerate(todo):
+        paths.append(adapter_dir(spec, stack.base_cfg))
+        if missing and ((k + 1) % every == 0 or k + 1 == len(todo)):
+            progress(f"adapter files: {k + 1}/{len(todo)} ready ({missing} not cached, generated)")
     t1 = time.perf_counter()
-    for spec, path in zip(todo, paths):
-        config, weights = (path / "adapter_config.json").read_bytes(), (path / "adapter_model.safetensors").read_bytes()
-        await admin_call(client, stack, "POST", "/adapters", data={"tenant_id": TENANT, "name": spec.name},
-                         files={"adapter_config": ("adapter_config.json", config, "application/json"),
-                                "adapter_model": ("adapter_model.safetensors", weights, "application/octet-stream")})
+    gate, done = asyncio.Semaphore(max(1, concurrency)), [0]
+
+    async def one(spec: AdapterSpec, path: Path) -> None:
+        async with gate:
+            config = (path / "adapter_config.json").read_bytes()
+            weights = (path / "adapter_model.safetensors").read_bytes()
+            await admin_call(client, stack, "POST", "/adapters", data={"tenant_id": TENANT, "name": spec.name},
+                             files={"adapter_config": ("adapter_config.json", config, "application/json"),
+                                    "adapter_model": ("adapter_model.safetensors", weights,
+                                                      "application/octet-stream")})
         stack.uploaded[spec] = len(config) + len(weights)
+        done[0] += 1
+        if done[0] % every == 0 or done[0] == len(todo):
+            progress(f"uploaded {done[0]}/{len(todo)} adapters ({len(stack.uploaded)} in all)")
+
+    await asyncio.gather(*(one(spec, path) for spec, path in zip(todo, paths)))
     stack.gen_s += t1 - t0
     stack.upload_s += time.perf_counter() - t1
 
@@ -369,6 +400,8 @@ async def run_scenario(client, stack: Stack, key: str, sc: Scenario, args) -> li
         tasks.append(asyncio.create_task(client_loop(client, stack.url, key, models, cum,
                                                      random.Random(args.seed * 7919 + c), args.max_tokens, results)))
         await asyncio.sleep(0)  # let it send (client 0's first request is results[0])
+    progress(f"{sc.name}: {args.clients} clients running after {time.perf_counter() - start:.1f} s; warm-up "
+             f"{args.warmup:g} s, then {args.rounds} x {args.duration:g} s")
     t0 = time.perf_counter() + args.warmup
     edges = [t0 + k * args.duration for k in range(args.rounds + 1)]
     snapshots = []
@@ -480,15 +513,16 @@ async def bench(args, stack: Stack, scenarios: list[Scenario]) -> dict[str, dict
         await admin_call(client, stack, "POST", "/tenants", json={"name": TENANT, "tier": "premium"})
         key = (await admin_call(client, stack, "POST", f"/tenants/{TENANT}/keys"))["key"]
         rows: dict[str, dict] = {}
-        for sc in scenarios:
+        for k, sc in enumerate(scenarios):
             if sc.specs:
                 checked = bool(stack.uploaded)
-                await upload(client, stack, sc.specs)
+                await upload(client, stack, sc.specs, args.upload_concurrency)
                 if not checked:
                     await check_adapters_apply(client, stack, key, sc.specs[0])
+            progress(f"scenario {k + 1}/{len(scenarios)}: {sc.name}")
             m = rows[sc.name] = median_of(await run_scenario(client, stack, key, sc, args))
-            print(f"  {sc.name}: {m['tok_s']:.1f} tok/s, TTFT p50 {m['ttft_p50_ms']:.0f} ms, "
-                  f"{sum(m['failures'].values())} failed", flush=True)
+            progress(f"{sc.name}: {m['tok_s']:.1f} tok/s, TTFT p50 {m['ttft_p50_ms']:.0f} ms, "
+                     f"{sum(m['failures'].values())} failed")
         return rows
 
 
@@ -499,22 +533,28 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="windows per scenario (medians reported)")
     ap.add_argument("--clients", type=int, default=16, help="closed-loop streaming clients")
     ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
-    ap.add_argument("--scenarios", default="*", help="comma-separated glob patterns over scenario names, e.g. "
-                    "'base,table-*,mixed-zipf-*'")
+    ap.add_argument("--scenarios", default=None, help="comma-separated glob patterns over scenario names, e.g. "
+                    f"'base,table-*,mixed-zipf-*' (default: {FIGURE_SCENARIOS}; --full and --quick: '*')")
     ap.add_argument("--n", default=",".join(map(str, MIXED_NS)), help="adapter counts of the mixed sweep")
     ap.add_argument("--max-loras", type=int, help="set LORAMUX_MAX_LORAS (default: the engine's own default)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 clients, 8 tokens, 4 s windows, N 1 and 8")
+    ap.add_argument("--full", action="store_true", help="every scenario and the plot docs/many_adapters.png "
+                    "(the long sweep of docs/performance.md)")
+    ap.add_argument("--upload-concurrency", type=int, default=2, help="adapter uploads in flight at a time, before "
+                    "the scenario that needs them (default 2)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--json", type=Path, help="write all results here")
-    ap.add_argument("--plot", type=Path, help="plot path (default docs/many_adapters.png; none with --quick)")
+    ap.add_argument("--plot", type=Path, help="plot path (--full: docs/many_adapters.png by default; otherwise none)")
     args = ap.parse_args()
     mixed_ns, table_ns = [int(n) for n in args.n.split(",") if n], TABLE_NS
     if args.quick:
         args.duration, args.warmup, args.clients, args.max_tokens = 4.0, 1.0, 2, 8
         mixed_ns, table_ns = [n for n in mixed_ns if n <= 8], (1, 8)
-    elif args.plot is None:
+    elif args.plot is None and args.full:
         args.plot = Path(__file__).resolve().parents[1] / "docs" / "many_adapters.png"
+    if args.scenarios is None:
+        args.scenarios = "*" if args.quick or args.full else FIGURE_SCENARIOS
     patterns = args.scenarios.split(",")
     scenarios = [s for s in all_scenarios(args.seed, table_ns, mixed_ns)
                  if any(fnmatch.fnmatchcase(s.name, p.strip()) for p in patterns)]

@@ -113,14 +113,17 @@ def build_suffixes(tok, n: int, seed: int) -> list[list[int]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=None, help="rounds (default 3; --full: 5)")
     ap.add_argument("--prompts-per-round", type=int, default=8, help="fresh suffixes per round")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--max-batched-tokens", type=int, default=None,
                     help="engine step token budget (default: Settings' max_num_batched_tokens)")
     ap.add_argument("--quick", action="store_true", help="smoke mode: 1 round of 3 prompts, one warm-up prompt")
+    ap.add_argument("--full", action="store_true", help="the long run: 5 rounds")
     args = ap.parse_args()
+    if args.rounds is None:
+        args.rounds = 5 if args.full else 3
     if args.quick:
         args.rounds, args.prompts_per_round = 1, 3
     torch.set_num_threads(args.threads)
@@ -150,7 +153,7 @@ def main() -> None:
           f"{args.prompts_per_round} prompts (every suffix used once), block_size {settings.block_size}, "
           f"max_num_batched_tokens {settings.max_num_batched_tokens}, {time.strftime('%Y-%m-%d')}")
     print(f"setup (engine + HF load) {time.perf_counter() - t_start:.1f} s; load average before the run "
-          f"{os.getloadavg()[0]:.2f}")
+          f"{os.getloadavg()[0]:.2f}", flush=True)
 
     counter = iter(range(10**9))
 
@@ -208,6 +211,7 @@ def main() -> None:
         t0 = time.perf_counter()
         copy.deepcopy(prefix_cache)
         copy_s.append(time.perf_counter() - t0)
+    print(f"primed and warmed up [{time.perf_counter() - t_start:.0f} s]", flush=True)
 
     paths = {"loramux cached": lm_cached, "loramux uncached": lm_uncached,
              "HF cached": hf_cached, "HF uncached": hf_uncached}
@@ -233,7 +237,8 @@ def main() -> None:
         for n in names:
             times[n].extend(this_round[n])
             round_medians[n].append(statistics.median(this_round[n]))
-        print(f"round {r + 1}: " + "  ".join(f"{n} {1e3 * round_medians[n][-1]:.0f} ms" for n in names), flush=True)
+        print(f"round {r + 1}/{args.rounds}: " + "  ".join(f"{n} {1e3 * round_medians[n][-1]:.0f} ms" for n in names)
+              + f"  (load average {os.getloadavg()[0]:.2f}) [{time.perf_counter() - t_start:.0f} s]", flush=True)
     measure_s = time.perf_counter() - t_meas
 
     assert cached_counts["loramux cached"] == {PREFIX_LEN}, cached_counts["loramux cached"]

@@ -30,6 +30,9 @@ rate meets it too), for every engine alike; at that rate the acceptance also nee
 inter-token p50 and short-chat TTFT p50 < 500 ms, printed as held or not. Writes --out (JSON) and --plot (PNG,
 bench/serve_load_plot.py) and ends with the FIGURE lines sustainable_req_s, goodput_vs_vllm, peak_tok_s_vs_vllm
 (closed-loop output tok/s), ttft_p50_ms (loramux, at its sustainable rate) and throughput_tok_s (loramux, closed loop).
+Default run (about 5 minutes with both engines): rates 1, 2, 4 req/s, 15 s windows, one round, files only where
+asked. `--full`: the sweep docs/performance.md records (0.25-5 req/s, 25 s windows, 2 rounds; about 22 minutes),
+written to docs/serve_load.json and docs/serve_load.png unless --out / --plot say otherwise.
 `--quick`: loramux only, one rate (1 req/s for 5 s: 4 requests at seed 1), no closed loop, no files unless asked.
 """
 from __future__ import annotations
@@ -79,7 +82,10 @@ from serve_stack import LoramuxServer
 REPO = Path(__file__).resolve().parents[1]
 ENGINES = ("loramux", "vllm")
 # Light to past saturation on a 2-vCPU VM: the mean request is ~52 output tokens, so 1 req/s asks ~52 tok/s.
-DEFAULT_RATES = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0)
+# The default run gives every figure in about 5 minutes here (loramux and vLLM); --full is the recorded sweep.
+SHORT = {"rates": (1.0, 2.0, 4.0), "duration": 15.0, "closed_warmup": 5.0, "closed_duration": 15.0, "rounds": 1}
+FULL = {"rates": (0.25, 0.5, 1.0, 2.0, 3.0, 4.0, 5.0), "duration": 25.0, "closed_warmup": 10.0,
+        "closed_duration": 20.0, "rounds": 2}
 MAX_LORAS, MAX_LORA_RANK, MAX_CPU_LORAS = 8, 16, 8
 GOODPUT_MIN, ITL_RATIO_MAX, SHORT_CHAT_TTFT_MAX_MS = 0.9, 2.5, 500.0
 SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
@@ -356,13 +362,17 @@ def parse_args(argv=None):
     ap.add_argument("--engines", default=",".join(ENGINES),
                     help="comma-separated: loramux, vllm, and vllm@N (vLLM with --max-num-batched-tokens N: its "
                          "chunked-prefill knob, a variant tuned for inter-token latency)")
-    ap.add_argument("--rates", default=",".join(f"{r:g}" for r in DEFAULT_RATES),
-                    help="open-loop offered loads, requests/s (Poisson)")
-    ap.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per rate")
+    rates_of = lambda p: ",".join(f"{r:g}" for r in p["rates"])  # noqa: E731
+    ap.add_argument("--rates", help="open-loop offered loads, requests/s (Poisson); default "
+                    f"{rates_of(SHORT)}, with --full {rates_of(FULL)}")
+    ap.add_argument("--duration", type=float, help="seconds of arrivals per rate")
     ap.add_argument("--closed", type=int, default=16, help="closed-loop clients (0 = skip the closed loop)")
-    ap.add_argument("--closed-duration", type=float, default=60.0, help="measured closed-loop window, seconds")
-    ap.add_argument("--closed-warmup", type=float, default=10.0, help="closed-loop seconds before the window")
-    ap.add_argument("--rounds", type=int, default=2, help="rounds; they alternate which engine goes first")
+    ap.add_argument("--closed-duration", type=float, help="measured closed-loop window, seconds")
+    ap.add_argument("--closed-warmup", type=float, help="closed-loop seconds before the window")
+    ap.add_argument("--rounds", type=int, help="rounds; they alternate which engine goes first")
+    ap.add_argument("--full", action="store_true",
+                    help="the long sweep of docs/performance.md (about 22 minutes with vLLM; the default run takes "
+                         "about 5): more rates, longer windows, 2 rounds")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     ap.add_argument("--slo-itl-ms", type=float, default=500.0)
@@ -371,8 +381,8 @@ def parse_args(argv=None):
     ap.add_argument("--max-num-seqs", type=int, default=None,
                     help="vLLM's max_num_seqs (default: loramux's max_num_seqs setting)")
     ap.add_argument("--vllm-kv-gib", type=int, default=4, help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE)")
-    ap.add_argument("--out", type=Path, help="JSON results (default docs/serve_load.json; none with --quick)")
-    ap.add_argument("--plot", type=Path, help="PNG plot (default docs/serve_load.png; none with --quick)")
+    ap.add_argument("--out", type=Path, help="JSON results (default with --full: docs/serve_load.json)")
+    ap.add_argument("--plot", type=Path, help="PNG plot (default with --full: docs/serve_load.png)")
     ap.add_argument("--log-dir", type=Path,
                     help="server logs, one per engine and round, overwritten by the next run "
                          "(default: <tmp>/serve_load-logs)")
@@ -384,10 +394,14 @@ def parse_args(argv=None):
     unknown = {e for e in args.engines if e not in ENGINES and not re.fullmatch(r"vllm@[1-9][0-9]*", e)}
     if unknown or not args.engines:
         ap.error(f"--engines: choose from {', '.join(ENGINES)}")
-    args.rates = sorted(float(r) for r in args.rates.split(",") if r.strip())
+    profile = FULL if args.full else SHORT
+    for key in ("duration", "closed_warmup", "closed_duration", "rounds"):
+        if getattr(args, key) is None:
+            setattr(args, key, profile[key])
+    args.rates = sorted(float(r) for r in args.rates.split(",") if r.strip()) if args.rates else list(profile["rates"])
     if args.quick:
         args.engines, args.rates, args.duration, args.closed, args.rounds = ["loramux"], [1.0], 5.0, 0, 1
-    else:
+    elif args.full:
         args.out = args.out or REPO / "docs" / "serve_load.json"
         args.plot = args.plot or REPO / "docs" / "serve_load.png"
     args.log_dir = args.log_dir or Path(tempfile.gettempdir()) / "serve_load-logs"  # one file per engine and round

@@ -20,13 +20,17 @@ HF: the same weights (float32), the same token ids, the same torch threads; `gen
 and without `prompt_lookup_num_tokens=K` (HF's other prompt-lookup setting, max_matching_ngram_size,
 left at its default).
 
-Every configuration runs once as a warm-up (whose outputs are checked), then --rounds timed rounds;
-within a round each prompt runs under every configuration in turn (the order rotates per round). The
-reported tok/s of a configuration is all its tokens / the sum over prompts of that prompt's median
-time over the rounds (each round's own tok/s is printed too): on a shared 2-vCPU machine another job
-can slow one call many times over, and a per-prompt median keeps one such call from moving the
-result. loramux's outputs with and without speculation must be identical token for token (the script
-fails otherwise); a difference from HF is reported as a warning.
+Default run (about 4 minutes on a quiet 2-vCPU machine): loramux without speculation and at the default K
+only, all prompts, 3 rounds; the warm-up runs every configuration once on one prompt. `--full` is the long
+sweep of docs/performance.md (about 18-23 minutes): K in 2,3,4,5,8, HF `generate` with and without prompt
+lookup (`--hf` adds the HF rows to any run), and a warm-up pass of every configuration over every prompt.
+Within a round each prompt runs under every configuration in turn (the order rotates per round and prompt).
+The reported tok/s of a configuration is all its tokens / the sum over prompts of that prompt's median time
+over the rounds (each round's own tok/s is printed too): on a shared 2-vCPU machine another job can slow one
+call many times over, and a per-prompt median keeps one such call from moving the result. Outputs are
+checked on every call: loramux with and without speculation must be identical token for token, and the same
+in every round (the script fails otherwise); a difference from HF is reported as a warning. Progress (round,
+prompt, seconds per configuration, elapsed seconds) is printed as it goes.
 
 Ends with `FIGURE spec_speedup <loramux with prompt lookup at the default K / without, tok/s median
 ratio>`.
@@ -188,7 +192,8 @@ def open_loadavg() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ks", default="2,3,4,5,8", help="loramux draft lengths to measure")
+    ap.add_argument("--ks", default=None,
+                    help="loramux draft lengths to measure (default: the default K; --full: 2,3,4,5,8)")
     ap.add_argument("--default-k", type=int, default=None,
                     help="K behind the FIGURE (default: the engine's default, Settings().speculative_tokens)")
     ap.add_argument("--hf-ks", default=None, help="HF prompt_lookup_num_tokens values (default: the default K)")
@@ -196,21 +201,31 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="use the first N prompts")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 2 prompts, 16 tokens, K=4, 1 round")
+    ap.add_argument("--hf", action="store_true", help="add HF generate with and without prompt lookup")
+    ap.add_argument("--skip-hf", action="store_true", help="no HF rows, even with --full or --quick")
+    ap.add_argument("--full-warmup", action="store_true",
+                    help="warm up with every configuration over every prompt (default: over the first prompt)")
+    ap.add_argument("--full", action="store_true",
+                    help="the long sweep: K in 2,3,4,5,8, the HF rows, the full warm-up pass (about 20 minutes)")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 2 prompts, 16 tokens, K=4, HF, 1 round")
     args = ap.parse_args()
     if args.quick:
-        args.ks, args.new_tokens, args.rounds, args.prompts = "4", 16, 1, 2
+        args.ks, args.new_tokens, args.rounds, args.prompts, args.hf = "4", 16, 1, 2, True
+    if args.full:
+        args.ks, args.hf, args.full_warmup = args.ks or "2,3,4,5,8", True, True
     torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
+
+    def elapsed() -> str:
+        return f"[{time.perf_counter() - t_start:.0f} s]"
 
     from loramux.engine.engine import LLMEngine
     from loramux.engine.sampling_params import SamplingParams
     from loramux.settings import Settings
 
     default_k = args.default_k if args.default_k is not None else Settings().speculative_tokens
-    ks = sorted({int(k) for k in args.ks.split(",")} | {default_k})
-    hf_ks = [] if args.skip_hf else [int(k) for k in (args.hf_ks or str(default_k)).split(",")]
+    ks = sorted({int(k) for k in (args.ks or str(default_k)).split(",")} | {default_k})
+    hf_ks = [int(k) for k in (args.hf_ks or str(default_k)).split(",")] if args.hf and not args.skip_hf else []
 
     engine = LLMEngine.from_settings(Settings(dtype="float32", device="cpu", prefix_caching=False,
                                               speculative_tokens=default_k))
@@ -273,14 +288,8 @@ def main() -> None:
         configs.update({f"HF lookup K={k}": run_hf(k) for k in hf_ks})
     names = list(configs)
 
-    # Warm-up: every configuration once over every prompt; the outputs must agree.
-    t0 = time.perf_counter()
-    outputs = {name: [fn(ids)[0] for ids in prompts] for name, fn in configs.items()}
-    print(f"warm-up {time.perf_counter() - t0:.1f} s; "
-          f"tokens per prompt: {[len(o) for o in outputs['loramux no spec']]}", flush=True)
-
     def check(name: str, i: int, got: list[int]) -> None:
-        want = outputs["loramux no spec"][i]
+        want = reference[i]
         if got == want:
             return
         at = first_difference(want, got)
@@ -292,10 +301,23 @@ def main() -> None:
             sys.exit(f"ENGINE BUG: {msg}")
         print(f"WARNING: {msg}", flush=True)
 
-    for name in names:
-        for i, got in enumerate(outputs[name]):
-            check(name, i, got)
-    n_tokens = sum(len(o) for o in outputs["loramux no spec"])
+    def run_prompt(i: int, order: list[str]) -> dict[str, tuple]:
+        """Every configuration in `order` once on prompt i; the outputs are checked against loramux without
+        speculation (the first time it ran on this prompt)."""
+        results = {name: configs[name](prompts[i]) for name in order}
+        reference.setdefault(i, results["loramux no spec"][0])
+        for name in order:
+            check(name, i, results[name][0])
+        return results
+
+    # Warm-up: every configuration once on the first prompt (--full-warmup: on every prompt); outputs checked.
+    reference: dict[int, list[int]] = {}
+    t0 = time.perf_counter()
+    for i in range(len(prompts) if args.full_warmup else 1):
+        run_prompt(i, names)
+        print(f"  warm-up prompt {i + 1} ({len(reference[i])} tokens) {elapsed()}", flush=True)
+    print(f"warm-up ({'every prompt' if args.full_warmup else 'first prompt'}, {len(names)} configurations) "
+          f"{time.perf_counter() - t0:.1f} s {elapsed()}", flush=True)
 
     tps = {name: [] for name in names}  # per round: tokens / seconds over all prompts
     secs = {name: [[] for _ in prompts] for name in names}  # per prompt: seconds of each round
@@ -304,11 +326,12 @@ def main() -> None:
     for r in range(args.rounds):
         t_round = time.perf_counter()
         load = open_loadavg()
-        for i, ids in enumerate(prompts):
+        for i in range(len(prompts)):
             shift = (r + i) % len(names)
-            for name in names[shift:] + names[:shift]:
-                got, dt, step_s, proposed, accepted = configs[name](ids)
-                check(name, i, got)
+            order = names[shift:] + names[:shift]
+            results = run_prompt(i, order)
+            for name in order:
+                got, dt, step_s, proposed, accepted = results[name]
                 secs[name][i].append(dt)
                 if name in step_ms:
                     step_ms[name] += [1000 * x for x in step_s[1:]]  # the prefill step makes the first token
@@ -318,17 +341,22 @@ def main() -> None:
                     s[1] += accepted
                     s[2] += len(got) - 1
                     s[3] += len(step_s) - 1
+            print(f"  round {r + 1}/{args.rounds} prompt {i + 1}/{len(prompts)} ({len(reference[i])} tokens): "
+                  + ", ".join(f"{n} {secs[n][i][-1]:.1f} s" for n in order) + f" {elapsed()}", flush=True)
+        n_tokens = sum(len(o) for o in reference.values())
         for name in names:
             tps[name].append(n_tokens / sum(s[-1] for s in secs[name]))
-        print(f"round {r + 1}: {time.perf_counter() - t_round:.1f} s, load average {load} -> {open_loadavg()}  "
-              + "  ".join(f"{n} {tps[n][-1]:.1f}" for n in names), flush=True)
+        print(f"round {r + 1}/{args.rounds}: {time.perf_counter() - t_round:.1f} s, load average {load} -> "
+              f"{open_loadavg()}  " + "  ".join(f"{n} {tps[n][-1]:.1f}" for n in names) + f" {elapsed()}",
+              flush=True)
+    outputs = [reference[i] for i in range(len(prompts))]
 
     # Headline tok/s: all tokens / the sum over prompts of each prompt's median time over rounds (robust to
     # a round that another job on this shared machine slowed down).
     med = {name: n_tokens / sum(statistics.median(s) for s in secs[name]) for name in names}
     base = med["loramux no spec"]
     print(f"\n{n_tokens} generated tokens per configuration and round "
-          f"({min(len(o) for o in outputs['loramux no spec'])}-{max(len(o) for o in outputs['loramux no spec'])} "
+          f"({min(len(o) for o in outputs)}-{max(len(o) for o in outputs)} "
           f"per prompt)")
     print(f"{'configuration':18s} {'tok/s':>7s} {'x no spec':>9s} {'accept':>7s} {'tok/step':>8s} {'ms/step':>7s}"
           "  rounds (tok/s)")
