@@ -265,7 +265,9 @@ def test_more_adapters_than_fit_finish_in_priority_order_with_bounded_waits_and_
     priority p waits at most the steps the work of priority >= p needs at max_num_seqs per step, plus one
     step per adapter it needs loaded, plus one request's length (the batch it finds running)."""
     seqs, new_tokens, adapters = 8, 6, 16
-    engine = lora_engine(tiny_dir, tokenizer, fit=4, rank=4, max_num_seqs=seqs)
+    # Drains are wall-clock (adapter_drain_after_s): off here, so a slow machine cannot add loads; no request
+    # starves without them (running requests end within new_tokens steps and free their slots).
+    engine = lora_engine(tiny_dir, tokenizer, fit=4, rank=4, max_num_seqs=seqs, adapter_drain_after_s=1e9)
     for i in range(adapters):
         engine.load_adapter_dir(write_peft_adapter(tmp_path / f"a{i}", tiny_cfg, 4, ["q_proj", "v_proj"], seed=i),
                                 f"a{i}")
