@@ -36,7 +36,9 @@ def setup(proxy, base_cfg, tmp_path):
     """A registry on SQLite whose blobs live in S3 behind the proxy, and a fresh cache on top."""
     bucket = f"tiers-{uuid.uuid4().hex[:12]}"
     moto_create_bucket(proxy.url, bucket)
-    store = S3Store(bucket, "adapters", endpoint_url=proxy.url, region=MOTO_REGION, timeout_s=0.5, max_attempts=1,
+    # 2 s: well inside the 3 s load deadline the fault tests assert, yet slack enough that moto answering
+    # slowly on a loaded CI machine is not read as a store fault.
+    store = S3Store(bucket, "adapters", endpoint_url=proxy.url, region=MOTO_REGION, timeout_s=2.0, max_attempts=1,
                     **MOTO_CREDENTIALS)
     db = Database(f"sqlite:///{tmp_path / 'registry.db'}")
     db.upgrade()

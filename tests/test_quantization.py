@@ -94,8 +94,11 @@ def test_a_row_does_not_depend_on_the_rest_of_the_batch(kernel, qmax):
 
 
 def test_choose_kernel_follows_the_rule_and_probes(monkeypatch):
-    rule = quantization.preferred_kernel(torch.device("cpu"))
-    assert quantization.choose_kernel("cpu", torch.float32) == (rule if rule in KERNELS else "dequant")
+    chosen = quantization.choose_kernel("cpu", torch.float32)
+    usable = [k for k in quantization.candidate_kernels(torch.device("cpu"))
+              if quantization.kernel_works(k, "cpu", torch.float32)
+              and quantization.kernel_is_fast(k, "cpu", torch.float32)]
+    assert chosen == (usable or ["dequant"])[0]
     assert quantization.preferred_kernel(torch.device("cuda")) == "int8pack"
     monkeypatch.setattr(quantization, "has_vnni", lambda: False)  # an AVX2-only CPU: fbgemm, 7-bit passes
     assert quantization.activation_qmax() == 63
@@ -111,10 +114,29 @@ def test_a_kernel_that_disagrees_falls_back_to_dequant(monkeypatch):
     monkeypatch.setattr(quantization, "merge_passes", lambda y, step, rows, qmax: y[:rows] * 0)
     try:
         assert not quantization.kernel_works("onednn", "cpu", torch.float32)
-        monkeypatch.setattr(quantization, "preferred_kernel", lambda device: "onednn")
+        monkeypatch.setattr(quantization, "candidate_kernels", lambda device: ["onednn"])
         assert quantization.choose_kernel("cpu", torch.float32) == "dequant"
     finally:
         quantization.kernel_works.cache_clear()
+
+
+def test_a_grossly_slow_kernel_is_passed_over_for_the_next_one(monkeypatch):
+    """oneDNN's int8 matmul ran a reference path (~300x slower than fbgemm) on an AMD EPYC with VNNI: a
+    kernel far slower than dequant on the probe is skipped, whatever the rule prefers."""
+    seconds = {"onednn": 0.5, "fbgemm": 0.001, "dequant": 0.002}
+    monkeypatch.setattr(quantization, "_probe_seconds", lambda kernel, device_type, dtype: seconds[kernel])
+    monkeypatch.setattr(quantization, "candidate_kernels", lambda device: ["onednn", "fbgemm"])
+    monkeypatch.setattr(quantization, "kernel_works", lambda kernel, device_type, dtype: True)
+    quantization.kernel_is_fast.cache_clear()
+    try:
+        assert quantization.choose_kernel("cpu", torch.float32) == "fbgemm"
+        assert quantization.kernel_is_fast("fbgemm", "cpu", torch.float32)
+        assert not quantization.kernel_is_fast("onednn", "cpu", torch.float32)
+        seconds["fbgemm"] = 0.1  # both slow: dequant
+        quantization.kernel_is_fast.cache_clear()
+        assert quantization.choose_kernel("cpu", torch.float32) == "dequant"
+    finally:
+        quantization.kernel_is_fast.cache_clear()
 
 
 def prefill_logits(model, ids: list[int]) -> torch.Tensor:

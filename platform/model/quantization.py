@@ -7,8 +7,10 @@ float32 scale per output channel, symmetric: s[j] = max_i |W[i, j]| / 127 and q[
 activation dtype by `MergedLinear`, and the embedding lookup stays float (a lookup reads a few rows; the
 LM head, which reads the whole table every decode step, is quantized).
 
-Kernels, one per model, chosen by `preferred_kernel` (a fixed rule, not a timing at load: per-shape timings
-flip from run to run on a shared VM; the measurements behind the rule are in docs/performance.md):
+Kernels, one per model, chosen by `choose_kernel`: a fixed order of preference (`candidate_kernels`; not a
+race at load between close kernels, whose per-shape timings flip from run to run on a shared VM; the
+measurements behind the order are in docs/performance.md), skipping a kernel that fails its probes or runs
+grossly slow on this CPU (`kernel_is_fast`):
 - "onednn" (CPU with VNNI or AMX) and "fbgemm" (other x86 CPUs): torch's CPU build has no fast weight-only
   int8 matmul, only integer ones (u8 activations x s8 weights -> int32). To keep float-like activations,
   each row of x is split into two integer rows (`split_activations`): x ~= (hi + lo / (2 * qmax)) * step,
@@ -29,6 +31,7 @@ them built to saturate int16 pair sums); a kernel that errs or disagrees falls b
 """
 from __future__ import annotations
 
+import time
 import warnings
 from contextlib import contextmanager
 from functools import cache
@@ -40,6 +43,7 @@ MODES = ("none", "int8")
 KERNELS = ("onednn", "fbgemm", "int8pack", "dequant")
 TWO_PASS = ("onednn", "fbgemm")  # the kernels that split activations into two integer rows
 QMAX = 127
+SLOW_FACTOR = 3.0  # a kernel this many times slower than "dequant" on the probe is not chosen
 DECODE_ROWS_HINT = 16  # oneDNN packs for this many rows: batch-8 decode, two passes
 
 
@@ -198,16 +202,23 @@ def onednn_qlinear_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
 
 
-def preferred_kernel(device: torch.device) -> str:
-    """The rule (see the module docstring): on CPU, onednn with VNNI / AMX, else fbgemm; int8pack on CUDA."""
+def candidate_kernels(device: torch.device) -> list[str]:
+    """The rule (see the module docstring), in order of preference: on CPU onednn with VNNI / AMX, then
+    fbgemm; int8pack on CUDA. "dequant", always correct, is the fallback after these."""
     if device.type == "cuda":
-        return "int8pack"
+        return ["int8pack"]
+    kernels = []
     if device.type == "cpu":
         if has_vnni() and onednn_qlinear_available():
-            return "onednn"
+            kernels.append("onednn")
         if "fbgemm" in torch.backends.quantized.supported_engines:
-            return "fbgemm"
-    return "dequant"
+            kernels.append("fbgemm")
+    return kernels
+
+
+def preferred_kernel(device: torch.device) -> str:
+    """The rule's first choice on `device` ("dequant" where it has none)."""
+    return (candidate_kernels(device) or ["dequant"])[0]
 
 
 def _probes(device_type: str, dtype: torch.dtype):
@@ -237,8 +248,38 @@ def kernel_works(kernel: str, device_type: str, dtype: torch.dtype) -> bool:
     return True
 
 
+def _probe_seconds(kernel: str, device_type: str, dtype: torch.dtype) -> float:
+    """Best of three calls of `kernel` on a decode-shaped probe (8 rows x [512, 1024]), after one warm-up."""
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(512, 1024, generator=gen).to(device_type, dtype)
+    x = torch.randn(8, 512, generator=gen).to(device_type, dtype)
+    layer = Int8Linear(w, None, kernel)
+    best = float("inf")
+    for _ in range(4):
+        start = time.perf_counter()
+        layer(x)
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@cache
+def kernel_is_fast(kernel: str, device_type: str, dtype: torch.dtype) -> bool:
+    """Whether `kernel` is at most SLOW_FACTOR x slower than "dequant" on a decode-shaped probe. Not a race
+    between close kernels (timings of those flip on a shared VM): a guard against a kernel that runs a
+    reference code path on this CPU, e.g. oneDNN's int8 matmul on an AMD EPYC with AVX-512 VNNI measured
+    about 300x slower than fbgemm (docs/performance.md)."""
+    if kernel == "dequant":
+        return True
+    return _probe_seconds(kernel, device_type, dtype) <= SLOW_FACTOR * _probe_seconds("dequant", device_type, dtype)
+
+
 def choose_kernel(device: torch.device | str, dtype: torch.dtype) -> str:
-    """`preferred_kernel`, or "dequant" where that kernel fails its probes on this device and dtype."""
+    """The first of `candidate_kernels` that passes its probes on this device and dtype and is not grossly
+    slow there (`kernel_is_fast`); else "dequant"."""
     device = torch.device(device)
-    kernel = preferred_kernel(device)
-    return kernel if kernel_works(kernel, device.type, dtype) else "dequant"
+    for kernel in candidate_kernels(device):
+        if kernel_works(kernel, device.type, dtype) and kernel_is_fast(kernel, device.type, dtype):
+            return kernel
+    return "dequant"
