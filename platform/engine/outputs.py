@@ -9,7 +9,8 @@ from typing import Any
 
 __all__ = ["EngineConfig", "RequestOutput", "RequestError", "SoFar"]
 
-_LATEST = ("text", "token_ids", "logprobs", "finished", "finish_reason", "timings", "num_cached_tokens")
+_LATEST = ("text", "token_ids", "logprobs", "finished", "finish_reason", "timings", "num_cached_tokens",
+           "top_logprobs")
 
 
 @dataclass
@@ -96,6 +97,11 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     adapter: str | None = None  # adapter name as requested
     new_logprobs: list[float] = field(default_factory=list)  # one per new_token_ids
+    # With SamplingParams.top_logprobs = k > 0: for each generated token, the k most likely tokens of the raw
+    # distribution as (token id, logprob), most likely first; `top_logprobs` covers all tokens so far (a SoFar
+    # view on intermediate outputs), `new_top_logprobs` one entry per new_token_ids. Empty when k = 0.
+    top_logprobs: Sequence[list[tuple[int, float]]] = ()
+    new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
     def absorb(self, later: RequestOutput) -> RequestOutput:
         """Fold in a later output of the same request (a speculative step appends several tokens; a
@@ -104,6 +110,7 @@ class RequestOutput:
         self.delta_text += later.delta_text
         self.new_token_ids += later.new_token_ids
         self.new_logprobs += later.new_logprobs
+        self.new_top_logprobs += later.new_top_logprobs
         for name in _LATEST:
             setattr(self, name, getattr(later, name))
         return self

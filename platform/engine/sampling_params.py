@@ -2,6 +2,34 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import Literal
+
+STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice")
+MAX_TOP_LOGPROBS = 20
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on what a request may generate, enforced token by token by a grammar engine
+    (`loramux.engine.grammar`). `spec` is canonical text, so equal constraints hash alike (the compile cache):
+
+    - "json_object": any JSON object (`spec` unused, "")
+    - "json_schema": a JSON schema, `spec` = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    - "regex":       the output matches this regular expression in full
+    - "choice":      the output is exactly one of a list of strings, `spec` = json.dumps(list_of_strings)
+
+    Generation stops ("stop") as soon as the constraint is complete, and EOS is allowed only then.
+    """
+
+    kind: Literal["json_object", "json_schema", "regex", "choice"]
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, got {self.kind!r}")
+        if not isinstance(self.spec, str):
+            raise ValueError("structured output spec must be text")
 
 
 @dataclass
@@ -47,6 +75,9 @@ class SamplingParams(SamplingControls):
     ignore_eos: bool = False
     timeout_s: float | None = None
     speculative: bool = True  # allow prompt-lookup speculation (when the engine has it on); same outputs
+    structured: StructuredOutput | None = None  # constrain the output (JSON, schema, regex, choice)
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (OpenAI)
+    top_logprobs: int = 0  # also report this many most likely tokens (raw log-softmax) at each position
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -83,3 +114,14 @@ class SamplingParams(SamplingControls):
         need(all(isinstance(s, str) and 0 < len(s) <= 256 for s in self.stop),
              "each stop string must be a non-empty string of at most 256 characters")
         need(self.timeout_s is None or self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")
+        need(self.structured is None or isinstance(self.structured, StructuredOutput),
+             "structured must be a StructuredOutput")
+        need(isinstance(self.logit_bias, dict) and len(self.logit_bias) <= 300,
+             "logit_bias must map at most 300 token ids to biases")
+        need(all(isinstance(t, int) and t >= 0 for t in self.logit_bias),
+             "logit_bias keys must be non-negative token ids")
+        need(all(isinstance(b, (int, float)) and -LOGIT_BIAS_LIMIT <= b <= LOGIT_BIAS_LIMIT
+                 for b in self.logit_bias.values()),
+             f"logit_bias values must be numbers in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]")
+        need(isinstance(self.top_logprobs, int) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+             f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
