@@ -24,7 +24,6 @@ import asyncio
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -38,15 +37,12 @@ from loramux.admin.ledger import LedgerWriter, durable
 from loramux.db import Database
 from loramux.usage import RequestRecord
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import cpu_model_and_flags  # noqa: E402
+
 
 def cpu_info() -> tuple[str, str]:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        out = ""
-    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    return fields.get("Model name", "unknown").strip(), fields.get("Flags", "").strip()
-
+    return cpu_model_and_flags()
 
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)

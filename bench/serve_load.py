@@ -45,7 +45,6 @@ import math
 import os
 import re
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -79,6 +78,8 @@ from load_workload import (
 from serve_load_plot import plot
 from serve_stack import LoramuxServer
 
+from timing import cpu_model_and_flags
+
 REPO = Path(__file__).resolve().parents[1]
 ENGINES = ("loramux", "vllm")
 # Light to past saturation on a 2-vCPU VM: the mean request is ~52 output tokens, so 1 req/s asks ~52 tok/s.
@@ -99,19 +100,8 @@ HEADER = ROW.format("engine", "rnd", "offered", "sent", "ok", "tok/s", "req/s", 
 
 def machine_info(threads: int) -> dict:
     """CPU model and flags from lscpu (else /proc/cpuinfo)."""
-    info: dict[str, str] = {}
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        out = ""
-    if not out:
-        try:
-            out = Path("/proc/cpuinfo").read_text().replace("model name", "Model name").replace("flags", "Flags")
-        except OSError:
-            out = ""
-    for line in out.splitlines():
-        key, _, value = line.partition(":")
-        info.setdefault(key.strip(), value.strip())
+    model, flags = cpu_model_and_flags()
+    info = {"Model name": model, "Flags": flags}
     flags = info.get("Flags", "")
     return {"cpu": info.get("Model name", "unknown CPU"), "logical_cpus": os.cpu_count(),
             "simd": " ".join(f for f in SIMD_FLAGS if f in flags.split()) or "unknown", "flags": flags,

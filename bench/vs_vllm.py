@@ -51,6 +51,8 @@ sys.path.insert(0, str(REPO / "tests"))
 
 import vllm_peer  # noqa: E402
 
+import timing  # noqa: E402
+
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANK = 16
 ADAPTER_BYTES = 19_600_000  # one r=16 all-projection SmolLM2 adapter in float32 (~19.5 MB)
@@ -66,21 +68,8 @@ def log(msg: str) -> None:
 
 
 def lscpu() -> tuple[str, str]:
-    """CPU model name and flags from lscpu (else /proc/cpuinfo)."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        out = ""
-    if not out:
-        try:
-            out = Path("/proc/cpuinfo").read_text().replace("model name", "Model name").replace("flags", "Flags")
-        except OSError:
-            out = ""
-    info: dict[str, str] = {}
-    for line in out.splitlines():
-        key, _, value = line.partition(":")
-        info.setdefault(key.strip(), value.strip())
-    return info.get("Model name", "unknown CPU"), info.get("Flags", "unknown")
+    """CPU model name and flags (bench/timing.py)."""
+    return timing.cpu_model_and_flags()
 
 
 def print_machine(threads: int, cpus: list[int]) -> None:
