@@ -41,12 +41,8 @@ def kernel_microbench(cfg, num_slots: int = 8, rank: int = 16, rows: int = 8) ->
     """One decoder layer's four projections: base matmuls vs the LoRA ops of each CPU strategy."""
     from loramux.kernels import LoRABatch, torch_ops
     from loramux.kernels.ops import lora_shrink_expand
-    from loramux.kernels.wrapper import LoRALayerWeights
-
-    if not hasattr(torch_ops, "GroupedRows"):
-        print("kernel micro-benchmark skipped: this loramux's torch LoRA path has no GroupedRows strategies")
-        return
     from loramux.kernels.segments import build_groups
+    from loramux.kernels.wrapper import LoRALayerWeights
 
     h, i = cfg.hidden_size, cfg.intermediate_size
     modules = {"qkv": (h, [cfg.q_size, cfg.kv_size, cfg.kv_size]), "o": (cfg.q_size, [h]),
