@@ -380,3 +380,86 @@ def test_make_generator_is_seeded_cpu_generator() -> None:
         torch.rand(1, generator=Sampler.make_generator(6)).item(),
         torch.rand(1, generator=Sampler.make_generator(5)).item(),
     )
+
+
+# --- logit_bias, token masks, top_logprobs -----------------------------------------------------------
+
+
+def _bool_masker(allowed: torch.Tensor, rows: list[int]):
+    """A token masker (as structured output passes one) from a bool [B, V] allowed-matrix, on `rows`."""
+
+    def mask(x: torch.Tensor) -> None:
+        for i in rows:
+            x[i].masked_fill_(~allowed[i], float("-inf"))
+
+    return mask
+
+
+def test_logit_bias_steers_greedy_and_sampling(sampler: Sampler) -> None:
+    torch.manual_seed(20)
+    logits = torch.randn(3, 300)
+    top = logits.argmax(-1).tolist()
+    rows = [SamplingRow(logit_bias={7: 100.0}), SamplingRow(logit_bias={top[1]: -100.0}),
+            SamplingRow(temperature=1.0, logit_bias={11: 100.0})]
+    out = sampler(logits, rows, [None, None, Sampler.make_generator(0)])
+    assert out.token_ids[0] == 7 and out.token_ids[2] == 11
+    assert out.token_ids[1] == logits[1].topk(2).indices[1].item()  # the argmax banned: the runner-up
+    # The reported logprobs are the raw model's, not the biased distribution's.
+    lp = torch.log_softmax(logits, -1)
+    assert out.logprobs == pytest.approx([lp[i, t].item() for i, t in enumerate(out.token_ids)], abs=1e-5)
+    # Several biases on one row: each on its own token.
+    both = sampler(logits[:1], [SamplingRow(logit_bias={3: 50.0, 4: 60.0})], [None])
+    assert both.token_ids == [4]
+
+
+def test_bias_and_mask_leave_other_rows_bit_identical(sampler: Sampler) -> None:
+    torch.manual_seed(21)
+    vocab = 400
+    logits = torch.randn(4, vocab)
+    plain_rows = [SamplingRow(temperature=0.9, top_p=0.9, seed=1), SamplingRow(repetition_penalty=1.3,
+                                                                                 output_token_ids=[1, 2])]
+    special_rows = [SamplingRow(temperature=0.7, seed=2, logit_bias={5: 3.0}), SamplingRow(temperature=0.0)]
+    allowed = torch.zeros(4, vocab, dtype=torch.bool)
+    allowed[3, 100:120] = True
+    gens = [Sampler.make_generator(1), None, Sampler.make_generator(2), None]
+    mixed = sampler(logits, plain_rows + special_rows, gens, _bool_masker(allowed, [3]))
+    alone = sampler(logits[:2], plain_rows, [Sampler.make_generator(1), None])
+    assert mixed.token_ids[:2] == alone.token_ids and mixed.logprobs[:2] == alone.logprobs
+    assert 100 <= mixed.token_ids[3] < 120 and mixed.token_ids[3] == 100 + logits[3, 100:120].argmax().item()
+    probs, raw = sampler.probs(logits, plain_rows + special_rows, _bool_masker(allowed, [3]))
+    ref_probs, ref_raw = sampler.probs(logits[:2], plain_rows)
+    assert torch.equal(probs[:2], ref_probs) and torch.equal(raw, torch.log_softmax(logits, -1))
+    assert probs[3].sum() == 1.0 and probs[3, 100 + logits[3, 100:120].argmax()] == 1.0
+
+
+def test_masked_sampling_stays_in_the_allowed_set(sampler: Sampler) -> None:
+    torch.manual_seed(22)
+    vocab = 64
+    logits = torch.randn(1, vocab)
+    allowed = torch.zeros(1, vocab, dtype=torch.bool)
+    allowed[0, [3, 9, 40]] = True
+    gen = Sampler.make_generator(5)
+    draws = [sampler(logits, [SamplingRow(temperature=1.0)], [gen], _bool_masker(allowed, [0])).token_ids[0]
+             for _ in range(3000)]
+    assert set(draws) == {3, 9, 40}
+    expected = torch.zeros(vocab)
+    expected[[3, 9, 40]] = torch.softmax(logits[0, [3, 9, 40]], -1)
+    _assert_matches(draws, expected)
+
+
+def test_top_logprobs_per_row(sampler: Sampler) -> None:
+    torch.manual_seed(23)
+    logits = (torch.randn(5, 500) * 3).to(torch.bfloat16)
+    ks = [0, 1, 5, 20, 0]
+    rows = [SamplingRow(top_logprobs=k, temperature=0.5 * (i % 2), logit_bias={0: 40.0} if i == 2 else {})
+            for i, k in enumerate(ks)]
+    out = sampler(logits, rows, [None] * 5)
+    lp = torch.log_softmax(logits.float(), -1)
+    for i, k in enumerate(ks):
+        assert len(out.top_logprobs[i]) == k
+        if k:
+            values, ids = lp[i].topk(k)
+            assert [t for t, _ in out.top_logprobs[i]] == ids.tolist()
+            assert [v for _, v in out.top_logprobs[i]] == pytest.approx(values.tolist(), abs=1e-5)
+    # Without top_logprobs anywhere the output is as before: no lists to fill.
+    assert sampler(logits, [SamplingRow()] * 5, [None] * 5).top_logprobs == [[]] * 5

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from loramux.adapters.peft_format import LoRAAdapter
 from loramux.engine.engine import LLMEngine, RequestOutput
-from loramux.engine.sampling_params import SamplingParams
+from loramux.engine.sampling_params import SamplingParams, StructuredOutput
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +162,12 @@ class AsyncEngine:
             buffered = {"buffered_outputs": self._buffered_outputs, "buffered_tokens": self._buffered_tokens,
                         "stalled_reader_aborts": self._stalled_aborts}
         return {**self.engine.stats(), **buffered}
+
+    def compile_structured(self, spec: StructuredOutput) -> None:
+        """Compile a structured-output constraint into the engine's grammar cache; raise StructuredOutputError
+        (a ValueError whose message is fit for the user). Thread-safe and blocking: call it in a worker thread
+        before `generate`, so the compile time is the requester's and never stalls the engine loop."""
+        self.engine.compile_structured(spec)
 
     def adapter_residency(self, digest: str) -> str | None:
         """See LLMEngine.adapter_residency: "device", "loading" or None."""

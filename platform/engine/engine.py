@@ -4,19 +4,19 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from loramux.adapters.peft_format import LoRAAdapter
 from loramux.adapters.residency import LOADING, RESIDENT, AdapterResidency
 from loramux.engine.block_manager import BlockManager
-from loramux.engine.calibration import calibrate_step_cost
+from loramux.engine.constrained import Constraint, batch_masker
 from loramux.engine.detokenizer import IncrementalDetokenizer
+from loramux.engine.grammar import GrammarCache, StructuredOutputError
 from loramux.engine.model_runner import ModelRunner, StepLogits
 from loramux.engine.outputs import EngineConfig, RequestError, RequestOutput, SoFar
-from loramux.engine.sampler import Sampler, SamplingRow
-from loramux.engine.sampling_params import SamplingParams
+from loramux.engine.sampler import Sampler, SamplingRow, top_logprobs
+from loramux.engine.sampling_params import SamplingParams, StructuredOutput
 from loramux.engine.scheduler import ScheduledBatch, Scheduler
 from loramux.engine.sequence import FinishReason, Sequence
 from loramux.engine.spec_decode import build_verdict, propose_ngram, verify
@@ -35,6 +35,7 @@ class _Request:
     stop_ids: frozenset[int]
     stop_string_hit: bool = False
     adapter_name: str | None = None
+    constraint: Constraint | None = None  # structured output: the grammar's state
 
 
 @dataclass
@@ -44,6 +45,7 @@ class _Sampled:
     req: _Request
     tokens: list[int]
     logprobs: list[float]
+    top: list[list[tuple[int, float]]]  # top_logprobs per token ([] each when not asked for)
     accepted: int | None = None  # speculative decodes only
 
 
@@ -80,6 +82,7 @@ class LLMEngine:
                                   self.adapters.location if self.adapters else None, config, self.max_model_len)
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.grammars = GrammarCache(tokenizer, mcfg.vocab_size, self.eos_token_ids)  # built on first use
         self.requests: dict[str, _Request] = {}
         self.num_preemptions = 0
         self.spec_proposed = self.spec_accepted = 0  # draft tokens proposed / accepted so far
@@ -90,35 +93,9 @@ class LLMEngine:
     def from_settings(cls, settings, load_adapters: bool = True) -> LLMEngine:
         """The engine for `settings`; `load_adapters`: also load LORAMUX_ADAPTERS directly (without the
         registry, as the CLI does)."""
-        from transformers import AutoTokenizer
+        from loramux.engine.factory import engine_from_settings
 
-        from loramux.model.loader import build_model, end_of_turn_ids, resolve_model_dir, torch_dtype
-
-        device = torch.device("cuda" if settings.device == "auto" and torch.cuda.is_available()
-                              else ("cpu" if settings.device == "auto" else settings.device))
-        dtype = torch_dtype(settings.dtype, device)
-        model_dir = resolve_model_dir(settings.model, Path(settings.cache_dir))
-        model, mcfg = build_model(model_dir, dtype, device, settings.max_model_len, settings.quantization)
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        config = EngineConfig(block_size=settings.block_size, kv_cache_bytes=settings.kv_cache_bytes,
-                              max_num_seqs=settings.max_num_seqs,
-                              max_num_batched_tokens=settings.max_num_batched_tokens,
-                              step_target_ms=settings.step_target_ms,
-                              max_model_len=settings.max_model_len, max_loras=settings.max_loras,
-                              max_lora_rank=settings.max_lora_rank, lora_impl=settings.lora_impl,
-                              adapter_pool_bytes=settings.adapter_pool_bytes,
-                              adapter_min_residency_s=settings.adapter_min_residency_s,
-                              adapter_drain_after_s=settings.adapter_drain_after_s,
-                              priority_aging_s=settings.priority_aging_s, cuda_graphs=settings.cuda_graphs,
-                              enable_prefix_caching=settings.prefix_caching,
-                              num_speculative_tokens=settings.speculative_tokens,
-                              speculative_max_batch=settings.speculative_max_batch)
-        engine = cls(model, tokenizer, config, end_of_turn_ids(tokenizer, mcfg, model_dir), dtype, device)
-        engine.model_name = settings.model
-        for name, path in (settings.adapter_dirs() if load_adapters else {}).items():
-            engine.load_adapter_dir(path, name)
-        calibrate_step_cost(engine)
-        return engine
+        return engine_from_settings(cls, settings, load_adapters)
 
     # -- adapters --------------------------------------------------------------------------------
     def register_adapter(self, adapter: LoRAAdapter) -> None:
@@ -155,6 +132,11 @@ class LLMEngine:
         return adapter
 
     # -- requests --------------------------------------------------------------------------------
+    def compile_structured(self, spec: StructuredOutput) -> None:
+        """Compile a structured-output constraint into the engine's cache, so that add_request finds it
+        (any thread; raises StructuredOutputError, whose message is fit for the user)."""
+        self.grammars.compile(spec)
+
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of `messages` under the model's chat template, ready for the assistant's turn."""
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -186,6 +168,8 @@ class LLMEngine:
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in ids) or any(t >= vocab for t in params.stop_token_ids):
             raise RequestError(f"token ids must be in [0, {vocab})")
+        if bad := [t for t in params.logit_bias if t >= vocab]:
+            raise RequestError(f"logit_bias names token id {bad[0]}, outside the vocabulary [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise RequestError(f"the prompt has {len(ids)} tokens; this model accepts at most "
                                f"{self.max_model_len - 1} prompt tokens")
@@ -197,8 +181,14 @@ class LLMEngine:
                        **({"arrival": arrival} if arrival is not None else {}))
         generator = Sampler.make_generator(params.seed) if params.seed is not None else None
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        try:  # the grammar decides when a constrained request stops: its EOS ends it even with ignore_eos
+            constraint = Constraint(self.grammars, params.structured) if params.structured else None
+        except StructuredOutputError as exc:
+            raise RequestError(str(exc)) from None
+        stop_ids |= constraint.stop_token_ids if constraint else frozenset()
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
-        self.requests[request_id] = _Request(seq, detok, generator, stop_ids, adapter_name=adapter)
+        self.requests[request_id] = _Request(seq, detok, generator, stop_ids, adapter_name=adapter,
+                                             constraint=constraint)
         if lora is not None:
             self.adapters.add_waiting(lora)  # the residency holds the host copy until the request ends
         self.scheduler.add(seq)
@@ -241,14 +231,14 @@ class LLMEngine:
         step (computed tokens, prefix-cache commits), then finish the requests that stopped."""
         sampled = self._sample(step)
         now = time.monotonic()
-        appended = [(s.req, *self._append_tokens(s.req, s.tokens, s.logprobs, now)) for s in sampled]
+        appended = [(s, *self._append_tokens(s, now)) for s in sampled]
         self.scheduler.complete(batch, {s.req.seq: s.accepted for s in sampled if s.accepted is not None})
         outputs = []
-        for req, delta, tokens, logprobs, reason in appended:
+        for s, delta, n, reason in appended:
             if reason is not None:
-                self.scheduler.finish(req.seq, reason, now)
-                self._forget(req)
-            outputs.append(self._output(req, delta, tokens, logprobs))
+                self.scheduler.finish(s.req.seq, reason, now)
+                self._forget(s.req)
+            outputs.append(self._output(s.req, delta, s.tokens[:n], s.logprobs[:n], s.top[:n]))
         return outputs
 
     def _sample(self, step: StepLogits) -> list[_Sampled]:
@@ -259,8 +249,10 @@ class LLMEngine:
             reqs, rows = [req for req, _ in plain], [row for _, row in plain]
             logits = step.logits if len(rows) == step.logits.shape[0] else step.logits[rows]
             logits = self._suppress_early_stops(logits, reqs, [0] * len(reqs))
-            out = self.sampler(logits, [self._sampling_row(req.seq) for req in reqs], [req.generator for req in reqs])
-            result += [_Sampled(req, [t], [lp]) for req, t, lp in zip(reqs, out.token_ids, out.logprobs)]
+            out = self.sampler(logits, [self._sampling_row(req.seq) for req in reqs], [req.generator for req in reqs],
+                               batch_masker([req.constraint for req in reqs]))
+            result += [_Sampled(req, [t], [lp], [top])
+                       for req, t, lp, top in zip(reqs, out.token_ids, out.logprobs, out.top_logprobs)]
         for seq, row, n in step.rows:
             if n > 1:
                 result.append(self._verify(self.requests[seq.request_id], step.logits[row:row + n]))
@@ -268,9 +260,9 @@ class LLMEngine:
 
     def _suppress_early_stops(self, logits: torch.Tensor, reqs: list[_Request], ahead: list[int]) -> torch.Tensor:
         """Mask stop token ids on rows whose request has not reached min_tokens (row i sits `ahead[i]`
-        tokens past the request's current output)."""
-        early = [(i, list(req.stop_ids)) for i, req in enumerate(reqs)
-                 if len(req.seq.output_token_ids) + ahead[i] < req.seq.params.min_tokens and req.stop_ids]
+        tokens past the request's current output); a constrained request's grammar decides alone."""
+        early = [(i, list(req.stop_ids)) for i, req in enumerate(reqs) if req.stop_ids and req.constraint is None
+                 and len(req.seq.output_token_ids) + ahead[i] < req.seq.params.min_tokens]
         if early:
             logits = logits.clone()  # the runner's output is an inference tensor
             for i, ids in early:
@@ -299,6 +291,8 @@ class LLMEngine:
             room = min(k, p.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens - 1)
             if room > 0:
                 seq.draft_token_ids = propose_ngram(seq.token_ids, room)
+            if seq.draft_token_ids and (constraint := self.requests[seq.request_id].constraint) is not None:
+                seq.draft_token_ids = constraint.cut_draft(seq.draft_token_ids)  # what the grammar allows
 
     def _verify(self, req: _Request, logits: torch.Tensor) -> _Sampled:
         """Accept the longest valid prefix of the draft (rejection sampling keeps the distribution),
@@ -309,45 +303,50 @@ class LLMEngine:
         rows = [dataclasses.replace(base, output_token_ids=seq.output_token_ids + draft[:j])
                 for j in range(len(draft) + 1)]
         logits = self._suppress_early_stops(logits, [req] * len(rows), list(range(len(rows))))
-        probs, raw_logprobs = self.sampler.probs(logits, rows)
+        mask = req.constraint.draft_masker(draft) if req.constraint is not None else None
+        probs, raw_logprobs = self.sampler.probs(logits, rows, mask)
         greedy = seq.params.temperature < 1e-5
         accepted, next_token = verify(probs, draft, req.generator, greedy)
         verdict = build_verdict(draft, accepted, next_token, raw_logprobs)
+        top = top_logprobs(raw_logprobs[:accepted + 1], [seq.params.top_logprobs] * (accepted + 1))
         self.spec_proposed += len(draft)
         self.spec_accepted += accepted
         seq.spec_misses = seq.spec_misses + 1 if accepted == 0 else 0
         seq.draft_token_ids = []
-        return _Sampled(req, verdict.tokens, verdict.logprobs, accepted)
+        return _Sampled(req, verdict.tokens, verdict.logprobs, top, accepted)
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         p = seq.params
         return SamplingRow(**p.sampling_controls(),
                            prompt_token_ids=seq.prompt_token_ids if p.repetition_penalty != 1.0 else (),
-                           output_token_ids=seq.output_token_ids)
+                           output_token_ids=seq.output_token_ids, logit_bias=p.logit_bias, top_logprobs=p.top_logprobs)
 
-    def _append_tokens(self, req: _Request, tokens: list[int], logprobs: list[float], now: float
-                       ) -> tuple[str, list[int], list[float], FinishReason | None]:
-        """Append tokens until one ends the request; returns (new text, tokens kept, their logprobs,
-        why it ends or None). The caller finishes the request."""
-        seq, delta, reason = req.seq, "", None
+    def _append_tokens(self, s: _Sampled, now: float) -> tuple[str, int, FinishReason | None]:
+        """Append tokens until one ends the request; returns (new text, number of tokens kept, why it ends
+        or None). The caller finishes the request."""
+        req, seq, delta, reason, constraint = s.req, s.req.seq, "", None, s.req.constraint
         if seq.timings.first_token is None:
             seq.timings.first_token = now
-        for n, (token, logprob) in enumerate(zip(tokens, logprobs), 1):
+        for n, (token, logprob, top) in enumerate(zip(s.tokens, s.logprobs, s.top), 1):
             seq.output_token_ids.append(token)
             seq.output_logprobs.append(logprob)
-            if token in req.stop_ids:
+            if seq.params.top_logprobs:
+                seq.output_top_logprobs.append(top)
+            if constraint is not None and not constraint.accept(token):
+                reason = FinishReason.ERROR  # the grammar masked this token: a bug, never a wrong output
+            elif token in req.stop_ids:
                 reason = FinishReason.STOP
             else:
                 update = req.detok.add_tokens([token])
                 delta += update.delta
-                if update.stopped:
+                if update.stopped or (constraint is not None and constraint.done):
                     reason = FinishReason.STOP
-                    req.stop_string_hit = True
+                    req.stop_string_hit = update.stopped
                 elif len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
                     reason = FinishReason.LENGTH
             if reason is not None:
-                return delta, tokens[:n], logprobs[:n], reason
-        return delta, tokens, logprobs, None
+                return delta, n, reason
+        return delta, len(s.tokens), None
 
     def _forget(self, req: _Request) -> None:
         """Drop a finished request (the scheduler has released its blocks and its adapter)."""
@@ -366,11 +365,11 @@ class LLMEngine:
             outputs.append(self._output(req, "", []))
         return outputs
 
-    def _output(self, req: _Request, delta: str, new_ids: list[int], new_logprobs: list[float] | None = None
-                ) -> RequestOutput:
+    def _output(self, req: _Request, delta: str, new_ids: list[int], new_logprobs: list[float] | None = None,
+                new_top: list | None = None) -> RequestOutput:
         """The output of one step: the deltas, and the state so far as O(1) views (whole copies on the
         final output only), so no step costs memory or time in proportion to the output's length."""
-        seq = req.seq
+        seq, tops = req.seq, req.seq.output_top_logprobs
         finished, n = seq.is_finished, len(seq.output_token_ids)
         if finished and not req.stop_string_hit:
             delta += req.detok.finish()  # release text held back in case it began a stop string
@@ -382,6 +381,8 @@ class LLMEngine:
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,
             num_prompt_tokens=len(seq.prompt_token_ids), timings=seq.timings.as_dict(n) if finished else {},
             adapter=req.adapter_name, num_cached_tokens=seq.num_cached_tokens,
+            top_logprobs=list(tops) if finished else SoFar(tops, len(tops)),
+            new_top_logprobs=new_top if seq.params.top_logprobs and new_top else [],
         )
 
     # -- conveniences ----------------------------------------------------------------------------

@@ -5,7 +5,8 @@ transformation is vectorised across rows (per-row parameter tensors, [B, V] mask
 loop over rows draws the noise of seeded rows, so that a seeded request never depends on its batch.
 
 Pipeline, per step:
-    penalties (repetition, then frequency/presence)
+    logit_bias (OpenAI: added to the logits) -> token mask (structured output: disallowed tokens -inf)
+    -> penalties (repetition, then frequency/presence)
     -> greedy rows: argmax of the penalised logits
     -> temperature -> top-k -> top-p -> min-p -> sample (exponential race)
 
@@ -13,19 +14,20 @@ Pipeline, per step:
 speculative decoding to verify draft tokens).
 
 Reported logprobs are those of the model's raw distribution (log_softmax of the unmodified logits),
-as the OpenAI API reports them, not of the distribution actually sampled from.
+as the OpenAI API reports them, not of the distribution actually sampled from (no logit_bias, no
+grammar mask, no penalties, no temperature); so are `top_logprobs`, a row's k most likely tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from loramux.engine.sampling_params import SamplingControls
 
-__all__ = ["SamplingRow", "SamplerOutput", "Sampler", "apply_penalties"]
+__all__ = ["SamplingRow", "SamplerOutput", "Sampler", "TokenMasker", "apply_penalties", "top_logprobs"]
 
 # Temperatures below this are treated as greedy (dividing by them would overflow anyway).
 _GREEDY_TEMPERATURE = 1e-5
@@ -50,18 +52,25 @@ class SamplingRow(SamplingControls):
         row (made once per request with `Sampler.make_generator(seed)` and kept across steps).
     prompt_token_ids: only read when repetition_penalty != 1.
     output_token_ids: tokens generated so far by this request.
+    logit_bias: token id -> value added to its logit before anything else (OpenAI semantics: -100
+        effectively bans a token, +100 effectively forces it).
+    top_logprobs: also report this row's k most likely tokens under the raw distribution (0 = off).
     """
 
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    top_logprobs: int = 0
 
 
 @dataclass
 class SamplerOutput:
-    """token_ids[i]: the token chosen for row i; logprobs[i]: its log-prob under the raw logits."""
+    """token_ids[i]: the token chosen for row i; logprobs[i]: its log-prob under the raw logits;
+    top_logprobs[i]: row i's top_logprobs most likely (token id, raw log-prob), most likely first ([] when 0)."""
 
     token_ids: list[int]
     logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 def _is_greedy(row: SamplingRow) -> bool:
@@ -127,6 +136,41 @@ def _penalise(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return x.index_copy_(0, index, sub)
 
 
+# Masks the logits [B, V] in place (float32, the sampler's private copy): structured output's token masks.
+TokenMasker = Callable[[torch.Tensor], None]
+
+
+def _bias_and_mask(raw: torch.Tensor, rows: list[SamplingRow], mask: TokenMasker | None) -> torch.Tensor:
+    """`raw` with each row's logit_bias added and `mask` applied: a copy when either does anything, else
+    `raw` itself (rows without either stay bit-identical)."""
+    biased = [(i, r.logit_bias) for i, r in enumerate(rows) if r.logit_bias]
+    if not biased and mask is None:
+        return raw
+    x = raw.clone()
+    if biased:
+        index = [(i, t) for i, bias in biased for t in bias]
+        where = torch.tensor(index, dtype=torch.long, device=x.device).t()
+        values = torch.tensor([b for _, bias in biased for b in bias.values()], dtype=torch.float32, device=x.device)
+        x.index_put_((where[0], where[1]), values, accumulate=True)
+    if mask is not None:
+        mask(x)
+    return x
+
+
+def top_logprobs(logprobs: torch.Tensor, ks: Sequence[int]) -> list[list[tuple[int, float]]]:
+    """Row i's ks[i] largest log-probs of `logprobs` [B, V] as (token id, log-prob), largest first ([] for
+    ks[i] = 0): one topk over the rows that ask for any."""
+    out: list[list[tuple[int, float]]] = [[] for _ in ks]
+    want = [i for i, k in enumerate(ks) if k > 0]
+    if not want:
+        return out
+    sub = logprobs if len(want) == logprobs.shape[0] else logprobs[want]
+    values, ids = sub.topk(min(max(ks), logprobs.shape[1]), dim=-1)
+    for i, vals, toks in zip(want, values.tolist(), ids.tolist()):
+        out[i] = list(zip(toks[:ks[i]], vals[:ks[i]]))
+    return out
+
+
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Return float32 logits [B, V] with each row's repetition, then frequency/presence penalties.
 
@@ -190,27 +234,31 @@ class Sampler:
         logits: torch.Tensor,
         rows: list[SamplingRow],
         generators: list[torch.Generator | None],
+        mask: TokenMasker | None = None,
     ) -> SamplerOutput:
         """Sample one token per row.
 
         logits: [B, V] float32 or bfloat16 (computed in float32); rows[i] and generators[i]
-        belong to row i. A sampled row with generators[i] set draws its noise (V exponentials per
-        step) only from that generator, so a seeded request yields the same tokens wherever it sits
-        and whatever shares its batch; unseeded rows share one draw from the default generator.
-        Greedy rows draw nothing.
+        belong to row i. `mask` (structured output) sets disallowed tokens to -inf after logit_bias;
+        `logits` itself is never written to. A sampled row with generators[i] set draws its noise
+        only from that generator, so a seeded request yields the same tokens wherever it sits and
+        whatever shares its batch; unseeded rows share one draw from the default generator. Greedy
+        rows draw nothing.
         """
         n_rows, vocab = logits.shape
         if n_rows == 0:
             return SamplerOutput(token_ids=[], logprobs=[])
         device = logits.device
         raw = logits.float()  # aliases `logits` when already float32; never written to
+        x = _bias_and_mask(raw, rows, mask)
 
         greedy = [_is_greedy(r) for r in rows]
         penalised = any(_has_penalty(r) for r in rows)
         if all(greedy) and not penalised:
-            return self._output(raw, raw.argmax(dim=-1))
+            return self._output(raw, x.argmax(dim=-1), rows)
 
-        x = apply_penalties(raw, rows) if penalised else raw
+        if penalised:
+            x = _penalise(x.clone() if x is raw else x, rows)
         tokens = torch.empty(n_rows, dtype=torch.long, device=device)
 
         greedy_idx = [i for i, g in enumerate(greedy) if g]
@@ -223,16 +271,17 @@ class Sampler:
             si = torch.tensor(sample_idx, dtype=torch.long, device=device)
             tokens[si] = self._sample(x, [rows[i] for i in sample_idx], sample_idx, si, generators)
 
-        return self._output(raw, tokens)
+        return self._output(raw, tokens, rows)
 
     def probs(
-        self, logits: torch.Tensor, rows: list[SamplingRow]
+        self, logits: torch.Tensor, rows: list[SamplingRow], mask: TokenMasker | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-row distributions that `__call__` samples from, and the raw log-probs.
 
         Returns (probs, raw_logprobs), both float32 [B, V]. probs[i] is row i's processed
-        distribution (penalties, temperature, top-k, top-p, min-p; zeros where filtered); a greedy
-        row gets a one-hot at the argmax of its penalised logits, i.e. the token `__call__` picks.
+        distribution (logit_bias, `mask`, penalties, temperature, top-k, top-p, min-p; zeros where
+        filtered); a greedy row gets a one-hot at the argmax of its biased, masked, penalised logits,
+        i.e. the token `__call__` picks.
         raw_logprobs is log_softmax of the unmodified logits, the distribution logprobs are
         reported from. Draws nothing from any generator. Speculative decoding calls it with one row
         per verified position.
@@ -246,7 +295,9 @@ class Sampler:
 
         greedy = [_is_greedy(r) for r in rows]
         penalised = any(_has_penalty(r) for r in rows)
-        x = apply_penalties(raw, rows) if penalised else raw
+        x = _bias_and_mask(raw, rows, mask)
+        if penalised:
+            x = _penalise(x.clone() if x is raw else x, rows)
         out = torch.zeros(n_rows, vocab, dtype=torch.float32, device=device)
 
         greedy_idx = [i for i, g in enumerate(greedy) if g]
@@ -325,8 +376,15 @@ class Sampler:
         return tokens
 
     @staticmethod
-    def _output(raw: torch.Tensor, tokens: torch.Tensor) -> SamplerOutput:
+    def _output(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         # log_softmax at one index: logit - logsumexp, without a [B, V] log_softmax tensor.
         chosen = raw.gather(1, tokens.unsqueeze(1)).squeeze(1)
         logprobs = chosen - torch.logsumexp(raw, dim=-1)
-        return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs.tolist())
+        ks = [r.top_logprobs for r in rows]
+        tops = [[] for _ in rows]
+        if any(ks):
+            want = [i for i, k in enumerate(ks) if k > 0]
+            picked = top_logprobs(torch.log_softmax(raw[want], dim=-1), [ks[i] for i in want])
+            for i, top in zip(want, picked):
+                tops[i] = top
+        return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs.tolist(), top_logprobs=tops)

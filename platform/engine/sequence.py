@@ -69,6 +69,7 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_ids))
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # when params.top_logprobs
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (first admission)

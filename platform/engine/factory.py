@@ -1,0 +1,43 @@
+"""Building an LLMEngine from Settings: model, tokenizer, engine configuration, adapters, calibration."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from loramux.engine.calibration import calibrate_step_cost
+from loramux.engine.outputs import EngineConfig
+
+
+def engine_from_settings(cls, settings, load_adapters: bool = True):
+    """`cls` (LLMEngine or a subclass) for `settings`; `load_adapters`: also load LORAMUX_ADAPTERS directly
+    (without the registry, as the CLI does). `LLMEngine.from_settings` calls this."""
+    from transformers import AutoTokenizer
+
+    from loramux.model.loader import build_model, end_of_turn_ids, resolve_model_dir, torch_dtype
+
+    device = torch.device("cuda" if settings.device == "auto" and torch.cuda.is_available()
+                          else ("cpu" if settings.device == "auto" else settings.device))
+    dtype = torch_dtype(settings.dtype, device)
+    model_dir = resolve_model_dir(settings.model, Path(settings.cache_dir))
+    model, mcfg = build_model(model_dir, dtype, device, settings.max_model_len, settings.quantization)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    config = EngineConfig(block_size=settings.block_size, kv_cache_bytes=settings.kv_cache_bytes,
+                          max_num_seqs=settings.max_num_seqs,
+                          max_num_batched_tokens=settings.max_num_batched_tokens,
+                          step_target_ms=settings.step_target_ms,
+                          max_model_len=settings.max_model_len, max_loras=settings.max_loras,
+                          max_lora_rank=settings.max_lora_rank, lora_impl=settings.lora_impl,
+                          adapter_pool_bytes=settings.adapter_pool_bytes,
+                          adapter_min_residency_s=settings.adapter_min_residency_s,
+                          adapter_drain_after_s=settings.adapter_drain_after_s,
+                          priority_aging_s=settings.priority_aging_s, cuda_graphs=settings.cuda_graphs,
+                          enable_prefix_caching=settings.prefix_caching,
+                          num_speculative_tokens=settings.speculative_tokens,
+                          speculative_max_batch=settings.speculative_max_batch)
+    engine = cls(model, tokenizer, config, end_of_turn_ids(tokenizer, mcfg, model_dir), dtype, device)
+    engine.model_name = settings.model
+    for name, path in (settings.adapter_dirs() if load_adapters else {}).items():
+        engine.load_adapter_dir(path, name)
+    calibrate_step_cost(engine)
+    return engine
