@@ -26,6 +26,7 @@ PRICE_RELOAD_S = 1.0  # the writer reloads the price table at most this often (a
 _INT32_MAX = 2**31 - 1
 _ZERO = Money.SCALE * 0
 _STRINGS = {c.name: c.type.length for c in LedgerEntry.__table__.columns if isinstance(c.type, String)}
+_NULLABLE = frozenset(c.name for c in LedgerEntry.__table__.columns if c.nullable)
 _RECORD_FIELDS = [f.name for f in fields(RequestRecord)]
 _INTS = ("prompt_tokens", "cached_tokens", "completion_tokens", "adapter_version")
 
@@ -45,10 +46,10 @@ def check_record(record) -> None:
 
     for name, length in _STRINGS.items():
         value = getattr(record, name, None)
-        if value is None and name == "adapter_id":
+        if value is None and name in _NULLABLE:
             continue
         if not isinstance(value, str) or not value:
-            raise bad(f"{name} must be a non-empty string")
+            raise bad(f"{name} must be a non-empty string{' or None' if name in _NULLABLE else ''}")
         if length is not None and len(value) > length:
             raise bad(f"{name} is longer than {length} characters")
     for name in _INTS:
@@ -85,7 +86,7 @@ def ledger_row(record: RequestRecord, prices: Sequence[PriceInfo]) -> dict:
         cached_input_per_mtok=price.cached_input_per_mtok if price else _ZERO,
         output_per_mtok=price.output_per_mtok if price else _ZERO,
         cost=cost_of(record.prompt_tokens, record.cached_tokens, record.completion_tokens, price),
-        created_at=record.created_at)
+        created_at=record.created_at, end_user=record.end_user)
 
 
 def short_error(exc: BaseException) -> str:

@@ -30,6 +30,7 @@ class RequestRecord:
     ttft_ms: float | None
     total_ms: float
     created_at: datetime = field(default_factory=utcnow)
+    end_user: str | None = None  # the client's own id of its end user (OpenAI's `user`), at most 256 characters
 
     def as_dict(self) -> dict:
         return asdict(self)

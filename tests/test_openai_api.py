@@ -138,12 +138,13 @@ def test_errors_have_the_right_status_and_say_what_to_fix(stack):
         c.chat.completions.create(model=MODEL, messages=CHAT, temperature=5)
     with pytest.raises(openai.UnprocessableEntityError, match="messages"):
         c.chat.completions.create(model=MODEL, messages=[])
-    with pytest.raises(openai.UnprocessableEntityError, match="n"):
-        c.chat.completions.create(model=MODEL, messages=CHAT, n=2)
+    with pytest.raises(openai.BadRequestError, match="limit of 8 choices"):
+        c.chat.completions.create(model=MODEL, messages=CHAT, n=9)
     with pytest.raises(openai.BadRequestError, match="context length"):
         c.completions.create(model=MODEL, prompt="hi", max_tokens=100_000)
-    with pytest.raises(openai.BadRequestError, match="tool calling"):
-        c.chat.completions.create(model=MODEL, messages=CHAT, tools=[{"type": "function", "function": {"name": "f"}}])
+    with pytest.raises(openai.BadRequestError, match="'g', which is not in tools"):
+        c.chat.completions.create(model=MODEL, messages=CHAT, tools=[{"type": "function", "function": {"name": "f"}}],
+                                  tool_choice={"type": "function", "function": {"name": "g"}})
     with pytest.raises(openai.BadRequestError, match="maximum of tier"):
         c.chat.completions.create(model=MODEL, messages=CHAT, extra_body={"timeout_s": 10_000})
     server, _, _ = stack

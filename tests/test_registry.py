@@ -53,16 +53,19 @@ def test_migrations_match_the_models_and_downgrade_cleanly(database):
     with database.engine.connect() as conn:
         diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata)
     assert diff == []
-    assert database.current_revision() == "0004"
+    assert database.current_revision() == "0005"
     database.downgrade("base")
     assert set(inspect(database.engine).get_table_names()) <= {"alembic_version"}
     database.upgrade()
     assert {"tenants", "adapters", "adapter_versions", "tiers", "api_keys", "admin_keys", "prices", "ledger",
             "adapter_blobs"} <= set(inspect(database.engine).get_table_names())
+    database.downgrade("0004")  # 0005 alone goes down and up again
+    assert "end_user" not in {c["name"] for c in inspect(database.engine).get_columns("ledger")}
     database.downgrade("0003")  # 0004 alone goes down and up again
     assert "adapter_blobs" not in inspect(database.engine).get_table_names()
     database.upgrade()
-    assert database.current_revision() == "0004"
+    assert database.current_revision() == "0005"
+    assert "end_user" in {c["name"] for c in inspect(database.engine).get_columns("ledger")}
 
 
 def test_register_resolve_list_versions(registry, base_cfg, tmp_path):

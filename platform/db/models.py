@@ -248,3 +248,5 @@ class LedgerEntry(Base):
     output_per_mtok: Mapped[Decimal] = mapped_column(Money)
     cost: Mapped[Decimal] = mapped_column(Money)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)  # when the request arrived
+    # The client's id of its end user (OpenAI's `user` field), for its own per-user accounting; not checked.
+    end_user: Mapped[str | None] = mapped_column(String(256), nullable=True)

@@ -15,7 +15,8 @@ class StructuredOutput:
     (`loramux.engine.grammar`). `spec` is canonical text, so equal constraints hash alike (the compile cache):
 
     - "json_object": any JSON object (`spec` unused, "")
-    - "json_schema": a JSON schema, `spec` = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    - "json_schema": a JSON schema, `spec` = json.dumps(schema, separators=(",", ":")) (key order kept: the
+                     output lists an object's properties in the schema's order)
     - "regex":       the output matches this regular expression in full
     - "choice":      the output is exactly one of a list of strings, `spec` = json.dumps(list_of_strings)
 

@@ -59,20 +59,30 @@ def client_disconnected() -> JSONResponse:
     return error_response(CLIENT_CLOSED_REQUEST, "client disconnected", "cancelled")
 
 
+# Request fields whose malformed values are a 400, as OpenAI answers them (clients and SDKs handle a bad tool,
+# response_format or logit_bias as a 400); other malformed fields are a 422.
+BAD_REQUEST_FIELDS = frozenset({"tools", "tool_choice", "response_format", "logit_bias"})
+
+
 def _validation_error(exc: RequestValidationError) -> JSONResponse:
-    """422 naming every invalid field; `param` is the first one."""
-    problems = []
+    """422 naming every invalid field (400 when all of them are in BAD_REQUEST_FIELDS); `param` is the
+    first one."""
+    problems, fields = [], set()
     for err in exc.errors():
-        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        fields.add(loc[0] if loc else "")
+        where = ".".join(loc)
         problems.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
     first = exc.errors()[0].get("loc", ()) if exc.errors() else ()
     param = ".".join(str(p) for p in first if p != "body") or None
-    return error_response(422, "invalid request: " + "; ".join(problems), "invalid_parameter", param)
+    status = 400 if fields and fields <= BAD_REQUEST_FIELDS else 422
+    return error_response(status, "invalid request: " + "; ".join(problems), "invalid_parameter", param)
 
 
 def install_error_handlers(app: FastAPI) -> None:
     """One handler per error family; each maps its exceptions to a status and a stable `code`."""
     from loramux.engine.async_engine import EngineDeadError, EngineStepError
+    from loramux.server.tool_calls import ToolError
 
     def handle(family, respond):
         async def handler(request: Request, exc):
@@ -82,6 +92,7 @@ def install_error_handlers(app: FastAPI) -> None:
     handle(ApiError, lambda e: error_response(e.status, str(e), e.code, e.param, e.retry_after_s))
     handle(StarletteHTTPException, lambda e: error_response(e.status_code, str(e.detail), headers=e.headers))
     handle(RequestValidationError, _validation_error)
+    handle(ToolError, lambda e: error_response(400, str(e), "invalid_tools", "tools"))
     handle(EngineDeadError, lambda e: error_response(503, str(e), "engine_stopped", retry_after_s=5))
     handle(EngineStepError, lambda e: error_response(500, str(e), "engine_error"))
     handle(TenancyError, _tenancy_error)

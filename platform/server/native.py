@@ -14,8 +14,10 @@ from loramux.engine.engine import RequestOutput
 from loramux.server.deps import ServerDep, ServicesDep, TenantDep
 from loramux.server.params import ChatMessage, GenerationParams
 from loramux.server.prompts import Prompt
+from loramux.server.response_format import MAX_CHOICES, ResponseFormat, from_native
 from loramux.server.serving import Running, respond
 from loramux.server.sse import DONE, STREAMED, sse_event
+from loramux.server.tool_calls import template_messages
 
 router = APIRouter(tags=["native"])
 
@@ -30,6 +32,12 @@ class GenerateRequest(GenerationParams):
     prompt: str | None = None
     adapter_id: str | None = Field(default=None, validation_alias=AliasChoices("adapter_id", "adapter"))
     messages: list[ChatMessage] | None = None
+    # At most one output constraint (400 for two); see loramux.server.response_format.
+    response_format: ResponseFormat | None = None
+    regex: str | None = Field(default=None, max_length=10_000, description="the output matches this regular "
+                              "expression in full")
+    choice: list[str] | None = Field(default=None, max_length=MAX_CHOICES,
+                                     description="the output is exactly one of these strings")
 
     @model_validator(mode="after")
     def _one_input(self):
@@ -71,13 +79,15 @@ async def generate(body: GenerateRequest, request: Request, tenant: TenantDep, s
     arrival = time.monotonic()
     # Tokenized once admitted (see Server.start_generation).
     prompt = (Prompt(text=body.prompt) if body.prompt is not None
-              else Prompt(messages=[m.as_template_message() for m in body.messages]))
+              else Prompt(messages=template_messages(body.messages, native=False)))
+    structured = from_native(body.response_format, body.regex, body.choice)
     running = await server.start_generation(
         tenant, body.adapter_id, prompt, body, arrival, id_prefix="gen", max_tokens=body.max_tokens,
-        default_max_tokens=DEFAULT_MAX_TOKENS, default_temperature=DEFAULT_TEMPERATURE)
+        default_max_tokens=DEFAULT_MAX_TOKENS, default_temperature=DEFAULT_TEMPERATURE,
+        sampling={"structured": structured}, constraints=[(structured, None)])
 
-    def final(out: RequestOutput) -> JSONResponse:
-        return JSONResponse(_final_body(running, out), headers=running.headers())
+    def final(outs: list[RequestOutput]) -> JSONResponse:
+        return JSONResponse(_final_body(running, outs[0]), headers=running.headers())
 
     async def events():
         last = None

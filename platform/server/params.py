@@ -7,29 +7,90 @@ temperature 1 by default, the native API is greedy), which they pass in.
 """
 from __future__ import annotations
 
-from typing import Literal
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
-from loramux.engine.sampling_params import SamplingParams
+from loramux.engine.sampling_params import LOGIT_BIAS_LIMIT, SamplingParams
 from loramux.server.bodies import RequestBody
 from loramux.server.errors import ApiError
 
+MAX_USER_CHARS = 256
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")
 
-class TextPart(RequestBody):
-    type: Literal["text"]
-    text: str
+
+class ContentPart(RequestBody):
+    """One part of a message's content. This server's model reads text: only `{"type": "text", "text"}`
+    parts are taken; images, audio and files are refused with 400."""
+
+    type: str = Field(description='"text" (other types are refused with 400)')
+    text: str | None = None
+
+
+class ToolCallFunction(RequestBody):
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str = Field(description="the arguments, as JSON text")
+
+
+class MessageToolCall(RequestBody):
+    """A call an assistant message made (as a response's `message.tool_calls[i]`)."""
+
+    id: str = Field(min_length=1, max_length=64)
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
 
 
 class ChatMessage(RequestBody):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    """A chat message. An assistant message may carry the `tool_calls` it made (then `content` may be
+    null); a `tool` message answers one of them (`tool_call_id`) with its result in `content`."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = Field(default=None, description="assistant: the calls it made")
+    tool_call_id: str | None = Field(default=None, max_length=64, description="tool: the call this answers")
+
+    @model_validator(mode="after")
+    def _shape(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (only an assistant message with tool_calls may omit it)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
+
+    def text(self) -> str:
+        """The message's text; 400 for a content part this server cannot read."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise ApiError(400, f"content parts of type {part.type!r} are not supported: this model reads "
+                                    'text only; send {"type": "text", "text": ...} parts or a string',
+                               code="unsupported_parameter", param="messages")
+        return "".join(p.text for p in self.content)
 
     def as_template_message(self) -> dict[str, str]:
-        """The message as the chat template takes it ("developer" is OpenAI's newer name for "system")."""
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        """The message as the chat template takes it ("developer" is OpenAI's newer name for "system");
+        tool calls and tool results are rendered by `loramux.server.tool_calls.template_messages`."""
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+
+
+LogitBias = dict[str, Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]]
+
+
+def parse_logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's `logit_bias` (token ids as strings of integers -> a bias in [-100, 100]) as the engine's
+    {token id: bias}; 400 for a key that is no token id (the engine refuses ids past the vocabulary)."""
+    out = {}
+    for key, value in (bias or {}).items():
+        if not _TOKEN_ID.fullmatch(key):
+            raise ApiError(400, f"logit_bias key {key!r} is not a token id: keys are token ids written as strings "
+                                'of integers, e.g. {"1234": -100}', code="invalid_logit_bias", param="logit_bias")
+        out[int(key)] = float(value)
+    return out
 
 
 class GenerationParams(RequestBody):
@@ -51,22 +112,29 @@ class GenerationParams(RequestBody):
     ignore_eos: bool = False
     timeout_s: float | None = Field(default=None, gt=0, le=86_400, description="default: the tier's")
     speculative: bool = Field(default=True, description="allow prompt-lookup speculation (same outputs)")
+    logit_bias: LogitBias | None = Field(
+        default=None, description='token id (a string of an integer) -> bias in [-100, 100] added to its logit '
+                                  'before sampling; -100 bans a token, +100 all but forces it')
+    user: str | None = Field(default=None, max_length=MAX_USER_CHARS,
+                             description="your id of the end user, recorded in this request's ledger row")
 
     @field_validator("stop")
     @classmethod
     def _stop_as_list(cls, value) -> list[str]:
         return [value] if isinstance(value, str) else list(value or [])
 
-    def sampling_params(self, max_tokens: int, default_temperature: float) -> SamplingParams:
-        """The engine's parameters; `max_tokens` is already resolved against the context (see below)."""
+    def sampling_params(self, max_tokens: int, default_temperature: float, **extra: Any) -> SamplingParams:
+        """The engine's parameters; `max_tokens` is already resolved against the context (see below);
+        `extra`: more SamplingParams fields a route decides (`structured`, `top_logprobs`)."""
         temperature = default_temperature if self.temperature is None else self.temperature
+        logit_bias = parse_logit_bias(self.logit_bias)
         try:
             return SamplingParams(
                 max_tokens=max_tokens, min_tokens=min(self.min_tokens, max_tokens), temperature=temperature,
                 top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
                 stop=self.stop or [], ignore_eos=self.ignore_eos, timeout_s=self.timeout_s,
-                speculative=self.speculative)
+                speculative=self.speculative, logit_bias=logit_bias, **extra)
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
 

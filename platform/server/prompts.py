@@ -69,14 +69,15 @@ class Prompt:
     template applied) or `token_ids`; exactly one is set."""
 
     text: str | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict] | None = None
     token_ids: list[int] | None = None
+    tools: list[dict] | None = None  # with messages: tools for a chat template that takes them
 
     def chars(self) -> int:
         """Characters of text the tokenizer will see at least (a template may trim each message)."""
         if self.text is not None:
             return len(self.text)
-        return sum(len(m["content"].strip()) for m in self.messages or ())
+        return sum(len((m.get("content") or "").strip()) for m in self.messages or ())
 
     def min_tokens(self, max_chars_per_token: int | None) -> int:
         """A lower bound of the prompt's token count, without tokenizing (exact for token ids; 0 when the
@@ -93,7 +94,7 @@ class Prompt:
             return list(self.token_ids)
         if self.text is not None:
             return await tokenize_text(engine, self.text)
-        return await tokenize_chat(engine, self.messages or [])
+        return await tokenize_chat(engine, self.messages or [], self.tools)
 
 
 async def tokenize_text(engine, text: str) -> list[int]:
@@ -101,9 +102,37 @@ async def tokenize_text(engine, text: str) -> list[int]:
     return await run_in_threadpool(engine.encode, text)
 
 
-async def tokenize_chat(engine, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of chat messages rendered with the model's template; 400 when they do not fit it."""
+async def tokenize_chat(engine, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """Token ids of chat messages (and `tools`, for a template that takes them) rendered with the model's
+    template; 400 when they do not fit it."""
     try:
+        if tools:
+            return await run_in_threadpool(_encode_with_tools, tokenizer_of(engine), messages, tools)
         return await run_in_threadpool(engine.encode_chat, messages)
     except Exception as exc:  # noqa: BLE001 - jinja TemplateError and friends: the messages do not fit
         raise ApiError(400, f"messages do not fit the model's chat template: {exc}") from None
+
+
+def tokenizer_of(engine):
+    """The Hugging Face tokenizer behind an AsyncEngine (thread-safe for encoding and decoding)."""
+    return engine.engine.tokenizer
+
+
+def template_takes_tools(engine) -> bool:
+    """Whether the model's chat template renders `tools` itself (it refers to them); SmolLM2's does not."""
+    template = getattr(tokenizer_of(engine), "chat_template", None)
+    if isinstance(template, dict):  # named templates: the default one
+        template = template.get("default")
+    return isinstance(template, str) and "tools" in template
+
+
+def _encode_with_tools(tokenizer, messages: list[dict], tools: list[dict]) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def decode(engine, ids: list[int]) -> str:
+    """The text of token ids (e.g. a prompt given as ids, echoed back)."""
+    return tokenizer_of(engine).decode(ids)

@@ -3,21 +3,23 @@
 Order of checks, cheapest first (the key and the body's size were checked before, by
 `loramux.server.ingress`): timeout within the tier's maximum -> rate limits (429), with the prompt's
 token count bounded from its length -> whether the queue can meet the deadline (503) -> a prompt whose
-bound cannot fit the context (400) -> tokenizing -> max_tokens against the context (400) -> the adapter:
-resolve in the registry (404), bring it into host RAM within the deadline (503, or the tenant's
-fallback) -> the engine. Everything taken on the way (rate limit admission, adapter lease) is given back
-exactly once, when a later check refuses the request or when it ends, however it ends, and the finished
-request goes to the ledger hooks and the metrics.
+bound cannot fit the context (400) -> tokenizing -> max_tokens against the context (400) -> compiling a
+structured-output constraint, off the event loop and bounded in time (400) -> the adapter: resolve in the
+registry (404), bring it into host RAM within the deadline (503, or the tenant's fallback) -> the engine
+(one request per choice: `n` siblings sharing the prompt's KV blocks). Everything taken on the way (rate
+limit admission, adapter lease) is given back exactly once, when a later check refuses the request or when
+it ends, however it ends, and the finished request goes to the ledger hooks and the metrics (one record).
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -26,15 +28,16 @@ from fastapi.responses import Response, StreamingResponse
 
 from loramux.adapters.registry import BASE_MODEL_ALIAS, AdapterNotFoundError, AdapterVersionInfo
 from loramux.adapters.tiers import Acquired, AdapterLoadError
-from loramux.admin.ledger import durable
 from loramux.db.models import utcnow
 from loramux.engine.engine import RequestError, RequestOutput
-from loramux.engine.sampling_params import SamplingParams
+from loramux.engine.sampling_params import SamplingParams, StructuredOutput
 from loramux.server.errors import ApiError, client_disconnected
 from loramux.server.logs import request_id_var
 from loramux.server.params import GenerationParams, check_prompt_bound, resolve_max_tokens
 from loramux.server.prompts import Prompt
 from loramux.server.ratelimit import Admission, RateLimited, RateLimiter, RequestTooLarge, TierLimits
+from loramux.server.response_format import compile_structured
+from loramux.server.running import BILLING_WAIT_S, Running
 from loramux.server.sse import guarded
 from loramux.tenancy import TenantContext
 from loramux.usage import RequestRecord
@@ -43,115 +46,10 @@ if TYPE_CHECKING:
     from loramux.server.metrics import ServerMetrics
     from loramux.services import Services
 
+__all__ = ["BILLING_WAIT_S", "Admitted", "Running", "RunningStreamingResponse", "Server", "respond"]
+
 log = logging.getLogger(__name__)
-
-BILLING_WAIT_S = 5.0  # longest an answer waits for its ledger row to be durable (a stuck disk)
-
-
-@dataclass
-class Running:
-    """A request the engine accepted: iterate `outputs()` once; it cleans up however it ends."""
-
-    request_id: str
-    tenant: TenantContext
-    requested: str
-    version: AdapterVersionInfo | None
-    lease: Acquired | None
-    fallback_reason: str | None
-    prompt_tokens: int
-    arrival: float
-    _stream: AsyncIterator[RequestOutput]
-    _first: RequestOutput
-    _on_end: Callable[[Running, RequestOutput | None, str], list[Future]]
-    _ended: bool = field(default=False, init=False)
-    _billing: list[Future] = field(default_factory=list, init=False)  # the ledger's durability futures
-    inter_token_s: list[float] = field(default_factory=list, init=False)
-
-    @property
-    def adapter_tier(self) -> str | None:
-        return self.lease.tier if self.lease else None
-
-    def extension(self, out: RequestOutput | None = None) -> dict:
-        """The `loramux` extension field of responses."""
-        timings = out.timings if out is not None else {}
-        ext = {"request_id": self.request_id, "queue_ms": timings.get("queue_ms"), "ttft_ms": timings.get("ttft_ms"),
-               "tokens_per_s": timings.get("decode_tokens_per_s"), "total_ms": timings.get("total_ms"),
-               "adapter": None, "tier": self.tenant.tier.name}
-        if self.version is not None:
-            ext["adapter"] = {"id": self.version.adapter_id, "name": self.version.name,
-                              "version": self.version.version, "cache_tier": self.adapter_tier}
-        if self.fallback_reason is not None:
-            ext["fallback"] = {"requested": self.requested, "reason": self.fallback_reason}
-        return ext
-
-    def headers(self) -> dict[str, str]:
-        headers = {"X-Request-Id": self.request_id}
-        if self.version is not None:
-            headers["X-Loramux-Adapter-Version"] = f"{self.version.adapter_id}@{self.version.version}"
-            headers["X-Loramux-Adapter-Tier"] = self.adapter_tier or ""
-        if self.fallback_reason is not None:
-            headers["X-Loramux-Fallback"] = "base" if self.version is None else self.version.name
-        return headers
-
-    async def outputs(self) -> AsyncIterator[RequestOutput]:
-        """The request's outputs; leaving early (client gone) cancels it in the engine. When the last one
-        has been taken, the loop ends only once the request's ledger row is durable, so whatever the
-        caller sends next (the final chunk, the usage, the JSON answer) is never sent for an unbilled
-        request."""
-        last = self._first
-        outcome = "error"
-        previous = time.monotonic() if last.new_token_ids else None
-        try:
-            yield last
-            while not last.finished:
-                last = await anext(self._stream)
-                if last.new_token_ids:
-                    now = time.monotonic()
-                    if previous is not None:
-                        self.inter_token_s.append(now - previous)
-                    previous = now
-                yield last
-            outcome = last.finish_reason or "stop"
-        except (asyncio.CancelledError, GeneratorExit):
-            outcome = "cancelled"
-            raise
-        finally:
-            await self._stream.aclose()  # aborts the engine request if it had not finished
-            self.end(last, outcome)
-        await self._billed()  # only after a normal end: nobody is waiting for a cancelled request's answer
-
-    async def _billed(self) -> None:
-        """Wait until the ledger holds this request durably (its write-ahead log line is fsync'd). A stuck
-        disk delays the answer at most BILLING_WAIT_S; then it goes out anyway, logged, and the record is
-        still written once the disk recovers (unless the process dies first)."""
-        for future in self._billing:
-            try:
-                await durable(future, BILLING_WAIT_S)
-            except Exception:  # noqa: BLE001 - never fail a finished request because of the ledger
-                log.exception("request %s: its ledger row is not durable yet; answering anyway", self.request_id)
-
-    async def final(self) -> RequestOutput:
-        last = None
-        async for out in self.outputs():
-            last = out
-        return last
-
-    def abandon(self, final: RequestOutput) -> None:
-        """The engine aborted this request because its reader stalled (a client that stopped reading):
-        give back what it holds and bill what was generated now, even if the stuck reader never returns."""
-        self.end(final, "cancelled")
-
-    def end(self, last: RequestOutput | None, outcome: str) -> None:
-        if not self._ended:
-            self._ended = True
-            self._billing = self._on_end(self, last, outcome)
-
-    async def close(self) -> None:
-        """Safety net for a request whose outputs were never (fully) consumed, e.g. a client gone before
-        the first chunk: cancel it in the engine and give back what it holds. A no-op once it ended."""
-        if not self._ended:
-            await self._stream.aclose()  # aborts the engine request if it is still running
-            self.end(None, "cancelled")
+SEED_LIMIT = 2**63  # SamplingParams' seed range; sibling seeds wrap around within it
 
 
 @dataclass
@@ -221,30 +119,38 @@ class Server:
 
     async def start_generation(self, tenant: TenantContext, model: str | None, prompt: Prompt,
                                body: GenerationParams, arrival: float, *, id_prefix: str, max_tokens: int | None,
-                               default_max_tokens: int, default_temperature: float) -> Running:
+                               default_max_tokens: int, default_temperature: float, n: int = 1,
+                               sampling: dict | None = None,
+                               constraints: Sequence[tuple[StructuredOutput | None, str | None]] = ()) -> Running:
         """A route's request, cheapest checks first: `admit` with the prompt's token count bounded from its
         length (`Prompt.min_tokens`), then refuse a prompt whose bound cannot fit the context, and only then
-        tokenize it (the threadpool), resolve max_tokens against the context, apply the route's defaults and
-        `launch` it as `<id_prefix>-<hex>`. The tokens-per-minute bucket is charged the bound at admission
-        and settled with the real prompt + completion tokens when the request ends. Raises ApiError with
-        nothing held."""
+        tokenize it (the threadpool), resolve max_tokens against the context, apply the route's defaults
+        (`sampling`: more `SamplingParams` fields, e.g. `structured`), compile the structured-output
+        `constraints` ((constraint, what it is called in messages) pairs: the one `sampling` sets, or one
+        compiled only to check it; see `compile_structured`) and `launch` it as `<id_prefix>-<hex>` with
+        `n` choices. The
+        tokens-per-minute bucket is charged the bound (prompt + n x max_tokens) at admission and settled
+        with the real prompt + completion tokens when the request ends. Raises ApiError with nothing held."""
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         request_id_var.set(request_id)  # log lines of this request carry its id
         engine = self.services.engine
         context = engine.max_model_len
         at_least = prompt.min_tokens(engine.max_chars_per_token)
         # Nothing that runs takes more than the context, so a bound past it is charged as the context.
-        admitted = self.admit(tenant, body.timeout_s, min(context, at_least + (max_tokens or default_max_tokens)),
-                              arrival)
+        admitted = self.admit(tenant, body.timeout_s,
+                              min(context, at_least + n * (max_tokens or default_max_tokens)), arrival)
         try:
             check_prompt_bound(at_least, context)  # exact for token ids; a bound from the length for text
             prompt_ids = await prompt.tokenize(engine)
             max_tokens = resolve_max_tokens(max_tokens, len(prompt_ids), context, default_max_tokens)
-            params = body.sampling_params(max_tokens, default_temperature)
+            params = body.sampling_params(max_tokens, default_temperature, **(sampling or {}))
+            for structured, what in constraints:
+                await compile_structured(engine, structured, self.services.settings.structured_compile_timeout_s,
+                                         what)
         except BaseException:
             admitted.release()
             raise
-        return await self.launch(admitted, model, prompt_ids, params, request_id)
+        return await self.launch(admitted, model, prompt_ids, params, request_id, n=n, user=body.user)
 
     async def start(self, tenant: TenantContext, model: str | None, prompt_ids: list[int], params: SamplingParams,
                     request_id: str, arrival: float) -> Running:
@@ -255,38 +161,67 @@ class Server:
         return await self.launch(admitted, model, prompt_ids, params, request_id)
 
     async def launch(self, admitted: Admitted, model: str | None, prompt_ids: list[int], params: SamplingParams,
-                     request_id: str) -> Running:
+                     request_id: str, n: int = 1, user: str | None = None) -> Running:
         """Start an admitted request: its adapter (404, 503 or the tenant's fallback), then the engine.
         From here the admission belongs to the request (given back once when it ends); on an error it is
-        given back at once and ApiError raised."""
+        given back at once and ApiError raised.
+
+        With `n` > 1 the choices are sibling engine requests `<request_id>`, `<request_id>.1`, ...: choice 0
+        starts first, and the others only once it has produced its first token, when its prompt's full KV
+        blocks are in the prefix cache, so they reuse them instead of computing the prompt again. With a
+        seed, choice i samples with seed + i: reproducible, and distinct from its siblings."""
         tenant, arrival = admitted.tenant, admitted.arrival
         params.timeout_s = admitted.timeout_s
         lease = None
+        streams: list[AsyncIterator[RequestOutput]] = []
+        ids = [request_id] + [f"{request_id}.{i}" for i in range(1, n)]
+        started: list[Running] = []  # the Running, once it exists, for an abort of a stalled reader
         try:
             version, lease, fallback_reason = await self._adapter(
                 tenant, model, arrival + admitted.timeout_s - time.monotonic())
             if version is not None:
                 self.services.request_rates.record(version.adapter_id)
             salt = tenant.tenant_id if self.services.settings.prefix_cache_per_tenant else None
-            started: list[Running] = []  # the Running, once it exists, for an abort of a stalled reader
-            stream = self.services.engine.generate(request_id, prompt_ids, params, priority=tenant.tier.priority,
-                                                   adapter=lease.adapter if lease else None, arrival=arrival,
-                                                   cache_salt=salt,
-                                                   on_abandoned=lambda out: started and started[0].abandon(out))
+            engine = self.services.engine
+
+            def generate(i: int) -> AsyncIterator[RequestOutput]:
+                own = params if i == 0 or params.seed is None else \
+                    dataclasses.replace(params, seed=(params.seed + i) % SEED_LIMIT)
+                stream = engine.generate(ids[i], prompt_ids, own, priority=tenant.tier.priority,
+                                         adapter=lease.adapter if lease else None, arrival=arrival, cache_salt=salt,
+                                         on_abandoned=lambda out: started and self._abandon(started[0], i, out))
+                streams.append(stream)
+                return stream
+
             try:
-                first = await anext(stream)
+                firsts = [await anext(generate(0))]
+                siblings = await asyncio.gather(*(anext(generate(i)) for i in range(1, n)), return_exceptions=True)
+                for result in siblings:
+                    if isinstance(result, BaseException):
+                        raise result
+                firsts += siblings
             except RequestError as exc:
                 raise ApiError(400, str(exc)) from None
         except BaseException:
+            for stream in streams:
+                await stream.aclose()  # aborts the siblings already in the engine
             admitted.release()
             if lease is not None:
                 self.services.adapter_cache.release(lease.adapter.digest)
             raise
         self._admissions[request_id] = admitted.admission
         running = Running(request_id, tenant, model or BASE_MODEL_ALIAS, version, lease, fallback_reason,
-                          len(prompt_ids), arrival, stream, first, self._finished)
+                          len(prompt_ids), arrival, ids, streams, firsts, self._finished, user=user,
+                          prompt_ids=prompt_ids)
         started.append(running)
         return running
+
+    def _abandon(self, running: Running, index: int, final: RequestOutput) -> None:
+        """Choice `index` was aborted for a stalled reader; its siblings share that reader: abort them too."""
+        for i, rid in enumerate(running.choice_ids):
+            if i != index:
+                self.services.engine.abort(rid)
+        running.abandon(index, final)
 
     async def _adapter(self, tenant: TenantContext, model: str | None, time_left: float
                        ) -> tuple[AdapterVersionInfo | None, Acquired | None, str | None]:
@@ -319,18 +254,25 @@ class Server:
                 raise ApiError(503, f"{reason}; the fallback {tenant.fallback!r} failed too: {shown}",
                                retry_after_s=5.0, code="adapter_unavailable") from None
 
-    def _finished(self, running: Running, last: RequestOutput | None, outcome: str) -> list[Future]:
-        """Give back what the request held, record its metrics and hand its record to the ledger hooks;
-        returns the futures hooks returned (the ledger's durability), which the answer waits for."""
+    def _finished(self, running: Running, outcome: str) -> list[Future]:
+        """Give back what the request held, record its metrics and hand its one record to the ledger hooks;
+        returns the futures hooks returned (the ledger's durability), which the answer waits for.
+
+        With several choices the prompt counts once (the siblings reuse choice 0's KV blocks), its cached
+        tokens are choice 0's (what the shared prompt found in the prefix cache), completion tokens add up
+        over the choices, and queue / TTFT are choice 0's, the total the longest choice's."""
         admission = self._admissions.pop(running.request_id, None)
-        completion = len(last.token_ids) if last is not None else 0
-        cached = last.num_cached_tokens if last is not None else 0
+        outs = [o for o in running.lasts if o is not None]
+        completion = sum(len(o.token_ids) for o in outs)
+        first = running.lasts[0]
+        cached = first.num_cached_tokens if first is not None else 0
         if admission is not None:
             admission.release(running.prompt_tokens + completion)
         if running.lease is not None:
             self.services.adapter_cache.release(running.lease.adapter.digest)
-        timings = last.timings if last is not None and last.finished else {}
-        total_ms = timings.get("total_ms") or (time.monotonic() - running.arrival) * 1000
+        timings = first.timings if first is not None and first.finished else {}
+        totals = [o.timings["total_ms"] for o in outs if o.finished and o.timings.get("total_ms")]
+        total_ms = max(totals) if len(totals) == len(running.lasts) else (time.monotonic() - running.arrival) * 1000
         queue_ms, ttft_ms = timings.get("queue_ms"), timings.get("ttft_ms")
         self.metrics.observe_finished(
             tier=running.tenant.tier.name, outcome=outcome, queue_s=None if queue_ms is None else queue_ms / 1000,
@@ -345,7 +287,7 @@ class Server:
             adapter_version=version.version if version else None, adapter_digest=version.digest if version else None,
             requested=running.requested, fallback=running.fallback_reason is not None, outcome=outcome,
             prompt_tokens=running.prompt_tokens, cached_tokens=cached, completion_tokens=completion, queue_ms=queue_ms,
-            ttft_ms=ttft_ms, total_ms=total_ms,
+            ttft_ms=ttft_ms, total_ms=total_ms, end_user=running.user,
             # Billed at the price in force when the request arrived: its wall-clock arrival time.
             created_at=utcnow() - timedelta(seconds=time.monotonic() - running.arrival))
         billing = []
@@ -389,20 +331,22 @@ async def until_disconnected(request) -> None:
             return
 
 
-async def respond(request, running: Running, *, stream: bool, final: Callable[[RequestOutput], Response],
+async def respond(request, running: Running, *, stream: bool, final: Callable[[list[RequestOutput]], Response],
                   events: Callable[[], AsyncIterator[str]]) -> Response:
-    """The answer to a started request: `final(last output)` once it ends, or with `stream` the SSE
-    `events()`; either way the request ends (and frees what it holds) when the client goes away."""
+    """The answer to a started request: `final(every choice's final output)` once it ends, or with
+    `stream` the SSE `events()`; either way the request ends (and frees what it holds) when the client
+    goes away."""
     if stream:
         return RunningStreamingResponse(guarded(events(), running.request_id), running,
                                         media_type="text/event-stream", headers=running.headers())
-    out = await collect_or_cancel(request, running)
-    return client_disconnected() if out is None else final(out)
+    outs = await collect_or_cancel(request, running)
+    return client_disconnected() if outs is None else final(outs)
 
 
-async def collect_or_cancel(request, running: Running) -> RequestOutput | None:
-    """Run a non-streaming request to its end, or cancel it as soon as the client disconnects."""
-    work = asyncio.ensure_future(running.final())
+async def collect_or_cancel(request, running: Running) -> list[RequestOutput] | None:
+    """Run a non-streaming request to its end (its choices' final outputs), or cancel it as soon as the
+    client disconnects (None)."""
+    work = asyncio.ensure_future(running.finals())
     gone = asyncio.ensure_future(until_disconnected(request))
     try:
         done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)

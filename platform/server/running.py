@@ -1,0 +1,190 @@
+"""A request the engine accepted, from its first outputs to its ledger record: one HTTP request, one or
+more choices (OpenAI's `n`: sibling engine requests sharing the prompt), one record when it ends."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from loramux.adapters.registry import AdapterVersionInfo
+from loramux.adapters.tiers import Acquired
+from loramux.admin.ledger import durable
+from loramux.engine.engine import RequestOutput
+from loramux.tenancy import TenantContext
+
+log = logging.getLogger("loramux.server.serving")
+
+BILLING_WAIT_S = 5.0  # longest an answer waits for its ledger row to be durable (a stuck disk)
+# How a request with several choices ends: the first of these that one of its choices ended with.
+_OUTCOME_ORDER = ("error", "cancelled", "timeout", "length", "stop")
+
+
+def combined_outcome(reasons: list[str | None]) -> str:
+    """The outcome of a request from its choices' finish reasons: the worst of them (an error, a cancel,
+    a timeout, then `length`), else "stop"."""
+    present = {r or "stop" for r in reasons}
+    return next((o for o in _OUTCOME_ORDER if o in present), "stop")
+
+
+@dataclass
+class Running:
+    """A request the engine accepted: iterate `outputs()` (one choice) or `choice_outputs()` once; it
+    cleans up however it ends. Choice i is the engine request `choice_ids[i]`; `lasts[i]` is the latest
+    output of choice i taken so far."""
+
+    request_id: str
+    tenant: TenantContext
+    requested: str
+    version: AdapterVersionInfo | None
+    lease: Acquired | None
+    fallback_reason: str | None
+    prompt_tokens: int
+    arrival: float
+    choice_ids: list[str]
+    _streams: list[AsyncIterator[RequestOutput]]
+    _firsts: list[RequestOutput]
+    _on_end: Callable[[Running, str], list[Future]]
+    user: str | None = None  # the client's end-user id (OpenAI's `user`), for the ledger
+    prompt_ids: list[int] = field(default_factory=list)  # for an echo of the prompt
+    _ended: bool = field(default=False, init=False)
+    _billing: list[Future] = field(default_factory=list, init=False)  # the ledger's durability futures
+    inter_token_s: list[float] = field(default_factory=list, init=False)
+    lasts: list[RequestOutput | None] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
+        self.lasts = list(self._firsts)
+
+    @property
+    def n(self) -> int:
+        return len(self._streams)
+
+    @property
+    def adapter_tier(self) -> str | None:
+        return self.lease.tier if self.lease else None
+
+    def extension(self, out: RequestOutput | None = None) -> dict:
+        """The `loramux` extension field of responses (timings of `out`, choice 0's final output)."""
+        timings = out.timings if out is not None else {}
+        ext = {"request_id": self.request_id, "queue_ms": timings.get("queue_ms"), "ttft_ms": timings.get("ttft_ms"),
+               "tokens_per_s": timings.get("decode_tokens_per_s"), "total_ms": timings.get("total_ms"),
+               "adapter": None, "tier": self.tenant.tier.name}
+        if self.version is not None:
+            ext["adapter"] = {"id": self.version.adapter_id, "name": self.version.name,
+                              "version": self.version.version, "cache_tier": self.adapter_tier}
+        if self.fallback_reason is not None:
+            ext["fallback"] = {"requested": self.requested, "reason": self.fallback_reason}
+        if self.n > 1:  # how much of the shared prompt each choice found in the prefix cache
+            ext["choice_cached_tokens"] = [o.num_cached_tokens if o is not None else 0 for o in self.lasts]
+        return ext
+
+    def headers(self) -> dict[str, str]:
+        headers = {"X-Request-Id": self.request_id}
+        if self.version is not None:
+            headers["X-Loramux-Adapter-Version"] = f"{self.version.adapter_id}@{self.version.version}"
+            headers["X-Loramux-Adapter-Tier"] = self.adapter_tier or ""
+        if self.fallback_reason is not None:
+            headers["X-Loramux-Fallback"] = "base" if self.version is None else self.version.name
+        return headers
+
+    def _took(self, index: int, out: RequestOutput, previous: list[float | None]) -> None:
+        self.lasts[index] = out
+        if out.new_token_ids:
+            now = time.monotonic()
+            if previous[index] is not None:
+                self.inter_token_s.append(now - previous[index])
+            previous[index] = now
+
+    async def choice_outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(choice index, output) pairs of every choice as they come; leaving early (client gone) cancels
+        every choice in the engine. When the last one has been taken, the loop ends only once the request's
+        ledger row is durable, so whatever the caller sends next (the final chunk, the usage, the JSON
+        answer) is never sent for an unbilled request."""
+        outcome = "error"
+        previous = [time.monotonic() if f.new_token_ids else None for f in self._firsts]
+        pending: dict[asyncio.Future, int] = {}
+        try:
+            for i, first in enumerate(self._firsts):
+                yield i, first
+            if self.n == 1:  # the common case, without a task per output
+                while not self.lasts[0].finished:
+                    out = await anext(self._streams[0])
+                    self._took(0, out, previous)
+                    yield 0, out
+            else:
+                pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(self._streams)
+                           if not self.lasts[i].finished}
+                while pending:
+                    done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    for future in sorted(done, key=pending.__getitem__):
+                        i = pending.pop(future)
+                        out = future.result()
+                        self._took(i, out, previous)
+                        yield i, out
+                        if not out.finished:
+                            pending[asyncio.ensure_future(anext(self._streams[i]))] = i
+            outcome = combined_outcome([o.finish_reason for o in self.lasts])
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "cancelled"
+            raise
+        finally:
+            for future in pending:  # a choice still waiting for output: its stream is closed below
+                future.cancel()
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+            for stream in self._streams:
+                await stream.aclose()  # aborts an engine request that had not finished
+            self.end(outcome)
+        await self._billed()  # only after a normal end: nobody is waiting for a cancelled request's answer
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        """The outputs of a one-choice request (see `choice_outputs`)."""
+        if self.n != 1:
+            raise RuntimeError("outputs() is for one choice; iterate choice_outputs()")
+        choices = self.choice_outputs()
+        try:
+            async for _, out in choices:
+                yield out
+        finally:
+            await choices.aclose()
+
+    async def _billed(self) -> None:
+        """Wait until the ledger holds this request durably (its write-ahead log line is fsync'd). A stuck
+        disk delays the answer at most BILLING_WAIT_S; then it goes out anyway, logged, and the record is
+        still written once the disk recovers (unless the process dies first)."""
+        for future in self._billing:
+            try:
+                await durable(future, BILLING_WAIT_S)
+            except Exception:  # noqa: BLE001 - never fail a finished request because of the ledger
+                log.exception("request %s: its ledger row is not durable yet; answering anyway", self.request_id)
+
+    async def finals(self) -> list[RequestOutput]:
+        """Run every choice to its end; their final outputs, by index."""
+        async for _ in self.choice_outputs():
+            pass
+        return list(self.lasts)
+
+    async def final(self) -> RequestOutput:
+        return (await self.finals())[0]
+
+    def abandon(self, index: int, final: RequestOutput) -> None:
+        """The engine aborted choice `index` because its reader stalled (a client that stopped reading):
+        give back what the request holds and bill what was generated now, even if the stuck reader never
+        returns. (The server aborts the other choices, which share that reader.)"""
+        self.lasts[index] = final
+        self.end("cancelled")
+
+    def end(self, outcome: str) -> None:
+        if not self._ended:
+            self._ended = True
+            self._billing = self._on_end(self, outcome)
+
+    async def close(self) -> None:
+        """Safety net for a request whose outputs were never (fully) consumed, e.g. a client gone before
+        the first chunk: cancel it in the engine and give back what it holds. A no-op once it ended."""
+        if not self._ended:
+            for stream in self._streams:
+                await stream.aclose()  # aborts the engine request if it is still running
+            self.end("cancelled")
