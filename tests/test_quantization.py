@@ -121,7 +121,7 @@ def test_a_kernel_that_disagrees_falls_back_to_dequant(monkeypatch):
 
 
 def test_a_grossly_slow_kernel_is_passed_over_for_the_next_one(monkeypatch):
-    """oneDNN's int8 matmul ran a reference path (~300x slower than fbgemm) on an AMD EPYC with VNNI: a
+    """oneDNN's int8 matmul ran a reference path (~1000x slower than fbgemm) on an AMD EPYC with VNNI: a
     kernel far slower than dequant on the probe is skipped, whatever the rule prefers."""
     seconds = {"onednn": 0.5, "fbgemm": 0.001, "dequant": 0.002}
     monkeypatch.setattr(quantization, "_probe_seconds", lambda kernel, device_type, dtype: seconds[kernel])

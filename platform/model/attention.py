@@ -10,6 +10,7 @@ and masking the padding.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -74,8 +75,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         else:
             # Earlier tokens are in the cache: query i sits at absolute position ctx - L + i.
             n = chunk.context_len
-            ks = k_cache[chunk.block_table].reshape(-1, kv_heads, head_dim)[:n].transpose(0, 1)[None]
-            vs = v_cache[chunk.block_table].reshape(-1, kv_heads, head_dim)[:n].transpose(0, 1)[None]
+            ks = gather_blocks(k_cache, chunk.block_table, "k").view(-1, kv_heads, head_dim)[:n].transpose(0, 1)[None]
+            vs = gather_blocks(v_cache, chunk.block_table, "v").view(-1, kv_heads, head_dim)[:n].transpose(0, 1)[None]
             length = chunk.end - chunk.start
             q_pos = torch.arange(n - length, n, device=q.device).unsqueeze(1)
             mask = torch.arange(n, device=q.device).unsqueeze(0) <= q_pos
@@ -87,15 +88,48 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     return out
 
 
+class _Scratch(threading.local):
+    """Reused CPU buffers for the gathered K and V of one layer at a time (layers run one after another; one
+    set per thread, as each engine steps on its own thread).
+    A fresh multi-MB tensor per gather can be fresh pages from the OS, whose first touch (page faults,
+    zeroing) costs more than the copy in a VM: under torch's profiler a gather of ~300 blocks in a serving-like
+    step took 6-8 ms into a new tensor and 0.08 ms into a reused one (wall-clock the step gained about 15 %)."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple, torch.Tensor] = {}
+
+    def get(self, which: str, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        key = (which, width, dtype)
+        buf = self.buffers.get(key)
+        if buf is None or buf.shape[0] < rows:
+            buf = self.buffers[key] = torch.empty(max(rows, 2 * (buf.shape[0] if buf is not None else 0)), width,
+                                                  dtype=dtype)
+        return buf[:rows]
+
+
+_SCRATCH = _Scratch()
+
+
+def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, which: str = "k") -> torch.Tensor:
+    """cache [num_blocks, block_size, kv_heads, head_dim] -> the listed blocks, [len(blocks), block_size *
+    kv_heads * head_dim]. The gather runs on a 2-D view of the cache: CPU index_select copies whole rows of a
+    2-D tensor but walks a 4-D one element by element, 5-10x slower (0.26 vs 0.055 ms for 266 blocks of
+    SmolLM2's KV). On CPU the result lands in a buffer reused by the next layer's gather (`_Scratch`): use it
+    before gathering the same `which` again."""
+    flat = cache.view(cache.shape[0], -1)
+    if cache.device.type != "cpu" or torch.is_grad_enabled():
+        return flat.index_select(0, blocks)
+    return torch.index_select(flat, 0, blocks, out=_SCRATCH.get(which, blocks.shape[0], flat.shape[1], flat.dtype))
+
+
 def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """One query per sequence against its gathered blocks; q [D, H, Dh] -> [D, H, Dh]."""
     _, _, kv_heads, head_dim = k_cache.shape
     tables = meta.decode_block_tables
     num_seqs = tables.shape[0]
     flat_tables = tables.view(-1)
-    # index_select on the block dim is a plain row gather, cheaper than advanced indexing on CPU.
-    ks = k_cache.index_select(0, flat_tables).view(num_seqs, -1, kv_heads, head_dim).transpose(1, 2)
-    vs = v_cache.index_select(0, flat_tables).view(num_seqs, -1, kv_heads, head_dim).transpose(1, 2)
+    ks = gather_blocks(k_cache, flat_tables, "k").view(num_seqs, -1, kv_heads, head_dim).transpose(1, 2)
+    vs = gather_blocks(v_cache, flat_tables, "v").view(num_seqs, -1, kv_heads, head_dim).transpose(1, 2)
     o = F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, attn_mask=meta.decode_mask, scale=scale,
                                        enable_gqa=True)
     return o.squeeze(2)

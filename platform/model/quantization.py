@@ -269,7 +269,7 @@ def kernel_is_fast(kernel: str, device_type: str, dtype: torch.dtype) -> bool:
     """Whether `kernel` is at most SLOW_FACTOR x slower than "dequant" on a decode-shaped probe. Not a race
     between close kernels (timings of those flip on a shared VM): a guard against a kernel that runs a
     reference code path on this CPU, e.g. oneDNN's int8 matmul on an AMD EPYC with AVX-512 VNNI measured
-    about 300x slower than fbgemm (docs/performance.md)."""
+    about 1000x slower than fbgemm, 300x float32 (docs/performance.md)."""
     if kernel == "dequant":
         return True
     return _probe_seconds(kernel, device_type, dtype) <= SLOW_FACTOR * _probe_seconds("dequant", device_type, dtype)
