@@ -6,9 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
+from loramux.engine.decode_groups import plan_decode_groups
 from loramux.engine.scheduler import ScheduledBatch
 from loramux.engine.sequence import Sequence
-from loramux.model.attention import AttentionMetadata, KVCache, PrefillChunk
+from loramux.model.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillChunk
 from loramux.model.llama import LlamaModel
 
 
@@ -113,10 +114,9 @@ class ModelRunner:
             sample_rows.extend(range(row0, row0 + len(chunk)))
         num_prefill_tokens = len(tokens)
 
-        decode_tables = decode_mask = None
+        decode_tables = decode_mask = decode_groups = None
         if plain_decodes:
-            max_blocks = max(len(seq.block_table) for seq in plain_decodes)
-            padded, context_lens = [], []
+            tables, context_lens = [], []
             # Rows of one adapter side by side: fewer, longer LoRA segments.
             for seq in sorted(plain_decodes, key=lambda s: _adapter_order(where[s])):
                 lora_rows.append(where[seq])
@@ -124,21 +124,36 @@ class ModelRunner:
                 tokens.append(seq.last_token())
                 positions.append(p)
                 slots.append(seq.block_table[p // bs] * bs + p % bs)
-                padded.append(seq.block_table + [0] * (max_blocks - len(seq.block_table)))
+                tables.append(seq.block_table)
                 context_lens.append(p + 1)
                 sampled.append((seq, len(sample_rows), 1))
                 sample_rows.append(len(tokens) - 1)
-            decode_tables = self._tensor(padded)
-            lens = self._tensor(context_lens)
-            valid = torch.arange(max_blocks * bs, device=self.device)[None, :] < lens[:, None]
-            # Additive float mask built once per step (a bool mask is converted again in every layer).
-            decode_mask = torch.zeros(valid.shape, dtype=self.kv.k.dtype, device=self.device)
-            decode_mask = decode_mask.masked_fill_(~valid, float("-inf"))[:, None, None, :]
+            decode_tables, decode_mask, decode_groups = self._decode_attention_inputs(tables, context_lens)
 
-        meta = AttentionMetadata(self._tensor(slots), chunks, num_prefill_tokens, decode_tables, decode_mask)
+        meta = AttentionMetadata(self._tensor(slots), chunks, num_prefill_tokens, decode_tables, decode_mask,
+                                 decode_groups)
         if self.lora_wrapper is not None:
             self.lora_wrapper.set_batch(lora_rows)
         return self._tensor(tokens), self._tensor(positions), meta, sample_rows, sampled
+
+    def _decode_attention_inputs(self, tables: list[list[int]], context_lens: list[int]):
+        """(tables, mask, None) for one attention call over every decode row, or (None, None, groups) when rows
+        of very different context lengths attend in groups (loramux.engine.decode_groups)."""
+        groups = plan_decode_groups([len(t) for t in tables])
+        if len(groups) == 1:
+            return (*self._padded_tables_and_mask(tables, context_lens), None)
+        return None, None, [DecodeGroup(self._tensor(rows), *self._padded_tables_and_mask(
+            [tables[i] for i in rows], [context_lens[i] for i in rows])) for rows in groups]
+
+    def _padded_tables_and_mask(self, tables: list[list[int]], context_lens: list[int]):
+        bs = self.block_size
+        max_blocks = max(len(t) for t in tables)
+        padded = self._tensor([t + [0] * (max_blocks - len(t)) for t in tables])
+        lens = self._tensor(context_lens)
+        valid = torch.arange(max_blocks * bs, device=self.device)[None, :] < lens[:, None]
+        # Additive float mask built once per step (a bool mask is converted again in every layer).
+        mask = torch.zeros(valid.shape, dtype=self.kv.k.dtype, device=self.device)
+        return padded, mask.masked_fill_(~valid, float("-inf"))[:, None, None, :]
 
     def _locations(self, seqs: list[Sequence]) -> dict:
         locate = self.locate_adapter

@@ -31,6 +31,15 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode rows attended together (similar context lengths; see loramux.engine.decode_groups)."""
+
+    rows: torch.Tensor  # [Dg] long: indices among the step's decode rows
+    block_tables: torch.Tensor  # [Dg, max_blocks_g] long, padded
+    mask: torch.Tensor  # [Dg, 1, 1, max_blocks_g * block_size] additive: 0 or -inf
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long: cache slot each token's k/v is written to
     prefills: list[PrefillChunk] = field(default_factory=list)
@@ -38,6 +47,12 @@ class AttentionMetadata:
     # Decode rows [num_prefill_tokens, T): padded block tables, a validity mask over gathered keys.
     decode_block_tables: torch.Tensor | None = None  # [D, max_blocks] long
     decode_mask: torch.Tensor | None = None  # [D, 1, 1, max_blocks * block_size] additive: 0 or -inf
+    # Or the decode rows split into groups of similar context length, each with its own tables and mask.
+    decode_groups: list[DecodeGroup] | None = None
+
+    @property
+    def has_decodes(self) -> bool:
+        return self.decode_block_tables is not None or bool(self.decode_groups)
 
 
 class KVCache:
@@ -83,7 +98,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
         out[chunk.start:chunk.end] = o[0].transpose(0, 1)
 
-    if meta.decode_block_tables is not None and d0 < q.shape[0]:
+    if meta.has_decodes and d0 < q.shape[0]:
         out[d0:] = _decode_attention(q[d0:], k_cache, v_cache, meta, scale)
     return out
 
@@ -124,12 +139,20 @@ def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, which: str = "k") -
 
 def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """One query per sequence against its gathered blocks; q [D, H, Dh] -> [D, H, Dh]."""
+    if not meta.decode_groups:
+        return _attend_blocks(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_mask, scale)
+    out = torch.empty_like(q)
+    for group in meta.decode_groups:
+        o = _attend_blocks(q.index_select(0, group.rows), k_cache, v_cache, group.block_tables, group.mask, scale)
+        out.index_copy_(0, group.rows, o)
+    return out
+
+
+def _attend_blocks(q, k_cache, v_cache, tables: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     _, _, kv_heads, head_dim = k_cache.shape
-    tables = meta.decode_block_tables
     num_seqs = tables.shape[0]
     flat_tables = tables.view(-1)
     ks = gather_blocks(k_cache, flat_tables, "k").view(num_seqs, -1, kv_heads, head_dim).transpose(1, 2)
     vs = gather_blocks(v_cache, flat_tables, "v").view(num_seqs, -1, kv_heads, head_dim).transpose(1, 2)
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, attn_mask=meta.decode_mask, scale=scale,
-                                       enable_gqa=True)
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
     return o.squeeze(2)
