@@ -103,8 +103,9 @@ class Settings(BaseSettings):
     # A request whose reader (a streaming client) takes nothing for this long while output waits is
     # aborted: its KV blocks and adapter slot are freed, and its record says "cancelled".
     stalled_reader_timeout_s: float = Field(default=30.0, gt=0)
-    # OpenAI API: the most choices one request may ask for (`n`; 400 above it), and how long compiling a
+    # OpenAI API: the most choices one request may ask for on this server (`n`; 400 above it; each tier has
+    # its own `max_choices` under this cap), and how long compiling a
     # structured-output constraint (a JSON schema, regex, tool-call schema) may take before the request is
     # refused with 400 (compiled off the event loop, cached by the engine).
-    max_n: int = Field(default=8, ge=1, le=128)
+    max_n: int = Field(default=16, ge=1, le=128)
     structured_compile_timeout_s: float = Field(default=10.0, gt=0)

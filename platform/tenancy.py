@@ -54,6 +54,7 @@ class TierInfo:
     max_concurrent: int
     default_timeout_s: float
     max_timeout_s: float
+    max_choices: int = 8  # the most choices (OpenAI's `n`) one request may ask for
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ class KeyInfo:
 
 def _tier_info(t: Tier) -> TierInfo:
     return TierInfo(t.name, t.priority, t.requests_per_min, t.tokens_per_min, t.max_concurrent,
-                    t.default_timeout_s, t.max_timeout_s)
+                    t.default_timeout_s, t.max_timeout_s, t.max_choices)
 
 
 def _tenant_info(t: Tenant) -> TenantInfo:
@@ -129,6 +130,8 @@ class Tenancy:
             raise TenancyError("timeouts must satisfy 0 < default_timeout_s <= max_timeout_s")
         if min(info.requests_per_min, info.tokens_per_min, info.max_concurrent) < 0:
             raise TenancyError("limits must be >= 0 (0 = unlimited)")
+        if not 1 <= info.max_choices <= 128:
+            raise TenancyError("max_choices must be in [1, 128]")
         with self.db.session() as s:
             s.merge(Tier(**info.__dict__))
         self.invalidate()

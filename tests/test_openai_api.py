@@ -138,8 +138,10 @@ def test_errors_have_the_right_status_and_say_what_to_fix(stack):
         c.chat.completions.create(model=MODEL, messages=CHAT, temperature=5)
     with pytest.raises(openai.UnprocessableEntityError, match="messages"):
         c.chat.completions.create(model=MODEL, messages=[])
-    with pytest.raises(openai.BadRequestError, match="limit of 8 choices"):
+    with pytest.raises(openai.BadRequestError, match="tier 'standard' allows at most 8 choices"):
         c.chat.completions.create(model=MODEL, messages=CHAT, n=9)
+    with pytest.raises(openai.BadRequestError, match="tier 'free' allows at most 2 choices"):
+        client(stack, "free").completions.create(model=MODEL, prompt="hi", max_tokens=2, n=3)
     with pytest.raises(openai.BadRequestError, match="context length"):
         c.completions.create(model=MODEL, prompt="hi", max_tokens=100_000)
     with pytest.raises(openai.BadRequestError, match="'g', which is not in tools"):

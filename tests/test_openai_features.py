@@ -392,7 +392,7 @@ def test_refusals_say_what_to_fix(stack):
     bad_request(lambda: chat(**base, response_format=schema({"not": {"type": "string"}})), "not")
     bad_request(lambda: chat(**base, response_format={"type": "yaml"}), "'yaml'", "text, json_object, json_schema")
     bad_request(lambda: chat(**base, response_format={"type": "json_schema"}), '"json_schema" object')
-    bad_request(lambda: chat(**base, n=9), "limit of 8")
+    bad_request(lambda: chat(**base, n=17), "tier 'premium' allows at most 16 choices")
     bad_request(lambda: chat(**base, logit_bias={"abc": 1}), "'abc' is not a token id")
     bad_request(lambda: chat(**base, logit_bias={"999999999": 1}), "999999999")
     bad_request(lambda: chat(**base, logit_bias={"5": 101}), "logit_bias")
@@ -414,7 +414,7 @@ def test_refusals_say_what_to_fix(stack):
     bad_request(lambda: complete(model=MODEL, prompt="hi", suffix="end"), "suffix")
     bad_request(lambda: complete(model=MODEL, prompt="hi", best_of=3), "best_of", "ask for `n` choices")
     bad_request(lambda: complete(model=MODEL, prompt=["a", "b"]), "one prompt per request")
-    bad_request(lambda: complete(model=MODEL, prompt="hi", n=20), "limit of 8")
+    bad_request(lambda: complete(model=MODEL, prompt="hi", n=20), "tier 'premium' allows at most 16 choices")
     resp = httpx.post(f"{server.url}/v1/chat/completions", headers={"Authorization": f"Bearer {stack[1]}"},
                       json={**base, "user": "u" * 257})
     assert resp.status_code == 422 and "user" in resp.text

@@ -25,7 +25,7 @@ def test_wheel_contains_every_package_and_runs_from_elsewhere(tmp_path):
     for module in ("loramux/cli.py", "loramux/engine/engine.py", "loramux/model/llama.py",
                    "loramux/server/app.py", "loramux/kernels/__init__.py", "loramux/adapters/__init__.py",
                    "loramux/admin/__init__.py", "loramux/db/models.py", "loramux/migrations/env.py",
-                   "loramux/migrations/script.py.mako", "loramux/migrations/versions/0005_ledger_end_user.py"):
+                   "loramux/migrations/script.py.mako", "loramux/migrations/versions/0006_tier_max_choices.py"):
         assert module in names, module
     assert not any(n.startswith(("platform/", "tests/")) for n in names)
     site = tmp_path / "site"
@@ -45,4 +45,4 @@ def test_wheel_contains_every_package_and_runs_from_elsewhere(tmp_path):
     migrate = subprocess.run([sys.executable, "-m", "loramux.cli", "db", "upgrade", "--url", f"sqlite:///{db}"],
                              cwd=tmp_path, capture_output=True, text=True,
                              env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"})
-    assert migrate.returncode == 0 and "revision 0005" in migrate.stdout, migrate.stderr  # migrations ship
+    assert migrate.returncode == 0 and "revision 0006" in migrate.stdout, migrate.stderr  # migrations ship

@@ -22,6 +22,7 @@ class TierBody(RequestBody):
     max_concurrent: int = Field(default=0, ge=0, le=INT32_MAX)
     default_timeout_s: float = Field(gt=0, le=86_400)
     max_timeout_s: float = Field(gt=0, le=86_400)
+    max_choices: int = Field(default=8, ge=1, le=128, description="the most choices (OpenAI's `n`) per request")
 
 
 @router.get("", response_model=TierList)

@@ -96,6 +96,7 @@ class Tier(Base):
     max_concurrent: Mapped[int] = mapped_column(Integer, default=0)
     default_timeout_s: Mapped[float] = mapped_column(Float)
     max_timeout_s: Mapped[float] = mapped_column(Float)
+    max_choices: Mapped[int] = mapped_column(Integer, default=8, server_default="8")  # OpenAI's `n`, at most
 
 
 class Tenant(Base):

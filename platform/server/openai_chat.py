@@ -38,6 +38,7 @@ from loramux.server.tool_calls import (
     template_messages,
     with_tool_prompt,
 )
+from loramux.tenancy import TierInfo
 
 router = APIRouter()
 
@@ -69,12 +70,12 @@ class ChatCompletionRequest(OpenAIParams):
     web_search_options: Any = Field(default=None, description="not supported (400)")
 
 
-def _check(body: ChatCompletionRequest, max_n: int) -> None:
+def _check(body: ChatCompletionRequest, tier: TierInfo, max_n: int) -> None:
     refuse_given(body, REFUSED)
     if body.modalities not in (None, ["text"]):
         raise ApiError(400, 'modalities other than ["text"] are not supported: this model writes text only',
                        code="unsupported_parameter", param="modalities")
-    check_n(body.n, max_n)
+    check_n(body.n, tier, max_n)
     if body.top_logprobs and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", code="invalid_parameter", param="top_logprobs")
 
@@ -94,7 +95,7 @@ def _prompt(body: ChatCompletionRequest, plan: ToolPlan | None, engine) -> Promp
 async def chat_completions(body: ChatCompletionRequest, request: Request, services: ServicesDep, tenant: TenantDep,
                            server: ServerDep):
     arrival = time.monotonic()
-    _check(body, services.settings.max_n)
+    _check(body, tenant.tier, services.settings.max_n)
     plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
     structured = from_response_format(body.response_format)
     if plan is not None and structured is not None:

@@ -13,6 +13,7 @@ from loramux.server.bodies import RequestBody
 from loramux.server.errors import ApiError
 from loramux.server.params import GenerationParams
 from loramux.server.running import Running
+from loramux.tenancy import TierInfo
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
 
@@ -24,16 +25,20 @@ class StreamOptions(RequestBody):
 
 class OpenAIParams(GenerationParams):
     model: str = Field(min_length=1, max_length=300)
-    n: int = Field(default=1, ge=1, description="how many choices to generate, at most the server's limit "
-                                                "(LORAMUX_MAX_N, 8 by default; 400 above it). The choices share the "
+    n: int = Field(default=1, ge=1, description="how many choices to generate, at most the tier's "
+                                                "max_choices (free 2, standard 8, premium 16 by default) and "
+                                                "LORAMUX_MAX_N (16); 400 above. The choices share the "
                                                 "prompt's KV blocks; with a seed, choice i samples with seed + i")
     stream_options: StreamOptions | None = None
 
 
-def check_n(n: int, max_n: int) -> None:
-    if n > max_n:
-        raise ApiError(400, f"n={n} is above this server's limit of {max_n} choices per request; ask for at most "
-                            f"{max_n} (or send several requests)", code="invalid_n", param="n")
+def check_n(n: int, tier: TierInfo, server_max_n: int) -> None:
+    """400 for more choices than the tenant's tier allows (`max_choices`) or the server's cap (LORAMUX_MAX_N)."""
+    if n > min(tier.max_choices, server_max_n):
+        whose = (f"tier {tier.name!r} allows" if tier.max_choices <= server_max_n else "this server allows")
+        limit = min(tier.max_choices, server_max_n)
+        raise ApiError(400, f"n={n}: {whose} at most {limit} choices per request; ask for at most {limit} "
+                            "(or send several requests)", code="invalid_n", param="n")
 
 
 def unsupported(what: str, fix: str, param: str | None = None) -> ApiError:

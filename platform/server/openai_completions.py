@@ -75,7 +75,7 @@ class _Echo:
 async def completions(body: CompletionRequest, request: Request, services: ServicesDep, tenant: TenantDep,
                       server: ServerDep):
     arrival = time.monotonic()
-    check_n(body.n, services.settings.max_n)
+    check_n(body.n, tenant.tier, services.settings.max_n)
     prompt = _prompt(body)
     structured = from_response_format(body.response_format)
     engine = services.engine
