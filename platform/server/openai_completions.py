@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse
 from pydantic import Field
 
 from loramux.engine.engine import RequestOutput
+from loramux.engine.sampling_params import MAX_TOP_LOGPROBS
 from loramux.server.deps import ServerDep, ServicesDep, TenantDep
 from loramux.server.errors import ApiError
 from loramux.server.openai_common import (
@@ -36,8 +37,9 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 class CompletionRequest(OpenAIParams):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
         description="text or token ids; a list of prompts is refused (400): send one prompt per request")
-    logprobs: int | None = Field(default=None, ge=0, le=5, description="each token's logprob, and with k > 0 "
-                                 "the k most likely tokens at each position")
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS,
+                                 description="each token's logprob, and with k > 0 the k most likely tokens at each "
+                                             "position (up to 20, as top_logprobs on chat; OpenAI stops at 5)")
     echo: bool = Field(default=False, description="prepend the prompt to each choice's text (and with logprobs "
                                                   "its tokens, whose logprobs are null: they are not computed)")
     response_format: ResponseFormat | None = None
