@@ -14,7 +14,11 @@ from loramux.engine.engine import EngineConfig, LLMEngine
 from loramux.model.loader import build_model, end_of_turn_ids, resolve_model_dir
 from loramux.settings import DEFAULT_MODEL, Settings
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# At most 2 threads, as CI has (a cap, not a setting: bench scripts import this module for its helpers after
+# choosing their own thread count, and raising 1 thread pinned to one core to 2 made every OpenMP region
+# spin-wait on a descheduled thread, ~100x slower).
+if torch.get_num_threads() > 2:
+    torch.set_num_threads(2)
 
 
 @pytest.fixture(scope="session")
