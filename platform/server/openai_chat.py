@@ -150,12 +150,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servic
             for delta, logprobs in deltas:
                 yield chunk(i, delta, logprobs)
         # Every choice's finish after the request is billed; the last one carries usage and the extension.
-        for i, stream in enumerate(streams):
-            reason = "tool_calls" if stream.tool_calls else finish_reason(running.lasts[i])
-            if i < running.n - 1:
-                yield chunk(i, {}, reason=reason)
+        reasons = ["tool_calls" if stream.tool_calls else finish_reason(out)
+                   for stream, out in zip(streams, running.lasts)]
+        for i, reason in enumerate(reasons[:-1]):
+            yield chunk(i, {}, reason=reason)
         yield sse_event({**base, "choices": [{"index": running.n - 1, "delta": {}, "logprobs": None,
-                                              "finish_reason": reason}],
+                                              "finish_reason": reasons[-1]}],
                          "usage": usage(running), "loramux": running.extension(running.lasts[0])})
         if body.stream_options and body.stream_options.include_usage:
             yield sse_event({**base, "choices": [], "usage": usage(running)})
