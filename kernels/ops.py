@@ -89,6 +89,8 @@ def resolve_lora_impl(impl: str, device: torch.device | str) -> str:
 
 def _use_triton(x: torch.Tensor, impl: str | None) -> bool:
     """`impl` None = decide by the tensor's device (as "auto")."""
+    if impl == "torch" or impl == "triton":  # already resolved: the per-layer path asks ~100 times a step
+        return impl == "triton"
     return resolve_lora_impl(impl or "auto", x.device) == "triton"
 
 
@@ -114,15 +116,17 @@ def lora_expand(y: torch.Tensor, v: torch.Tensor, b: torch.Tensor, scale: torch.
 
 def lora_shrink_expand(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor],
                        offsets: list[int], scale: torch.Tensor, batch: LoRABatch, impl: str | None = None,
-                       cost: LoRACost | None = None) -> None:
+                       cost: LoRACost | None = None, operand_cache: dict | None = None) -> None:
     """Stacked slices: one shrink against A = [n_slots, n_slices * R, d_in], then one expand per slice
     (B_i [n_slots, d_out_i, R] into columns offsets[i]...). Same result as lora_shrink + lora_expand.
-    `cost`, when given, is charged with what the op touches (see LoRACost)."""
+    `cost`, when given, is charged with what the op touches (see LoRACost). `operand_cache`: a dict that
+    belongs to these very stacks (LoRALayerWeights holds one), where the torch path keeps operand views
+    across steps; never share one between different stacks."""
     triton = _use_triton(x, impl)
     if cost is not None:
         _count(cost, batch, triton, a, bs)
     if not triton:
-        torch_ops.shrink_expand_torch(y, x, a, bs, offsets, scale, batch.rows)
+        torch_ops.shrink_expand_torch(y, x, a, bs, offsets, scale, batch.rows, operand_cache)
         return
     v = lora_shrink(x, a, batch, impl)
     rank = bs[0].shape[2]

@@ -119,6 +119,15 @@ class GroupedRows:
             return out
         return torch.bmm(xs, w)
 
+    def laid_out_view(self, y: torch.Tensor) -> torch.Tensor | None:
+        """A view of y's rows in this layout when they already are (no gather needed), else None."""
+        g = self.groups
+        if self.strategy == "bmm" and g.span is not None:
+            return y[g.span[0]:g.span[1]].view(g.num_groups, g.max_count, y.shape[1])
+        if self.strategy == "grouped" and self.contiguous:
+            return y[g.rows[0]:g.rows[0] + g.num_rows]
+        return None
+
     def scatter_add(self, y: torch.Tensor, delta: torch.Tensor) -> None:
         """y[row] += delta for every laid-out row (padding rows carry zeros: their scale is 0)."""
         g = self.groups
@@ -169,18 +178,51 @@ def lora_expand_torch(y: torch.Tensor, v: torch.Tensor, b: torch.Tensor, scale: 
     rows.scatter_add(y[:, col_offset:col_offset + b.shape[1]], rows.matmul(vs, _b_operand(rows, b)))
 
 
+# Distinct slot ranges whose operand views one projection keeps; a step uses one or two.
+OPERAND_CACHE_SIZE = 16
+
+
+def _operands(rows: GroupedRows, a: torch.Tensor, bs: list[torch.Tensor],
+              cache: dict | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The GEMM operands of this step's groups. For a contiguous slot range they are views of the slot
+    stacks, kept in `cache` across steps: building them is a few Python-level torch calls per slice, and
+    a decode step makes about a hundred LoRA calls."""
+    if rows.slot_range is None or cache is None:
+        return _a_operand(rows, a), [_b_operand(rows, b) for b in bs]
+    hit = cache.get(rows.slot_range)
+    if hit is None:
+        if len(cache) >= OPERAND_CACHE_SIZE:
+            cache.clear()
+        hit = cache[rows.slot_range] = (_a_operand(rows, a), [_b_operand(rows, b) for b in bs])
+    return hit
+
+
 def shrink_expand_torch(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor],
-                        offsets: list[int], scale: torch.Tensor, rows: GroupedRows) -> None:
+                        offsets: list[int], scale: torch.Tensor, rows: GroupedRows, cache: dict | None = None) -> None:
     """Stacked slices in one pass: one shrink against A = [n_slots, n_slices * R, d_in] in the grouped
-    layout, scaled there, then one expand per slice added into y's columns offsets[i]..."""
+    layout, scaled there, then one expand per slice added into y's columns offsets[i]...
+    `cache`: a dict owned by these very slot stacks (see `_operands`), or None."""
     if not rows.groups.num_rows:
         return
-    rank = bs[0].shape[2]
-    v = rows.matmul(rows.gather(x), _a_operand(rows, a))
+    a_op, b_ops = _operands(rows, a, bs, cache)
+    v = rows.matmul(rows.gather(x), a_op)
     v.mul_(rows.row_scale(scale, v.dtype))
-    for i, (b, offset) in enumerate(zip(bs, offsets)):
-        delta = rows.matmul(v[..., i * rank:(i + 1) * rank], _b_operand(rows, b))
-        rows.scatter_add(y[:, offset:offset + b.shape[1]], delta)
+    laid_out = rows.laid_out_view(y)
+    if laid_out is not None:  # y's rows already sit in the groups' layout: add each slice's product in place
+        for v_slice, y_slice, b in zip(v.split(bs[0].shape[2], -1), _column_slices(laid_out, bs, offsets), b_ops):
+            y_slice.add_(rows.matmul(v_slice, b))
+        return
+    for v_slice, b, b_op, offset in zip(v.split(bs[0].shape[2], -1), bs, b_ops, offsets):
+        rows.scatter_add(y[:, offset:offset + b.shape[1]], rows.matmul(v_slice, b_op))
+
+
+def _column_slices(t: torch.Tensor, bs: list[torch.Tensor], offsets: list[int]) -> list[torch.Tensor]:
+    """Views of t's last dimension at each slice's columns (one split when the slices tile it)."""
+    sizes = [b.shape[1] for b in bs]
+    if offsets[0] == 0 and sum(sizes) == t.shape[-1] and all(
+            offsets[i + 1] == offsets[i] + sizes[i] for i in range(len(sizes) - 1)):
+        return [t] if len(sizes) == 1 else list(t.split(sizes, -1))
+    return [t[..., offset:offset + size] for offset, size in zip(offsets, sizes)]
 
 
 def lora_shrink_reference(x, a, slot_map):

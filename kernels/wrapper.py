@@ -11,7 +11,7 @@ on the span of rows that bucket's adapters cover.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,6 +39,8 @@ class LoRALayerWeights:
     names: list[str]  # slice names, e.g. ["q", "k", "v"]
     targeted: list[bool]
     targeted_mask: int = 0
+    # Operand views of slot ranges, kept by the torch path across steps (see ops.lora_shrink_expand).
+    operand_cache: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.targeted_mask = sum(1 << slot for slot, flag in enumerate(self.targeted) if flag)
@@ -95,6 +97,8 @@ class LoRAWrapper:
             weights = self.weights_of(bucket.bucket, key)
             if weights is None or not weights.targeted_mask & bucket.slots_mask:
                 continue
-            lora_shrink_expand(y[bucket.start:bucket.stop], x[bucket.start:bucket.stop], weights.a, weights.b,
-                               weights.offsets, weights.scale, bucket.batch, impl=self.impl, cost=self.cost)
+            whole = bucket.start == 0 and bucket.stop == x.shape[0]  # then no slicing views are needed
+            ys, xs = (y, x) if whole else (y[bucket.start:bucket.stop], x[bucket.start:bucket.stop])
+            lora_shrink_expand(ys, xs, weights.a, weights.b, weights.offsets, weights.scale, bucket.batch,
+                               impl=self.impl, cost=self.cost, operand_cache=weights.operand_cache)
         return y

@@ -192,3 +192,40 @@ def test_stacked_slices_match_per_slice_reference(strategy, slot_map, monkeypatc
         expected = lora_expand_reference(expected, v_i, b, scale, sm, off)
     lora_shrink_expand(y, x, a, bs, offsets, scale, LoRABatch.from_slot_map(slot_map), impl="torch")
     torch.testing.assert_close(y.double(), expected, atol=1e-4, rtol=1e-4)
+
+
+def _stacked_reference(y, x, a, bs, offsets, scale, slot_map):
+    rank, sm = bs[0].shape[2], torch.tensor(slot_map)
+    expected = y.double().clone()
+    for i, (b, off) in enumerate(zip(bs, offsets)):
+        expected = lora_expand_reference(expected, lora_shrink_reference(x, a[:, i * rank:(i + 1) * rank], sm),
+                                         b, scale, sm, off)
+    return expected
+
+
+@pytest.mark.parametrize("strategy", ["bmm", "grouped"])
+@pytest.mark.parametrize("offsets,width", [([0, 16, 24], 32), ([4, 20, 30], 40)])  # slices tile y, or leave gaps
+@pytest.mark.parametrize("slot_map", [[0, 1, 2, 3], [1, 1, 2, 2, 3, 3], [0, 2, 3], [-1, 1, 2, -1]])
+def test_operand_views_kept_across_steps_see_slots_rewritten_in_place(strategy, offsets, width, slot_map, monkeypatch):
+    """The torch path keeps a slot range's operand views between calls; a slot written in place between two
+    steps (an adapter loaded into it) must be what the next step reads, and columns outside the slices stay."""
+    from loramux.kernels.ops import lora_shrink_expand
+
+    monkeypatch.setattr(torch_ops, "pick_strategy", lambda seg: strategy)
+    g = torch.Generator().manual_seed(len(slot_map) + width)
+    n_slots, rank, d_in, outs = 4, 8, 24, [16, 8, 8]
+    a = torch.randn(n_slots, d_in, len(outs) * rank, generator=g).transpose(1, 2)  # the pool's CPU layout
+    bs = [torch.randn(n_slots, rank, o, generator=g).transpose(1, 2) for o in outs]
+    scale = torch.tensor([1.0, 0.5, 2.0, 0.25])
+    cache: dict = {}
+    for _step in range(3):
+        x = torch.randn(len(slot_map), d_in, generator=g)
+        y = torch.randn(len(slot_map), width, generator=g)
+        expected = _stacked_reference(y, x, a, bs, offsets, scale, slot_map)
+        lora_shrink_expand(y, x, a, bs, offsets, scale, LoRABatch.from_slot_map(slot_map), impl="torch",
+                           operand_cache=cache)
+        torch.testing.assert_close(y.double(), expected, atol=1e-4, rtol=1e-4)
+        a[2].copy_(torch.randn(a.shape[1:], generator=g))  # "load" another adapter into slot 2
+        for b in bs:
+            b[2].copy_(torch.randn(b.shape[1:], generator=g))
+    assert len(cache) <= 1  # one slot range: one entry, reused (none when the slots are not a range)
