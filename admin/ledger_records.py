@@ -86,7 +86,7 @@ def ledger_row(record: RequestRecord, prices: Sequence[PriceInfo]) -> dict:
         cached_input_per_mtok=price.cached_input_per_mtok if price else _ZERO,
         output_per_mtok=price.output_per_mtok if price else _ZERO,
         cost=cost_of(record.prompt_tokens, record.cached_tokens, record.completion_tokens, price),
-        created_at=record.created_at, end_user=record.end_user)
+        created_at=record.created_at, end_user=record.end_user, replica=record.replica)
 
 
 def short_error(exc: BaseException) -> str:

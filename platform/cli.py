@@ -134,6 +134,8 @@ def cmd_serve(args, settings: Settings) -> int:
     read_model_config(resolve_model_dir(settings.model, Path(settings.cache_dir)))
     host, port = settings.host, settings.port
     configure_logging(json_logs=settings.json_logs)
+    if getattr(args, "ray", False):
+        return serve_on_ray(args, settings)
 
     def services():
         built = Services.from_settings(settings)
@@ -141,6 +143,23 @@ def cmd_serve(args, settings: Settings) -> int:
         return built
 
     uvicorn.run(create_app(services), host=host, port=port, log_config=None)
+    return 0
+
+
+def serve_on_ray(args, settings: Settings) -> int:
+    """`loramux serve --ray`: the ingress and `--replicas` engine replicas on Ray Serve (see loramux.cluster)."""
+    try:
+        from loramux.cluster import app as cluster_app
+    except ImportError as exc:
+        raise ConfigError(f"--ray needs the ray extra: pip install 'loramux[ray]' ({exc})") from None
+    if args.replicas:
+        settings = settings.model_copy(update={"ray_replicas": args.replicas})
+    if not settings.redis_url:
+        raise ConfigError("--ray needs LORAMUX_REDIS_URL (e.g. redis://127.0.0.1:6379/0): replicas share rate "
+                          "limits and state through Redis")
+    print(f"loramux on Ray Serve: {settings.ray_replicas} engine replica(s), http://{settings.host}:{settings.port}",
+          file=sys.stderr, flush=True)
+    cluster_app.run(settings, blocking=True)
     return 0
 
 
@@ -255,6 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
     model_opts(s)
     s.add_argument("--host")
     s.add_argument("--port", type=int)
+    s.add_argument("--ray", action="store_true", help="serve on Ray Serve: an ingress and engine replicas "
+                                                       "(needs the ray extra and LORAMUX_REDIS_URL)")
+    s.add_argument("--replicas", type=int, help="engine replicas with --ray (LORAMUX_RAY_REPLICAS; default 1)")
     s.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("db", help="database migrations (LORAMUX_DATABASE_URL; default SQLite in the data dir)")

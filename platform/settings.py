@@ -109,3 +109,14 @@ class Settings(BaseSettings):
     # refused with 400 (compiled off the event loop, cached by the engine).
     max_n: int = Field(default=16, ge=1, le=128)
     structured_compile_timeout_s: float = Field(default=10.0, gt=0)
+
+    # Scale-out on Ray Serve (`loramux serve --ray`, see loramux.cluster): engine replicas, each its own
+    # engine; adapters one replica keeps loaded for routing affinity (Serve's multiplexing LRU); torch threads
+    # per replica (0 = torch's default); how often each replica publishes its state. Rate limits, concurrency
+    # caps, replica state and adapter evictions are shared through Redis at `redis_url` (required with Ray).
+    ray_replicas: int = Field(default=1, ge=1)
+    ray_adapters_per_replica: int = Field(default=64, ge=1)
+    ray_address: str = ""  # "" = start (or join) a local Ray cluster; else e.g. ray://head:10001
+    cluster_threads_per_replica: int = Field(default=0, ge=0)
+    cluster_snapshot_interval_s: float = Field(default=1.0, gt=0)
+    redis_url: str = ""

@@ -31,6 +31,7 @@ class RequestRecord:
     total_ms: float
     created_at: datetime = field(default_factory=utcnow)
     end_user: str | None = None  # the client's own id of its end user (OpenAI's `user`), at most 256 characters
+    replica: str | None = None  # the engine replica that served it (scale-out); None in a single process
 
     def as_dict(self) -> dict:
         return asdict(self)

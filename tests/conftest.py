@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -272,3 +273,42 @@ def run_to_completion(engine: LLMEngine, requests) -> list:
             if out.finished:
                 final[out.request_id] = out
     return [final[r] for r in ids]
+
+
+# --- Redis: shared rate limits and replica state (scale-out tests) ---------------------------------
+@pytest.fixture(scope="session")
+def redis_url():
+    """A private redis-server on a free port for this session (nothing on disk); without the binary, the
+    machine's Redis (LORAMUX_TEST_REDIS_URL, default db 15 on 127.0.0.1:6379), flushed first."""
+    import shutil
+    import socket
+    import subprocess
+
+    import redis
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        url = os.environ.get("LORAMUX_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+        redis.Redis.from_url(url).flushdb()
+        yield url
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url, socket_timeout=1)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                pytest.fail("redis-server did not start")
+            time.sleep(0.05)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=10)

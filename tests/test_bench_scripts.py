@@ -119,3 +119,17 @@ def test_many_adapters_bench_quick_run_reports_figures(tmp_path):
     assert results["uploads"]["adapters"] == 16
     assert all(r["failures"] == {} for r in results["scenarios"].values()), results["scenarios"]
     assert out_png.is_file() or "matplotlib is not installed" in out
+
+
+@pytest.mark.real_model
+def test_scale_out_bench_quick_run_reports_figure():
+    """Smoke mode: 1 and 2 engine replicas on a local Ray cluster, one short round each."""
+    pytest.importorskip("ray", reason="the ray extra is not installed")
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "scale_out.py"), "--quick"],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "machine: " in out and "1 replica(s) x 2 thread(s)" in out, out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("FIGURE ray_two_replica_speedup "), out
+    assert float(last.split()[-1]) > 0

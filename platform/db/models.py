@@ -251,3 +251,5 @@ class LedgerEntry(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)  # when the request arrived
     # The client's id of its end user (OpenAI's `user` field), for its own per-user accounting; not checked.
     end_user: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    # The engine replica that served the request (scale-out on Ray Serve); None in a single process.
+    replica: Mapped[str | None] = mapped_column(String(64), nullable=True)

@@ -102,6 +102,7 @@ class RequestOutput:
     # view on intermediate outputs), `new_top_logprobs` one entry per new_token_ids. Empty when k = 0.
     top_logprobs: Sequence[list[tuple[int, float]]] = ()
     new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    replica: str | None = None  # the engine replica that produced it (scale-out); None in a single process
 
     def absorb(self, later: RequestOutput) -> RequestOutput:
         """Fold in a later output of the same request (a speculative step appends several tokens; a

@@ -26,13 +26,17 @@ from loramux.server.serving import Server
 from loramux.services import base_model_id
 
 
-def create_app(services_factory, ledger_hooks: list | None = None) -> FastAPI:
+def create_app(services_factory, ledger_hooks: list | None = None, limiter_factory=RateLimiter) -> FastAPI:
     """`services_factory()` returns the Services (engine, registry, caches, tenancy, ledger); it is called
-    once at startup. Every finished request's RequestRecord goes to the ledger writer and to `ledger_hooks`."""
+    once at startup. Every finished request's RequestRecord goes to the ledger writer and to `ledger_hooks`.
+    `limiter_factory()`: the tenants' rate limiter (in memory; shared through Redis on a cluster)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         services = services_factory()
+        connect = getattr(services.engine, "connect", None)  # a remote engine learns the replicas' limits
+        if connect is not None:
+            await connect()
         tiers = [t.name for t in await run_in_threadpool(services.tenancy.tiers)]
         await run_in_threadpool(lambda: services.engine.max_chars_per_token)  # the prompt length bound, once
         metrics = ServerMetrics(tiers)
@@ -40,7 +44,7 @@ def create_app(services_factory, ledger_hooks: list | None = None) -> FastAPI:
         app.state.services = services
         app.state.metrics = metrics
         hooks = [services.ledger.submit, *(ledger_hooks or [])]
-        app.state.server = Server(services, RateLimiter(), metrics, hooks, base_model_id(services.settings.model))
+        app.state.server = Server(services, limiter_factory(), metrics, hooks, base_model_id(services.settings.model))
         try:
             yield
         finally:

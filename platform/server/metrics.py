@@ -188,6 +188,13 @@ class _StateCollector(Collector):
         misses = CounterMetricFamily("loramux_adapter_cache_misses",
                                      "Adapter lookups missing every local tier (downloads from the object store).")
         failures = CounterMetricFamily("loramux_adapter_load_failures", "Adapter loads that failed.")
+        replica_running = GaugeMetricFamily("loramux_replica_running_requests",
+                                            "Requests in each engine replica's running batch (scale-out).",
+                                            labels=["replica"])
+        replica_adapters = GaugeMetricFamily(
+            "loramux_replica_adapters_resident", "Adapter versions on each engine replica's device (scale-out); the "
+            "`adapters` label lists their digests' first 12 characters, comma-joined (/admin/replicas has names).",
+            labels=["replica", "adapters"])
 
         for family, key in ((queue, "waiting"), (running, "running"), (pinned, "adapter_slots_pinned")):
             value = _count(state.get(key))
@@ -197,6 +204,17 @@ class _StateCollector(Collector):
         used, total = _count(state.get("kv_blocks_used")), _count(state.get("kv_blocks_total"))
         if used is not None and total:
             kv.add_metric([], min(1.0, used / total))
+
+        replicas = state.get("replicas")
+        if isinstance(replicas, Mapping):
+            for replica_id, snap in sorted(replicas.items()):
+                if not isinstance(snap, Mapping):
+                    continue
+                running_now = _count((snap.get("stats") or {}).get("running"))
+                if running_now is not None:
+                    replica_running.add_metric([str(replica_id)], running_now)
+                held = sorted(d for d, where in (snap.get("residency") or {}).items() if where == "device")
+                replica_adapters.add_metric([str(replica_id), ",".join(d[:12] for d in held)], len(held))
 
         lora = state.get("lora")
         if isinstance(lora, Mapping):
@@ -241,7 +259,8 @@ class _StateCollector(Collector):
                 if value is not None:
                     family.add_metric([], value)
         return [queue, running, kv, pinned, cache_bytes, budget, resident, hits, misses, failures, loading,
-                device_loads, evictions, load_seconds, lora_info, *_step_families(state.get("steps"))]
+                device_loads, evictions, load_seconds, lora_info, replica_running, replica_adapters,
+                *_step_families(state.get("steps"))]
 
 
 def _step_families(steps) -> list[Metric]:

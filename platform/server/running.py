@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from loramux.adapters.registry import AdapterVersionInfo
 from loramux.adapters.tiers import Acquired
 from loramux.admin.ledger import durable
+from loramux.engine.async_engine import EngineDeadError
 from loramux.engine.engine import RequestOutput
 from loramux.tenancy import TenantContext
 
@@ -20,6 +21,10 @@ log = logging.getLogger("loramux.server.serving")
 BILLING_WAIT_S = 5.0  # longest an answer waits for its ledger row to be durable (a stuck disk)
 # How a request with several choices ends: the first of these that one of its choices ended with.
 _OUTCOME_ORDER = ("error", "cancelled", "timeout", "length", "stop")
+
+
+# The outcome of a request its engine lost (not a ledger outcome: such a request leaves no row).
+LOST = "lost"
 
 
 def combined_outcome(reasons: list[str | None]) -> str:
@@ -60,6 +65,12 @@ class Running:
     @property
     def n(self) -> int:
         return len(self._streams)
+
+    @property
+    def replica(self) -> str | None:
+        """The engine replica that served choice 0 (scale-out), None in a single process."""
+        last = self.lasts[0] if self.lasts else None
+        return last.replica if last is not None else None
 
     @property
     def adapter_tier(self) -> str | None:
@@ -126,6 +137,11 @@ class Running:
                         if not out.finished:
                             pending[asyncio.ensure_future(anext(self._streams[i]))] = i
             outcome = combined_outcome([o.finish_reason for o in self.lasts])
+        except EngineDeadError:
+            # The engine (on a cluster: the replica) stopped under the request: the client gets a retriable
+            # error and will send it again, so this attempt is not billed (see Server._finished).
+            outcome = LOST
+            raise
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "cancelled"
             raise

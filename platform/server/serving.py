@@ -37,7 +37,7 @@ from loramux.server.params import GenerationParams, check_prompt_bound, resolve_
 from loramux.server.prompts import Prompt
 from loramux.server.ratelimit import Admission, RateLimited, RateLimiter, RequestTooLarge, TierLimits
 from loramux.server.response_format import compile_structured
-from loramux.server.running import BILLING_WAIT_S, Running
+from loramux.server.running import BILLING_WAIT_S, LOST, Running
 from loramux.server.sse import guarded
 from loramux.tenancy import TenantContext
 from loramux.usage import RequestRecord
@@ -280,6 +280,9 @@ class Server:
             prompt_tokens=running.prompt_tokens, cached_tokens=cached, completion_tokens=completion)
         for gap in running.inter_token_s:
             self.metrics.observe_inter_token(gap, running.tenant.tier.name)
+        if outcome == LOST:  # the client got a retriable 503 for it: its retry is what gets billed
+            log.warning("request %s lost with its engine; not billed", running.request_id)
+            return []
         version = running.version
         record = RequestRecord(
             request_id=running.request_id, tenant_id=running.tenant.tenant_id, key_id=running.tenant.key_id,
@@ -287,7 +290,7 @@ class Server:
             adapter_version=version.version if version else None, adapter_digest=version.digest if version else None,
             requested=running.requested, fallback=running.fallback_reason is not None, outcome=outcome,
             prompt_tokens=running.prompt_tokens, cached_tokens=cached, completion_tokens=completion, queue_ms=queue_ms,
-            ttft_ms=ttft_ms, total_ms=total_ms, end_user=running.user,
+            ttft_ms=ttft_ms, total_ms=total_ms, end_user=running.user, replica=running.replica,
             # Billed at the price in force when the request arrived: its wall-clock arrival time.
             created_at=utcnow() - timedelta(seconds=time.monotonic() - running.arrival))
         billing = []

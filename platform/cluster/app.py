@@ -1,0 +1,123 @@
+"""The Ray Serve application: one ingress deployment (the FastAPI app) and one engine deployment whose
+replicas each run an engine (one per GPU on a GPU cluster).
+
+Requests reach engine replicas through a DeploymentHandle with `multiplexed_model_id` = the adapter
+version's digest: Serve sends a request to a replica that already has that adapter loaded (each replica
+keeps `ray_adapters_per_replica` of them, least recently used out), and places a cold adapter on one replica
+rather than on all of them. Base-model requests carry no id and go to the less loaded replica.
+
+`run(settings)` is what `loramux serve --ray` calls; `build_app(settings)` is the application for
+`serve.run` or a Serve config (`loramux.cluster.app:app_builder`).
+"""
+from __future__ import annotations
+
+import logging
+
+from ray import serve
+
+from loramux.settings import Settings
+
+log = logging.getLogger(__name__)
+
+APP_NAME = "loramux"
+ENGINE_DEPLOYMENT = "engine"
+
+
+def _engine_deployment(settings: Settings):
+    gpus = 1 if settings.device in ("cuda", "auto") and _cuda_visible() else 0
+
+    @serve.deployment(name=ENGINE_DEPLOYMENT, num_replicas=settings.ray_replicas,
+                      ray_actor_options={"num_cpus": 1 if gpus else 0.5, "num_gpus": gpus},
+                      max_ongoing_requests=max(2 * settings.max_num_seqs, 8), health_check_period_s=2,
+                      health_check_timeout_s=10, graceful_shutdown_timeout_s=5)
+    class Engine:
+        def __init__(self, settings_json: str):
+            from loramux.cluster.replica import EngineReplica
+
+            context = serve.get_replica_context()
+            self.core = EngineReplica(Settings.model_validate_json(settings_json), context.replica_id.unique_id)
+
+        @serve.multiplexed(max_num_models_per_replica=settings.ray_adapters_per_replica)
+        async def adapter(self, digest: str):
+            return await self.core.load_adapter(digest)
+
+        async def generate(self, payload: dict):
+            adapter = None
+            if payload["version"] is not None:
+                self.core.remember(payload["version"])
+                adapter = await self.adapter(serve.get_multiplexed_model_id())
+            async for message in self.core.generate(payload, adapter):
+                yield message
+
+        def info(self) -> dict:
+            return self.core.info()
+
+        def compile_structured(self, spec) -> None:
+            self.core.compile_structured(spec)
+
+        def check_health(self) -> None:
+            if self.core.engine._stopped:  # the engine loop died: let Serve replace this replica
+                raise RuntimeError("engine stopped")
+
+        def __del__(self):
+            core = getattr(self, "core", None)
+            if core is not None:
+                core.shutdown()
+
+    return Engine
+
+
+def _ingress_deployment(settings: Settings):
+    settings_json = settings.model_dump_json()
+
+    def build_asgi():
+        from loramux.cluster.ingress_services import ingress_services
+        from loramux.server.app import create_app
+        from loramux.server.shared_ratelimit import SharedRateLimiter
+
+        handle = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=APP_NAME)
+        own = Settings.model_validate_json(settings_json)
+        ingress_id = serve.get_replica_context().replica_id.unique_id
+        return create_app(lambda: ingress_services(own, handle, ingress_id),
+                          limiter_factory=lambda: SharedRateLimiter(own.redis_url))
+
+    # The builder runs on the replica; binding the engine deployment to it deploys both as one application.
+    return serve.deployment(serve.ingress(build_asgi)(), name="ingress", num_replicas=1,
+                            ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
+
+
+def build_app(settings: Settings) -> serve.Application:
+    if not settings.redis_url:
+        raise ValueError("LORAMUX_REDIS_URL is required with Ray: replicas share rate limits and state through it")
+    engine = _engine_deployment(settings).bind(settings.model_dump_json())
+    return _ingress_deployment(settings).bind(engine)
+
+
+def app_builder(args: dict) -> serve.Application:
+    """For `serve run loramux.cluster.app:app_builder key=value ...` (Settings fields; env LORAMUX_* too)."""
+    return build_app(Settings(**args))
+
+
+def run(settings: Settings, blocking: bool = True) -> None:
+    """Migrate once, start (or join) Ray and Serve, deploy, and serve HTTP on settings.host:port."""
+    import ray
+
+    from loramux.admin.keys import check_admin_key_format
+    from loramux.db import Database
+
+    if settings.admin_key:
+        check_admin_key_format(settings.admin_key)  # here, in one line, not in a replica's failing start
+    Database(settings.resolved_database_url()).upgrade()  # once, here: never per replica
+    if not ray.is_initialized():
+        ray.init(address=settings.ray_address or None, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": settings.host, "port": settings.port})
+    serve.run(build_app(settings), name=APP_NAME, route_prefix="/", blocking=blocking)
+
+
+def _cuda_visible() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False

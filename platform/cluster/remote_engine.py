@@ -1,0 +1,167 @@
+"""The AsyncEngine interface, served by engine replicas behind a Ray Serve deployment handle.
+
+The ingress's routes, limits and ledger run unchanged on top of it (see `loramux.server.serving`): what
+differs is where tokens come from. Tokenizing happens here, with the model's own tokenizer (no weights are
+loaded on the ingress); generation is a streaming call to a replica chosen by Ray Serve's model
+multiplexing, keyed by the adapter version's digest; engine-wide state (stats, residency, queue wait) comes
+from the snapshots each replica publishes (`loramux.cluster.shared_state`).
+
+A replica that dies mid-stream ends the request with `EngineDeadError` (HTTP 503, retriable); a refusal by
+the engine (`RequestError`) arrives as such. Leaving the stream early cancels the call on the replica, which
+aborts the request there.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from loramux.adapters.registry import AdapterVersionInfo
+from loramux.cluster.shared_state import ReplicaDirectory
+from loramux.cluster.wire import Reassembler
+from loramux.engine.async_engine import EngineDeadError
+from loramux.engine.engine import RequestError, RequestOutput
+from loramux.engine.sampling_params import SamplingParams, StructuredOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RemoteAdapter:
+    """What the ingress holds of an adapter: its registry version; the weights live on the replicas."""
+
+    version: AdapterVersionInfo
+
+    @property
+    def digest(self) -> str:
+        return self.version.digest
+
+    @property
+    def name(self) -> str:
+        return self.version.label
+
+
+class RemoteEngine:
+    def __init__(self, handle, tokenizer, max_model_len: int, directory: ReplicaDirectory):
+        """`handle`: the engine deployment's DeploymentHandle; `tokenizer`: the model's HF tokenizer."""
+        self.handle = handle
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.directory = directory
+        self._calls: dict[str, object] = {}  # request id -> its streaming call, for abort
+
+    async def connect(self) -> None:
+        """Learn the replicas' context length (called once at the ingress's start)."""
+        info = await self.handle.info.remote()
+        self.max_model_len = info["max_model_len"]
+
+    # -- generation ------------------------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                       priority: int = 0, adapter: RemoteAdapter | None = None,
+                       arrival: float | None = None, cache_salt: str | None = None,
+                       on_abandoned: Callable[[RequestOutput], None] | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """As AsyncEngine.generate, on a replica. Each output's `replica` names the replica that made it."""
+        payload = {"request_id": request_id, "prompt": prompt, "params": params, "priority": priority,
+                   "version": adapter.version if adapter is not None else None, "cache_salt": cache_salt,
+                   # monotonic clocks are per machine: send how long the request has waited instead
+                   "waited_s": 0.0 if arrival is None else max(0.0, time.monotonic() - arrival)}
+        call = self.handle.options(stream=True, multiplexed_model_id=adapter.digest if adapter else "")
+        stream = call.generate.remote(payload)
+        self._calls[request_id] = stream
+        rebuild, finished = Reassembler(), False
+        try:
+            async for message in _guarded(stream):
+                if "error" in message:
+                    kind, text = message["error"], message["message"]
+                    raise RequestError(text) if kind == "request" else EngineDeadError(text)
+                out = rebuild.feed(message)
+                yield out
+                if out.finished:
+                    finished = True
+                    return
+        finally:
+            self._calls.pop(request_id, None)
+            if not finished:
+                stream.cancel()  # the replica's generator is cancelled, which aborts the request there
+
+    def abort(self, request_id: str) -> None:
+        call = self._calls.get(request_id)
+        if call is not None:
+            call.cancel()
+
+    # -- what routes ask of the model --------------------------------------------------------------------------
+    @property
+    def max_chars_per_token(self) -> int | None:
+        if not hasattr(self, "_max_chars_per_token"):
+            from loramux.server.prompts import max_chars_per_token
+
+            self._max_chars_per_token = max_chars_per_token(self.tokenizer)
+        return self._max_chars_per_token
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        return [self.tokenizer.decode([i]) for i in ids]
+
+    def compile_structured(self, spec: StructuredOutput) -> None:
+        """Checked by one replica (blocking: called from a worker thread); each replica compiles on first use."""
+        self.handle.compile_structured.remote(spec).result()
+
+    # -- engine-wide state, from the replicas' snapshots --------------------------------------------------
+    def stats(self) -> dict:
+        """Counters summed over the live replicas, plus `replicas`: each one's own snapshot."""
+        snapshots = self.directory.snapshots()
+        total: dict = {}
+        for snap in snapshots.values():
+            for key, value in snap.get("stats", {}).items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    total[key] = total.get(key, 0) + value
+        return {**total, "replicas": snapshots}
+
+    def adapter_residency(self, digest: str) -> str | None:
+        """"device" if a live replica holds the version on its device, else "loading" or None."""
+        states = {snap.get("residency", {}).get(digest) for snap in self.directory.snapshots().values()}
+        return "device" if "device" in states else "loading" if "loading" in states else None
+
+    def estimated_queue_wait_s(self) -> float:
+        """The shortest wait any live replica predicts (Ray routes to less loaded replicas first)."""
+        waits = [snap.get("queue_wait_s", 0.0) for snap in self.directory.snapshots().values()]
+        return min(waits, default=0.0)
+
+    def evict_adapter(self, digest: str) -> None:
+        """A version was deleted: every replica drops its copies (see ReplicaDirectory.broadcast_eviction)."""
+        self.directory.broadcast_eviction(digest)
+
+    def shutdown(self) -> None:
+        for call in list(self._calls.values()):
+            call.cancel()
+
+
+async def _guarded(stream) -> AsyncIterator[dict]:
+    """The replica's messages; a replica lost mid-stream (its process died, its actor is gone) becomes an
+    EngineDeadError, which clients get as a retriable 503."""
+    from ray.exceptions import RayActorError, RayError
+
+    try:
+        async for message in stream:
+            yield message
+    except asyncio.CancelledError:
+        raise
+    except (RequestError, EngineDeadError):
+        raise
+    except RayActorError as exc:
+        log.warning("engine replica lost mid-request: %s", type(exc).__name__)
+        raise EngineDeadError("the engine replica serving this request stopped; retry the request") from None
+    except RayError as exc:
+        log.warning("engine call failed: %s", exc)
+        raise EngineDeadError("the engine replica serving this request failed; retry the request") from None

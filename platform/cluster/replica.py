@@ -1,0 +1,101 @@
+"""One engine replica: an engine, its own adapter tiers (S3 -> disk -> host RAM -> device) and its snapshot
+publisher. Ray Serve wraps it in a deployment (`loramux.cluster.app`); nothing here imports Ray.
+
+Adapters reach a replica by digest: the ingress resolves a request's adapter in the registry and sends the
+version (plain data) with the request, and the replica loads that version through its own tiers, so a
+deleted or re-uploaded adapter can never be served stale (a new upload is a new digest).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+from loramux.adapters.registry import AdapterVersionInfo
+from loramux.adapters.tiers import AdapterCache, DiskCache, HostCache
+from loramux.cluster.shared_state import ReplicaDirectory
+from loramux.cluster.wire import to_wire
+from loramux.settings import Settings
+
+log = logging.getLogger(__name__)
+
+LOAD_TIMEOUT_S = 60.0
+
+
+class EngineReplica:
+    def __init__(self, settings: Settings, replica_id: str):
+        import torch
+
+        from loramux.engine.async_engine import AsyncEngine
+        from loramux.engine.engine import LLMEngine
+        from loramux.services import store_from_settings
+
+        if settings.cluster_threads_per_replica:
+            torch.set_num_threads(settings.cluster_threads_per_replica)
+        self.settings, self.replica_id = settings, replica_id
+        llm = LLMEngine.from_settings(settings, load_adapters=False)
+        self.engine = AsyncEngine(llm, stalled_reader_timeout_s=settings.stalled_reader_timeout_s)
+        disk_dir = Path(settings.data_dir) / "replicas" / replica_id / "adapter-cache"  # not shared between replicas
+        self.cache = AdapterCache(store_from_settings(settings), DiskCache(disk_dir, settings.disk_cache_bytes),
+                                  HostCache(settings.host_cache_bytes))
+        self._versions: dict[str, AdapterVersionInfo] = {}  # digest -> version, set before the multiplexed load
+        self.directory = ReplicaDirectory(settings.redis_url)
+        self._stop = self.directory.start_replica_threads(replica_id, self.snapshot, self.evict,
+                                                          settings.cluster_snapshot_interval_s)
+
+    # -- adapters ----------------------------------------------------------------------------------------------
+    def remember(self, version: AdapterVersionInfo) -> None:
+        self._versions[version.digest] = version
+
+    async def load_adapter(self, digest: str):
+        """The adapter of a remembered version, in host RAM (called through Serve's multiplexed loader)."""
+        version = self._versions[digest]
+        lease = await self.cache.acquire(version, LOAD_TIMEOUT_S)
+        self.cache.release(digest)  # the host cache keeps it within its budget; the engine pins what it uses
+        return lease.adapter
+
+    def evict(self, digest: str) -> None:
+        self._versions.pop(digest, None)
+        self.cache.evict(digest)
+        self.engine.evict_adapter(digest)
+
+    # -- requests --------------------------------------------------------------------------------------------
+    async def generate(self, payload: dict, adapter):
+        """The request's outputs as `to_wire` messages; errors the ingress must see arrive as messages."""
+        from loramux.engine.async_engine import EngineDeadError
+        from loramux.engine.engine import RequestError
+
+        arrival = time.monotonic() - payload["waited_s"]
+        stream = self.engine.generate(payload["request_id"], payload["prompt"], payload["params"],
+                                      priority=payload["priority"], adapter=adapter, arrival=arrival,
+                                      cache_salt=payload["cache_salt"])
+        try:
+            async for out in stream:
+                yield to_wire(out, self.replica_id)
+        except RequestError as exc:
+            yield {"error": "request", "message": str(exc)}
+        except EngineDeadError as exc:
+            yield {"error": "dead", "message": str(exc)}
+        finally:
+            await stream.aclose()  # cancelled by the ingress: the request is aborted in the engine
+
+    def info(self) -> dict:
+        return {"replica": self.replica_id, "pid": os.getpid(), "max_model_len": self.engine.max_model_len}
+
+    def compile_structured(self, spec) -> None:
+        self.engine.compile_structured(spec)
+
+    def snapshot(self) -> dict:
+        """What the ingress shows of this replica: engine counters, residency by digest, queue wait."""
+        stats = self.engine.stats()
+        residency = {digest: state for digest in list(self._versions)
+                     if (state := self.engine.adapter_residency(digest)) is not None}
+        return {"stats": stats, "residency": residency, "queue_wait_s": self.engine.estimated_queue_wait_s(),
+                "adapter_names": {d: v.label for d, v in list(self._versions.items()) if d in residency},
+                "pid": os.getpid(), "at": time.time()}
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self.engine.shutdown()
+        self.cache.shutdown()

@@ -1,0 +1,291 @@
+"""Scale-out on a local Ray cluster: an ingress and 2 engine replicas (tiny random Llama), PostgreSQL for
+the registry and ledger, moto S3 for adapter blobs, a private Redis for limits and replica state. Clients
+are the official `openai` package over HTTP, as a tenant's would be.
+
+One module-wide cluster (Ray and Serve take ~20 s to start on 2 cores); the tests run in file order: the
+mixed load, then the replica kill, then the single-process comparison (after the cluster is gone, so it
+does not compete for the cores).
+"""
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import socket
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'loramux[ray]')")
+pytest.importorskip("limits")
+openai = pytest.importorskip("openai")
+
+import httpx  # noqa: E402
+from sqlalchemy import create_engine, text  # noqa: E402
+
+from conftest import MOTO_CREDENTIALS, MOTO_REGION, moto_create_bucket, save_tiny_hf_model, write_peft_adapter  # noqa: E402
+from loramux.settings import Settings  # noqa: E402
+
+ADMIN_KEY = "lmxa-ray-admin-key-0123456789abcdefghijklmnop"
+NUM_ADAPTERS = 6
+LIMITED_RPM = 30
+MAX_TOKENS = 8
+PROMPTS = ["Tell me about the sea.", "List three colours.", "What is a LoRA adapter?", "Count to five.",
+           "Name a famous bridge.", "Why is the sky blue?", "Write a haiku about rain.", "Say hello."]
+RESULTS: dict = {}  # what one test hands the next (file order): the load's answers, the outputs to compare
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(condition, timeout_s: float, what: str, poll_s: float = 0.2):
+    """Poll `condition()` until it returns something truthy (returned) or fail after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}")
+        time.sleep(poll_s)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, tokenizer, tiny_cfg, moto_server, postgres_server_url, redis_url):
+    tmp = tmp_path_factory.mktemp("ray-stack")
+    model_dir = tmp / "model"
+    save_tiny_hf_model(model_dir, vocab_size=len(tokenizer))
+    tokenizer.save_pretrained(model_dir)  # replicas and the ingress load the tokenizer from the model dir
+    adapter_dirs = [write_peft_adapter(tmp / f"ad{i}", tiny_cfg, 8, ["q_proj", "v_proj", "down_proj"], seed=i)
+                    for i in range(NUM_ADAPTERS)]
+    bucket = f"loramux-ray-{uuid.uuid4().hex[:12]}"
+    moto_create_bucket(moto_server, bucket)
+    db = create_engine(postgres_server_url)
+    with db.begin() as conn:  # an empty database: the driver migrates it once
+        conn.execute(text("DROP SCHEMA public CASCADE"))
+        conn.execute(text("CREATE SCHEMA public"))
+    settings = Settings(
+        model=str(model_dir), data_dir=tmp / "data", database_url=postgres_server_url,
+        store_url=f"s3://{bucket}/adapters", s3_endpoint_url=moto_server, s3_region=MOTO_REGION,
+        s3_access_key_id=MOTO_CREDENTIALS["access_key_id"], s3_secret_access_key=MOTO_CREDENTIALS["secret_access_key"],
+        redis_url=redis_url, ray_replicas=2, host="127.0.0.1", port=free_port(), admin_key=ADMIN_KEY,
+        kv_cache_bytes=32 * 2**20, max_model_len=512, cluster_threads_per_replica=1, json_logs=False,
+        cluster_snapshot_interval_s=0.5)
+
+    from ray import serve
+
+    from loramux.cluster import app as cluster_app
+
+    # Replicas import loramux from this checkout; keep their torch threads to one each (2 cores here).
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}})
+    try:
+        cluster_app.run(settings, blocking=False)
+        url = f"http://127.0.0.1:{settings.port}"
+        admin = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=60)
+        setup = _set_up_tenants_and_adapters(admin, adapter_dirs)
+        yield {"url": url, "admin": admin, "db": db, "settings": settings, **setup}
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        db.dispose()
+
+
+def _set_up_tenants_and_adapters(admin: httpx.Client, adapter_dirs: list[Path]) -> dict:
+    limited_tier = {"priority": 0, "requests_per_min": LIMITED_RPM, "default_timeout_s": 60, "max_timeout_s": 120}
+    assert admin.put("/admin/tiers/limited30", json=limited_tier).status_code == 200
+    keys = {}
+    for name, tier in (("acme", "standard"), ("globex", "premium"), ("smallco", "limited30")):
+        tenant = admin.post("/admin/tenants", json={"name": name, "tier": tier})
+        assert tenant.status_code == 201, tenant.text
+        keys[name] = admin.post(f"/admin/tenants/{tenant.json()['id']}/keys").json()["key"]
+    owner = admin.get("/admin/tenants").json()["tenants"]
+    acme_id = next(t["id"] for t in owner if t["name"] == "acme")
+    adapters = []
+    for i, directory in enumerate(adapter_dirs):
+        files = {"adapter_config": ("adapter_config.json", (directory / "adapter_config.json").read_bytes()),
+                 "adapter_model": ("adapter_model.safetensors", (directory / "adapter_model.safetensors").read_bytes())}
+        resp = admin.post("/admin/adapters", data={"tenant_id": acme_id, "name": f"ad{i}", "visibility": "public"},
+                          files=files)
+        assert resp.status_code == 201, resp.text
+        adapters.append(resp.json()["id"])
+    return {"keys": keys, "adapters": adapters}
+
+
+def _client(stack, tenant: str, timeout: float = 60.0):
+    return openai.OpenAI(base_url=stack["url"] + "/v1", api_key=stack["keys"][tenant], max_retries=0,
+                         timeout=timeout)
+
+
+def _workload(stack) -> list[dict]:
+    """200 requests: 6 adapters and the base model, chat and completions, streamed and not, 3 tenants; the
+    limited tenant's 40 all come in the first half, so its per-minute limit is what stops them."""
+    items = []
+    for i in range(200):
+        tenant = "smallco" if i < 100 and i % 5 == 0 else "smallco" if i < 100 and i % 5 == 3 else \
+            ("acme", "globex")[i % 2]
+        model = "base" if i % 7 == 6 else stack["adapters"][i % NUM_ADAPTERS]
+        items.append({"i": i, "tenant": tenant, "model": model, "chat": i % 3 != 0, "stream": i % 4 == 1,
+                      "prompt": PROMPTS[i % len(PROMPTS)]})
+    return items
+
+
+def _send(stack, item: dict) -> dict:
+    client = _client(stack, item["tenant"])
+    try:
+        if item["chat"]:
+            kwargs = dict(model=item["model"], messages=[{"role": "user", "content": item["prompt"]}],
+                          max_tokens=item.get("max_tokens", MAX_TOKENS), temperature=0)
+            if item["stream"]:
+                chunks = list(client.chat.completions.create(stream=True, **kwargs))
+                return {"status": 200, "id": chunks[0].id,
+                        "text": "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)}
+            resp = client.chat.completions.create(**kwargs)
+            return {"status": 200, "id": resp.id, "text": resp.choices[0].message.content}
+        kwargs = dict(model=item["model"], prompt=item["prompt"], max_tokens=MAX_TOKENS, temperature=0)
+        if item["stream"]:
+            chunks = list(client.completions.create(stream=True, **kwargs))
+            return {"status": 200, "id": chunks[0].id, "text": "".join(c.choices[0].text for c in chunks if c.choices)}
+        resp = client.completions.create(**kwargs)
+        return {"status": 200, "id": resp.id, "text": resp.choices[0].text}
+    except openai.APIStatusError as exc:
+        return {"status": exc.status_code, "error": str(exc)}
+    except (openai.APIConnectionError, openai.APITimeoutError) as exc:
+        return {"status": None, "error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        client.close()
+
+
+def _ledger(stack, since_ids: set | None = None) -> list[tuple]:
+    with stack["db"].connect() as conn:
+        rows = conn.execute(text("SELECT request_id, adapter_id, replica, tenant_id, outcome FROM ledger")).all()
+    return [tuple(r) for r in rows if since_ids is None or r[0] not in since_ids]
+
+
+def _ledger_rows(stack, count: int, since_ids: set | None = None) -> list[tuple]:
+    """The ledger rows (not in `since_ids`) once there are at least `count` (rows are written off the hot path)."""
+    def enough():
+        rows = _ledger(stack, since_ids)
+        return rows if len(rows) >= count else None
+    return wait_until(enough, 60, f"{count} ledger rows")
+
+
+def test_mixed_load_is_routed_by_adapter_billed_once_and_limited_across_replicas(stack):
+    # Warm-up: each adapter once (Serve places it on one replica), then once more after the replicas have
+    # reported what they hold, so the router knows where each adapter lives.
+    warm = [{"i": -1, "tenant": "acme", "model": a, "chat": True, "stream": False, "prompt": "hi"}
+            for a in stack["adapters"]]
+    for item in warm:
+        assert _send(stack, item)["status"] == 200
+    wait_until(lambda: sum(len(r["adapters"]) for r in stack["admin"].get("/admin/replicas").json()["replicas"])
+               >= NUM_ADAPTERS, 30, "every adapter to show on a replica")
+    for item in warm:
+        assert _send(stack, item)["status"] == 200
+    warm_ids = {row[0] for row in _ledger_rows(stack, 2 * NUM_ADAPTERS)}
+
+    items = _workload(stack)
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda item: _send(stack, item), items))
+    statuses = collections.Counter(a["status"] for a in answers)
+    ok = [(item, a) for item, a in zip(items, answers) if a["status"] == 200]
+
+    # Every refusal is the limited tenant's 429; it got at most its 30 a minute, across both replicas.
+    limited = [a for item, a in zip(items, answers) if item["tenant"] == "smallco"]
+    assert set(statuses) <= {200, 429}, statuses
+    assert all(a["status"] == 200 for item, a in zip(items, answers) if item["tenant"] != "smallco")
+    accepted_limited = sum(a["status"] == 200 for a in limited)
+    assert 0 < accepted_limited <= LIMITED_RPM, accepted_limited
+    assert statuses[429] == len(limited) - accepted_limited
+
+    # Ledger: exactly one row per answered request, none for refused ones.
+    rows = _ledger_rows(stack, len(ok), warm_ids)
+    assert sorted(r[0] for r in rows) == sorted(a["id"] for _, a in ok)
+    assert all(r[2] for r in rows), "every row names the replica that served it"
+    assert len({r[2] for r in rows}) == 2, "both replicas served"
+
+    # Affinity: each adapter's requests land on one replica.
+    by_adapter: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for _, adapter_id, replica, _, _ in rows:
+        if adapter_id is not None:
+            by_adapter[adapter_id][replica] += 1
+    fractions = {a: c.most_common(1)[0][1] / sum(c.values()) for a, c in by_adapter.items()}
+    assert len(fractions) == NUM_ADAPTERS
+    affinity = min(fractions.values())
+    print(f"requests per adapter and replica: {[dict(c) for c in by_adapter.values()]}; statuses {dict(statuses)}")
+    print(f"FIGURE ray_adapter_affinity {affinity:.3f}")
+    assert affinity >= 0.9, fractions
+
+    # Where adapters live is visible to operators.
+    listed = stack["admin"].get("/admin/replicas").json()
+    assert listed["mode"] == "ray" and len(listed["replicas"]) == 2
+    metrics = httpx.get(stack["url"] + "/metrics").text
+    assert metrics.count("loramux_replica_adapters_resident{") == 2
+    RESULTS["load"] = ok
+
+
+def test_a_killed_replica_fails_its_requests_retriably_and_comes_back(stack):
+    admin = stack["admin"]
+    before = {r["replica"]: r["pid"] for r in admin.get("/admin/replicas").json()["replicas"]}
+    assert len(before) == 2
+    seen = {row[0] for row in _ledger(stack)}
+    victim_id, victim_pid = sorted(before.items())[0]
+    items = [{"i": i, "tenant": ("acme", "globex")[i % 2], "model": stack["adapters"][i % NUM_ADAPTERS],
+              "chat": True, "stream": False, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 96} for i in range(32)]
+    started = time.monotonic()
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(_send, stack, item) for item in items]
+        # Kill while the victim has requests running (its own snapshot says so).
+        def victim_busy():
+            snap = {x["replica"]: x for x in admin.get("/admin/replicas").json()["replicas"]}.get(victim_id)
+            return snap is not None and (snap["running"] or 0) >= 2
+        wait_until(victim_busy, 60, "requests running on the victim", poll_s=0.05)
+        os.kill(victim_pid, signal.SIGKILL)
+        answers = [f.result() for f in futures]
+    elapsed = time.monotonic() - started
+    assert elapsed < 60, "no request hung"
+    statuses = collections.Counter(a["status"] for a in answers)
+    print(f"replica killed mid-load: {dict(statuses)} in {elapsed:.1f} s")
+    assert set(statuses) <= {200, 503}, answers  # failures are retriable 503s, never a hang or a 500
+    assert statuses[503] >= 2 and statuses[200] >= 1
+    # Serve replaces the dead replica: two live replicas again, one of them new.
+    def replaced():
+        live = {x["replica"]: x["pid"] for x in admin.get("/admin/replicas").json()["replicas"]}
+        return live if len(live) == 2 and victim_id not in live else None
+    after = wait_until(replaced, 120, "a replacement replica")
+    assert victim_pid not in after.values()
+    # The answered requests are billed once each; the failed ones not at all.
+    ok_ids = sorted(a["id"] for a in answers if a["status"] == 200)
+    rows = _ledger_rows(stack, len(ok_ids), seen)
+    assert sorted(r[0] for r in rows) == ok_ids
+    # And the cluster serves again.
+    assert _send(stack, items[0])["status"] == 200
+
+
+def test_greedy_outputs_equal_the_single_process_servers(stack, tmp_path):
+    """The same requests, greedy, against one in-process server on the same registry and store: same text."""
+    from live_server import LiveServer
+    from loramux.server.app import create_app
+    from loramux.services import Services
+
+    ray_settings = stack["settings"]
+    load = RESULTS.get("load")
+    if load is None:
+        pytest.skip("the mixed-load test did not run")
+    from ray import serve
+
+    serve.shutdown()  # free the cores for the reference server
+    single = ray_settings.model_copy(update={"data_dir": tmp_path / "single"})
+    app = create_app(lambda: Services.from_settings(single))
+    with LiveServer(app) as server:
+        reference = dict(stack, url=server.url)
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda pair: _send(reference, {**pair[0], "tenant": "globex"}), load))
+    mismatches = [(item["i"], got["text"], want["text"]) for (item, got), want in zip(load, answers)
+                  if want["status"] != 200 or got["text"] != want["text"]]
+    assert not mismatches, mismatches[:5]
