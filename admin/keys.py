@@ -85,6 +85,12 @@ class AdminKeys:
         self._keys.invalidate()
         return info
 
+    def live(self, key_id: str) -> AdminKeyInfo | None:
+        """The admin key with this id if it is not revoked (a console session checks it on every page)."""
+        with self.db.session() as s:
+            key = s.get(AdminKey, key_id)
+            return _info(key) if key is not None and key.revoked_at is None else None
+
     def authenticate(self, raw: str) -> AdminKeyInfo | None:
         """The admin key's info for a raw key, or None for an unknown or revoked one."""
         return self._keys.authenticate(raw, ADMIN_KEY_PREFIX, self._lookup)

@@ -110,6 +110,11 @@ class Settings(BaseSettings):
     max_n: int = Field(default=16, ge=1, le=128)
     structured_compile_timeout_s: float = Field(default=10.0, gt=0)
 
+    # Operator console (/console): the secret that signs its session cookies ("" = a random one per process,
+    # so sessions end at a restart; set one shared by every ingress replica) and how long a session lasts.
+    console_secret: str = ""
+    console_session_s: int = Field(default=8 * 3600, gt=0)
+
     # Scale-out on Ray Serve (`loramux serve --ray`, see loramux.cluster): engine replicas, each its own
     # engine; adapters one replica keeps loaded for routing affinity (Serve's multiplexing LRU); torch threads
     # per replica (0 = torch's default); how often each replica publishes its state. Rate limits, concurrency

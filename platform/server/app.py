@@ -16,6 +16,8 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from loramux.admin.routes import router as admin_router
+from loramux.console.routes import install_console
+from loramux.console.session import SessionSigner
 from loramux.server import native, openai_api
 from loramux.server.deps import ServicesDep
 from loramux.server.errors import install_error_handlers
@@ -42,6 +44,8 @@ def create_app(services_factory, ledger_hooks: list | None = None, limiter_facto
         metrics = ServerMetrics(tiers)
         metrics.set_state_source(lambda: {**services.engine.stats(), "adapter_cache": services.adapter_cache.stats()})
         app.state.services = services
+        app.state.console_signer = SessionSigner(services.settings.console_secret or None,
+                                                 services.settings.console_session_s)
         app.state.metrics = metrics
         hooks = [services.ledger.submit, *(ledger_hooks or [])]
         app.state.server = Server(services, limiter_factory(), metrics, hooks, base_model_id(services.settings.model))
@@ -56,6 +60,7 @@ def create_app(services_factory, ledger_hooks: list | None = None, limiter_facto
     app.include_router(native.router)
     app.include_router(admin_router)
     install_error_handlers(app)
+    install_console(app)
     docs = (app.docs_url, app.redoc_url, app.openapi_url, app.swagger_ui_oauth2_redirect_url)
     app.add_middleware(Ingress, open_paths=OPEN_PATHS | {p for p in docs if p})
 

@@ -3,7 +3,8 @@
 `Ingress` is a pure ASGI middleware. In order, cheapest first:
 
 1. **The key.** Routes under /admin need an admin key (`lmxa-...`), the open ones (/health, /ready,
-   /metrics, the docs) none, every other path a tenant key (`lmx-...`): unknown paths too, so an
+   /metrics, the docs) none, the console (/console) its own session cookie, every other path a tenant
+   key (`lmx-...`): unknown paths too, so an
    anonymous client learns nothing about the route table. The caller is resolved in the threadpool
    (`resolve_tenant` / `resolve_admin`, answers cached by the key cache) and stored in
    `scope["state"]` ("tenant" / "admin"), where `loramux.server.deps:get_tenant` and
@@ -37,7 +38,10 @@ from loramux.tenancy import KEY_PREFIX, TenantContext
 
 MAX_JSON_DEPTH = 64  # arrays and objects nested in each other; OpenAI's request shapes need fewer than 8
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
-UPLOAD_ROUTES = frozenset({("POST", "/admin/adapters")})  # capped by their route, at max_upload_bytes + 1 MiB
+# The operator console authenticates with its own signed session cookie (loramux.console), not a bearer key.
+OWN_AUTH_PREFIXES = ("/console",)
+# Capped by their route, at max_upload_bytes + 1 MiB.
+UPLOAD_ROUTES = frozenset({("POST", "/admin/adapters"), ("POST", "/console/adapters/upload")})
 _SCAN_IN_THREAD_BYTES = 64 * 1024  # a depth scan of a larger body runs in the threadpool, off the event loop
 
 
@@ -148,7 +152,7 @@ class Ingress:
         body_coming = bool(declared) or "transfer-encoding" in headers  # a refusal would leave it unread
         services = scope["app"].state.services
 
-        if path not in self.open_paths:
+        if path not in self.open_paths and not _under(path, OWN_AUTH_PREFIXES):
             raw = bearer_token(headers.get("authorization"))
             admin_route = path == "/admin" or path.startswith("/admin/")
             caller = await (resolve_admin(services, raw) if admin_route else resolve_tenant(services, raw))
@@ -191,6 +195,10 @@ class Ingress:
         if close:  # the rest of the body is never read: end the connection instead of draining it
             headers["Connection"] = "close"
         await error_response(status, message, code, headers=headers)(scope, receive, send)
+
+
+def _under(path: str, prefixes: tuple[str, ...]) -> bool:
+    return any(path == p or path.startswith(p + "/") for p in prefixes)
 
 
 def _route_path(scope) -> str:

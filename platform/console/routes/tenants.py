@@ -1,0 +1,95 @@
+"""Tenants: list and create; one tenant's tier, status and fallback; its keys (create, rotate, revoke).
+
+A new or rotated key is shown once, in the answer to the form that made it (never stored, never in a URL,
+never rendered again): the page says to copy it now.
+"""
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import RedirectResponse
+
+from loramux.console.deps import CheckedForm, Operator, render
+from loramux.tenancy import TenancyError
+
+router = APIRouter(prefix="/tenants")
+
+
+def _services(request: Request):
+    return request.app.state.services
+
+
+@router.get("")
+async def tenants_page(request: Request, operator: Operator, notice: str | None = None):
+    services = _services(request)
+    tenants = await run_in_threadpool(services.tenancy.list_tenants)
+    tiers = await run_in_threadpool(services.tenancy.tiers)
+    return render(request, "tenants.html", operator, tenants=tenants, tiers=tiers, notice=notice)
+
+
+@router.post("")
+async def create_tenant(request: Request, operator: Operator, form: CheckedForm):
+    services = _services(request)
+    name, tier = str(form.get("name", "")).strip(), str(form.get("tier", "standard"))
+    try:
+        if not name:
+            raise TenancyError("a tenant needs a name")
+        tenant = await run_in_threadpool(services.tenancy.create_tenant, name, tier)
+    except TenancyError as exc:
+        tenants = await run_in_threadpool(services.tenancy.list_tenants)
+        tiers = await run_in_threadpool(services.tenancy.tiers)
+        return render(request, "tenants.html", operator, status_code=400, tenants=tenants, tiers=tiers,
+                      error=str(exc), form=form)
+    return RedirectResponse(f"/console/tenants/{tenant.id}?notice=created", status_code=303)
+
+
+async def _tenant_page(request: Request, operator, tenant_ref: str, status_code: int = 200, **extra):
+    services = _services(request)
+    tenant = await run_in_threadpool(services.tenancy.tenant, tenant_ref)
+    keys = await run_in_threadpool(services.tenancy.list_keys, tenant.id)
+    tiers = await run_in_threadpool(services.tenancy.tiers)
+    return render(request, "tenant.html", operator, status_code=status_code, tenant=tenant, keys=keys, tiers=tiers,
+                  **extra)
+
+
+@router.get("/{tenant_id}")
+async def tenant_page(request: Request, tenant_id: str, operator: Operator, notice: str | None = None):
+    return await _tenant_page(request, operator, tenant_id, notice=notice)
+
+
+@router.post("/{tenant_id}")
+async def update_tenant(request: Request, tenant_id: str, operator: Operator, form: CheckedForm):
+    services = _services(request)
+    tenant = await run_in_threadpool(services.tenancy.tenant, tenant_id)
+    changes = {"tier": form.get("tier") or None, "status": form.get("status") or None,
+               "fallback": form.get("fallback") if "fallback" in form else None}
+    try:
+        await run_in_threadpool(lambda: services.tenancy.set_tenant(tenant.id, **changes))
+    except TenancyError as exc:
+        return await _tenant_page(request, operator, tenant.id, 400, error=str(exc))
+    return RedirectResponse(f"/console/tenants/{tenant.id}?notice=saved", status_code=303)
+
+
+@router.post("/{tenant_id}/keys")
+async def create_key(request: Request, tenant_id: str, operator: Operator, form: CheckedForm):
+    services = _services(request)
+    tenant = await run_in_threadpool(services.tenancy.tenant, tenant_id)
+    info, raw = await run_in_threadpool(services.tenancy.create_key, tenant.id)
+    return await _tenant_page(request, operator, tenant.id, 201, new_key=raw, new_key_prefix=info.prefix)
+
+
+@router.post("/{tenant_id}/keys/{key_id}/rotate")
+async def rotate_key(request: Request, tenant_id: str, key_id: str, operator: Operator, form: CheckedForm):
+    services = _services(request)
+    tenant = await run_in_threadpool(services.tenancy.tenant, tenant_id)
+    info, raw, old = await run_in_threadpool(services.tenancy.rotate_key, tenant.id, key_id)
+    return await _tenant_page(request, operator, tenant.id, 201, new_key=raw, new_key_prefix=info.prefix,
+                              notice=f"key {old.prefix}… revoked and replaced")
+
+
+@router.post("/{tenant_id}/keys/{key_id}/revoke")
+async def revoke_key(request: Request, tenant_id: str, key_id: str, operator: Operator, form: CheckedForm):
+    services = _services(request)
+    tenant = await run_in_threadpool(services.tenancy.tenant, tenant_id)
+    await run_in_threadpool(services.tenancy.revoke_key, tenant.id, key_id)
+    return RedirectResponse(f"/console/tenants/{tenant.id}?notice=revoked", status_code=303)

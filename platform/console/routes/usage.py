@@ -1,0 +1,59 @@
+"""Usage and billing: spend and tokens per tenant and per adapter over a chosen period (the ledger's billing
+summary, the same numbers as GET /admin/billing/summary), charted, with the CSV / JSONL / Parquet export."""
+from __future__ import annotations
+
+from datetime import timedelta
+
+from fastapi import APIRouter, Request
+from fastapi.concurrency import iterate_in_threadpool, run_in_threadpool
+from fastapi.responses import StreamingResponse
+
+from loramux.admin.billing import FORMATS, BillingQueryError, content_type, export, parse_period, summary
+from loramux.console.deps import Operator, render
+from loramux.db.models import utcnow
+
+router = APIRouter(prefix="/usage")
+
+FLUSH_TIMEOUT_S = 10.0
+
+
+def _period_fields(start: str | None, end: str | None) -> tuple[str, str]:
+    """The form's values: the last 7 days when nothing is chosen."""
+    if not start and not end:
+        start = (utcnow() - timedelta(days=7)).date().isoformat()
+    return start or "", end or ""
+
+
+@router.get("")
+async def usage_page(request: Request, operator: Operator, start: str | None = None, end: str | None = None):
+    services = request.app.state.services
+    start, end = _period_fields(start, end)
+    try:
+        period = parse_period(start or None, end or None)
+    except BillingQueryError as exc:
+        return render(request, "usage.html", operator, status_code=400, error=str(exc), start=start, end=end,
+                      totals=None, formats=FORMATS)
+    await run_in_threadpool(services.ledger.flush, FLUSH_TIMEOUT_S)
+    totals = await run_in_threadpool(summary, services.db, None, period)
+    names = {t.id: t.name for t in await run_in_threadpool(services.tenancy.list_tenants)}
+    adapters = {v.adapter_id: v.label for v in await run_in_threadpool(services.registry.list_all, None)}
+    chart = {"tenants": [{"label": names.get(t["tenant_id"], t["tenant_id"]), "cost": float(t["cost"]),
+                          "tokens": t["prompt_tokens"] + t["completion_tokens"]} for t in totals["tenants"]],
+             "adapters": [{"label": "base model" if a["adapter_id"] is None else adapters.get(a["adapter_id"],
+                                                                                             a["adapter_id"]),
+                           "cost": float(a["cost"]), "tokens": a["prompt_tokens"] + a["completion_tokens"]}
+                          for a in totals["adapters"]]}
+    return render(request, "usage.html", operator, totals=totals, names=names, adapter_names=adapters, chart=chart,
+                  start=start, end=end, formats=FORMATS)
+
+
+@router.get("/export")
+def usage_export(request: Request, operator: Operator, start: str | None = None, end: str | None = None,
+                 format: str = "csv"):  # noqa: A002 - the query parameter's name
+    services = request.app.state.services
+    period = parse_period(start or None, end or None)  # BillingQueryError: 400 (the app's handler)
+    content_type(format)
+    services.ledger.flush(FLUSH_TIMEOUT_S)
+    return StreamingResponse(iterate_in_threadpool(export(services.db, format, None, period)),
+                             media_type=content_type(format),
+                             headers={"Content-Disposition": f'attachment; filename="loramux-billing.{format}"'})
