@@ -76,6 +76,7 @@ def test_an_operator_runs_a_tenant_from_sign_in_to_revocation(page, stack, tmp_p
     page.wait_for_url("**/console/login")  # no session: sent to sign in
     shoot(page, "login")
     sign_in(page)
+    shoot(page, "tenants")
 
     # A tenant and its key, shown once.
     page.get_by_label("Name").fill("initech")

@@ -180,6 +180,11 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     @property
+    def tokenizer(self):
+        """The model's Hugging Face tokenizer (thread-safe for encoding and decoding)."""
+        return self.engine.tokenizer
+
+    @property
     def max_chars_per_token(self) -> int | None:
         """The most characters of text one token can stand for (None: this tokenizer has no such bound),
         so that a prompt too long for the context is refused before it is tokenized. Computed once; see

@@ -114,8 +114,9 @@ async def tokenize_chat(engine, messages: list[dict], tools: list[dict] | None =
 
 
 def tokenizer_of(engine):
-    """The Hugging Face tokenizer behind an AsyncEngine (thread-safe for encoding and decoding)."""
-    return engine.engine.tokenizer
+    """The Hugging Face tokenizer behind an AsyncEngine or a cluster's RemoteEngine (thread-safe for encoding
+    and decoding)."""
+    return engine.tokenizer
 
 
 def template_takes_tools(engine) -> bool:
