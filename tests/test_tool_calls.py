@@ -182,7 +182,7 @@ class _Engine:
     """What the prompt and compile helpers need of an AsyncEngine."""
 
     def __init__(self, tokenizer=None, compile_structured=None):
-        self.engine = type("LLM", (), {"tokenizer": tokenizer})()
+        self.tokenizer = tokenizer
         if compile_structured is not None:
             self.compile_structured = compile_structured
 
