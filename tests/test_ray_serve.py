@@ -252,7 +252,7 @@ def test_a_killed_replica_fails_its_requests_retriably_and_comes_back(stack):
     statuses = collections.Counter(a["status"] for a in answers)
     print(f"replica killed mid-load: {dict(statuses)} in {elapsed:.1f} s")
     assert set(statuses) <= {200, 503}, answers  # failures are retriable 503s, never a hang or a 500
-    assert statuses[503] >= 2 and statuses[200] >= 1
+    assert statuses[503] >= 1 and statuses[200] >= 1  # the victim's requests failed, the survivor's did not
     # Serve replaces the dead replica: two live replicas again, one of them new.
     def replaced():
         live = {x["replica"]: x["pid"] for x in admin.get("/admin/replicas").json()["replicas"]}
