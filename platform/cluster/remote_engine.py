@@ -105,10 +105,9 @@ class RemoteEngine:
         return self.tokenizer.encode(text)
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        from loramux.server.prompts import chat_template_ids
+
+        return chat_template_ids(self.tokenizer, messages)
 
     def token_texts(self, ids: list[int]) -> list[str]:
         return [self.tokenizer.decode([i]) for i in ids]

@@ -107,7 +107,7 @@ async def tokenize_chat(engine, messages: list[dict], tools: list[dict] | None =
     template; 400 when they do not fit it."""
     try:
         if tools:
-            return await run_in_threadpool(_encode_with_tools, tokenizer_of(engine), messages, tools)
+            return await run_in_threadpool(chat_template_ids, tokenizer_of(engine), messages, tools)
         return await run_in_threadpool(engine.encode_chat, messages)
     except Exception as exc:  # noqa: BLE001 - jinja TemplateError and friends: the messages do not fit
         raise ApiError(400, f"messages do not fit the model's chat template: {exc}") from None
@@ -127,8 +127,11 @@ def template_takes_tools(engine) -> bool:
     return isinstance(template, str) and "tools" in template
 
 
-def _encode_with_tools(tokenizer, messages: list[dict], tools: list[dict]) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+def chat_template_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """Token ids of `messages` (and `tools`, if any) under the tokenizer's chat template, ready for the
+    assistant's turn."""
+    extra = {"tools": tools} if tools else {}
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)

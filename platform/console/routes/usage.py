@@ -5,10 +5,10 @@ from __future__ import annotations
 from datetime import timedelta
 
 from fastapi import APIRouter, Request
-from fastapi.concurrency import iterate_in_threadpool, run_in_threadpool
-from fastapi.responses import StreamingResponse
+from fastapi.concurrency import run_in_threadpool
 
-from loramux.admin.billing import FORMATS, BillingQueryError, content_type, export, parse_period, summary
+from loramux.admin.billing import FORMATS, BillingQueryError, parse_period, summary
+from loramux.admin.routes.billing import billing_export
 from loramux.console.deps import Operator, render
 from loramux.db.models import utcnow
 
@@ -50,10 +50,5 @@ async def usage_page(request: Request, operator: Operator, start: str | None = N
 @router.get("/export")
 def usage_export(request: Request, operator: Operator, start: str | None = None, end: str | None = None,
                  format: str = "csv"):  # noqa: A002 - the query parameter's name
-    services = request.app.state.services
-    period = parse_period(start or None, end or None)  # BillingQueryError: 400 (the app's handler)
-    content_type(format)
-    services.ledger.flush(FLUSH_TIMEOUT_S)
-    return StreamingResponse(iterate_in_threadpool(export(services.db, format, None, period)),
-                             media_type=content_type(format),
-                             headers={"Content-Disposition": f'attachment; filename="loramux-billing.{format}"'})
+    """The admin API's own export (GET /admin/billing/export), for the signed-in operator."""
+    return billing_export(request.app.state.services, None, start or None, end or None, format)
