@@ -236,11 +236,12 @@ def test_a_killed_replica_fails_its_requests_retriably_and_comes_back(stack):
     seen = {row[0] for row in _ledger(stack)}
     victim_id, victim_pid = sorted(before.items())[0]
     items = [{"i": i, "tenant": ("acme", "globex")[i % 2], "model": stack["adapters"][i % NUM_ADAPTERS],
-              "chat": True, "stream": False, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 96} for i in range(32)]
+              "chat": True, "stream": False, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 256} for i in range(32)]
     started = time.monotonic()
     with ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(_send, stack, item) for item in items]
-        # Kill while the victim has requests running (its own snapshot says so).
+        # Kill while the victim has requests running (its own snapshot says so, up to 0.5 s late: requests of
+        # 256 tokens are still running by then).
         def victim_busy():
             snap = {x["replica"]: x for x in admin.get("/admin/replicas").json()["replicas"]}.get(victim_id)
             return snap is not None and (snap["running"] or 0) >= 2
