@@ -52,6 +52,8 @@ def check_record(record) -> None:
             raise bad(f"{name} must be a non-empty string{' or None' if name in _NULLABLE else ''}")
         if length is not None and len(value) > length:
             raise bad(f"{name} is longer than {length} characters")
+        if "\x00" in value:  # PostgreSQL text cannot hold NUL: refuse it here, before the row is acknowledged
+            raise bad(f"{name} contains a NUL character")
     for name in _INTS:
         value = getattr(record, name)
         if value is None and name == "adapter_version":

@@ -314,6 +314,11 @@ class ServerMetrics:
                                "Tokens processed: prompt, cached (prompt tokens served from cache), completion.",
                                ["kind"], registry=r)
 
+        self._unbilled = Counter("loramux_unbilled_requests_total",
+                                 "Finished requests whose ledger record was refused or could not be stored: each "
+                                 "was answered with a server error, never a 200.", registry=r)
+        self._unbilled.inc(0)
+
         # Pre-create every series so rates and dashboards see zeros instead of gaps.
         label_tiers = (*self.tiers, OTHER) if OTHER not in self._tiers else self.tiers
         for tier in label_tiers:
@@ -375,6 +380,13 @@ class ServerMetrics:
             self._requests.labels(tier=self.tier_label(tier), outcome=self.outcome_label(outcome)).inc()
         except Exception:  # pragma: no cover
             log.exception("recording rejected-request metrics failed")
+
+    def count_unbilled(self) -> None:
+        """Count a finished request whose ledger record was refused or lost (its answer became a 500)."""
+        try:
+            self._unbilled.inc()
+        except Exception:  # pragma: no cover
+            log.exception("recording unbilled-request metrics failed")
 
     def set_state_source(self, fn: Callable[[], dict] | None) -> None:
         """Read engine/cache state from `fn()` at each scrape (replaces any earlier source; None removes it).

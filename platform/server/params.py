@@ -18,6 +18,8 @@ from loramux.server.errors import ApiError
 
 MAX_USER_CHARS = 256
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")
+# C0 and C1 control characters and NUL: PostgreSQL text cannot hold NUL, and none belongs in an end-user id.
+_CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 class ContentPart(RequestBody):
@@ -117,6 +119,17 @@ class GenerationParams(RequestBody):
                                   'before sampling; -100 bans a token, +100 all but forces it')
     user: str | None = Field(default=None, max_length=MAX_USER_CHARS,
                              description="your id of the end user, recorded in this request's ledger row")
+
+    @field_validator("user")
+    @classmethod
+    def _user_id(cls, value: str | None) -> str | None:
+        """An empty `user` is no user; control characters (NUL included) are refused: the id goes into the
+        request's ledger row, which must be writable on every backend."""
+        if value is None or value == "":
+            return None
+        if _CONTROL_CHARS.search(value):
+            raise ValueError("user must not contain control characters (U+0000-U+001F, U+007F-U+009F)")
+        return value
 
     @field_validator("stop")
     @classmethod

@@ -8,7 +8,7 @@ Each tenant's tier sets three limits, 0 meaning unlimited:
   max_tokens) on admission and settles up with the actual count on release: unused tokens are
   refunded (never above capacity), overuse is debited, so the bucket may go negative and the next
   requests wait until it has paid the debt back.
-* `max_concurrent`: requests admitted and not yet released.
+* `max_concurrent`: sequences admitted and not yet released (a request with `n` choices counts n).
 
 Buckets start full. Admission is atomic: every check is made first and, if one fails, nothing is
 taken; the `RateLimited` raised carries the limit whose wait is longest and the time after which a
@@ -173,13 +173,15 @@ def _rescaled(bucket: _Bucket | None, capacity: int, now: float) -> _Bucket | No
 class Admission:
     """One admitted request: holds a concurrency slot and the tokens taken until `release`."""
 
-    __slots__ = ("_limiter", "_tenant", "tenant_id", "estimated_tokens", "_charged", "_released")
+    __slots__ = ("_limiter", "_tenant", "tenant_id", "estimated_tokens", "slots", "_charged", "_released")
 
-    def __init__(self, limiter: RateLimiter, tenant: _Tenant, tenant_id: str, estimated_tokens: int, charged: bool):
+    def __init__(self, limiter: RateLimiter, tenant: _Tenant, tenant_id: str, estimated_tokens: int, charged: bool,
+                 slots: int = 1):
         self._limiter = limiter
         self._tenant = tenant
         self.tenant_id = tenant_id
         self.estimated_tokens = estimated_tokens
+        self.slots = slots  # concurrency units held (one per sequence: a request with n choices holds n)
         self._charged = charged  # the estimate was taken from a token bucket
         self._released = False
 
@@ -212,11 +214,18 @@ class RateLimiter:
         # Least recently touched first (admit and release move a tenant to the end).
         self._tenants: OrderedDict[str, _Tenant] = OrderedDict()
 
-    def admit(self, tenant_id: str, tier: str, limits: TierLimits, estimated_tokens: int) -> Admission:
-        """Admit one request of `estimated_tokens` (prompt + max_tokens) or raise `RateLimited` /
-        `RequestTooLarge`; on success nothing else is needed until `Admission.release`."""
+    def admit(self, tenant_id: str, tier: str, limits: TierLimits, estimated_tokens: int,
+              slots: int = 1) -> Admission:
+        """Admit one request of `estimated_tokens` (prompt + n x max_tokens) running `slots` sequences (its
+        `n` choices: each counts against `max_concurrent`; capped at `max_concurrent`, so a request that
+        fits an idle tenant is never refused for good) or raise `RateLimited` / `RequestTooLarge`; on
+        success nothing else is needed until `Admission.release`."""
         if estimated_tokens < 0:
             raise ValueError(f"estimated_tokens must be >= 0, got {estimated_tokens}")
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        if limits.max_concurrent:
+            slots = min(slots, limits.max_concurrent)
         if limits.tokens_per_min and estimated_tokens > limits.tokens_per_min:
             raise RequestTooLarge(estimated_tokens, limits.tokens_per_min, tier)
         with self._lock:
@@ -235,7 +244,7 @@ class RateLimiter:
             self._tenants.move_to_end(tenant_id)
 
             refusals: list[tuple[float, str, int]] = []
-            if limits.max_concurrent and state.in_flight >= limits.max_concurrent:
+            if limits.max_concurrent and state.in_flight + slots > limits.max_concurrent:
                 refusals.append((_CONCURRENCY_RETRY_S, "max_concurrent", limits.max_concurrent))
             if state.requests is not None and (wait := state.requests.wait_for(1.0)) > 0:
                 refusals.append((wait, "requests_per_min", limits.requests_per_min))
@@ -249,8 +258,8 @@ class RateLimiter:
                 state.requests.level -= 1.0
             if state.tokens is not None:
                 state.tokens.level -= estimated_tokens
-            state.in_flight += 1
-            return Admission(self, state, tenant_id, estimated_tokens, charged=state.tokens is not None)
+            state.in_flight += slots
+            return Admission(self, state, tenant_id, estimated_tokens, charged=state.tokens is not None, slots=slots)
 
     def in_flight(self, tenant_id: str) -> int:
         with self._lock:
@@ -270,7 +279,7 @@ class RateLimiter:
                 return
             admission._released = True
             state = admission._tenant
-            state.in_flight -= 1
+            state.in_flight -= admission.slots
             now = self._clock()
             if admission._charged and actual_tokens is not None and state.tokens is not None:
                 state.tokens.refill(now)

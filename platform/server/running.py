@@ -14,6 +14,7 @@ from loramux.adapters.tiers import Acquired
 from loramux.admin.ledger import durable
 from loramux.engine.async_engine import EngineDeadError
 from loramux.engine.engine import RequestOutput
+from loramux.server.errors import ApiError
 from loramux.tenancy import TenantContext
 
 log = logging.getLogger("loramux.server.serving")
@@ -54,6 +55,7 @@ class Running:
     _on_end: Callable[[Running, str], list[Future]]
     user: str | None = None  # the client's end-user id (OpenAI's `user`), for the ledger
     prompt_ids: list[int] = field(default_factory=list)  # for an echo of the prompt
+    streamed: bool = False  # its outputs go to the client as they come (SSE), not in one final answer
     _ended: bool = field(default=False, init=False)
     _billing: list[Future] = field(default_factory=list, init=False)  # the ledger's durability futures
     inter_token_s: list[float] = field(default_factory=list, init=False)
@@ -139,8 +141,10 @@ class Running:
             outcome = combined_outcome([o.finish_reason for o in self.lasts])
         except EngineDeadError:
             # The engine (on a cluster: the replica) stopped under the request: the client gets a retriable
-            # error and will send it again, so this attempt is not billed (see Server._finished).
-            outcome = LOST
+            # error and will send it again, so an attempt that sent the client nothing is not billed (see
+            # Server._finished); tokens already streamed to the client are billed, as an error.
+            sent = self.streamed and any(o is not None and o.token_ids for o in self.lasts)
+            outcome = "error" if sent else LOST
             raise
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "cancelled"
@@ -167,14 +171,27 @@ class Running:
             await choices.aclose()
 
     async def _billed(self) -> None:
-        """Wait until the ledger holds this request durably (its write-ahead log line is fsync'd). A stuck
-        disk delays the answer at most BILLING_WAIT_S; then it goes out anyway, logged, and the record is
-        still written once the disk recovers (unless the process dies first)."""
+        """Wait until the ledger holds this request durably (its write-ahead log line is fsync'd), or fail
+        the request: an answer is never sent for a request without its ledger row. A record the ledger
+        refused (invalid data) or could not store (the log cannot be written) raises ApiError 500
+        `billing_failed`, so the client gets a server error instead of free inference. A slow disk delays
+        the answer at most BILLING_WAIT_S; then it goes out, logged: the record is queued in memory and is
+        written once the disk recovers (unless the process dies first)."""
         for future in self._billing:
             try:
-                await durable(future, BILLING_WAIT_S)
-            except Exception:  # noqa: BLE001 - never fail a finished request because of the ledger
-                log.exception("request %s: its ledger row is not durable yet; answering anyway", self.request_id)
+                stored = await durable(future, BILLING_WAIT_S)
+            except asyncio.TimeoutError:
+                log.error("request %s: its ledger row is not durable after %.0f s (slow disk); answering, the "
+                          "record stays queued", self.request_id, BILLING_WAIT_S)
+                continue
+            except Exception:  # noqa: BLE001 - the log could not be written: this request is not billed
+                log.exception("request %s: its ledger record could not be stored; failing the request",
+                              self.request_id)
+                stored = False
+            if not stored:
+                log.error("request %s: answered with 500 because its ledger record was refused", self.request_id)
+                raise ApiError(500, f"the server could not record this request for billing; it was not charged. "
+                                    f"Retry it; request id {self.request_id}", code="billing_failed")
 
     async def finals(self) -> list[RequestOutput]:
         """Run every choice to its end; their final outputs, by index."""

@@ -90,21 +90,32 @@ class Server:
                                   f"{tier.name!r}", code="timeout_too_long")
         return asked
 
-    def admit(self, tenant: TenantContext, timeout_s: float | None, estimated_tokens: int,
-              arrival: float) -> Admitted:
+    async def admit(self, tenant: TenantContext, timeout_s: float | None, estimated_tokens: int,
+                    arrival: float, slots: int = 1) -> Admitted:
         """The checks that cost nothing but a lookup, before any work on the prompt: the timeout within the
         tier's maximum (400), the rate limits with `estimated_tokens` (429; 400 when it can never fit), the
         queue deadline (503). Raises ApiError with nothing held, or returns the admission the caller must
-        hand to `launch` or give back (`Admitted.release`)."""
+        hand to `launch` or give back (`Admitted.release`). `slots`: the sequences it runs (its `n`
+        choices), each counted against the tier's concurrency limit. A limiter that talks to another
+        process (Redis) says so with `blocking = True` and is called in the threadpool, never on the
+        event loop."""
         timeout = self._timeout(tenant, timeout_s)
+        args = (tenant.tenant_id, tenant.tier.name, tenant_limits(tenant), estimated_tokens)
         try:
-            admission = self.limiter.admit(tenant.tenant_id, tenant.tier.name, tenant_limits(tenant),
-                                           estimated_tokens)
+            if getattr(self.limiter, "blocking", False):
+                admission = await run_in_threadpool(self.limiter.admit, *args, slots=slots)
+            else:
+                admission = self.limiter.admit(*args, slots=slots)
         except RateLimited as exc:
             self.metrics.count_rejected(tenant.tier.name, "rate_limited")
             raise ApiError(429, str(exc), retry_after_s=exc.retry_after_s, code="rate_limit_exceeded") from None
         except RequestTooLarge as exc:
             raise ApiError(400, str(exc), code="request_too_large") from None
+        except Exception as exc:
+            if type(exc).__name__ != "LimiterUnavailable":  # the shared limiter's "closed" fail mode
+                raise
+            self.metrics.count_rejected(tenant.tier.name, "rejected")
+            raise ApiError(503, str(exc), retry_after_s=exc.retry_after_s, code="limits_unavailable") from None
         try:
             wait = self.services.engine.estimated_queue_wait_s()
             if wait > timeout:
@@ -136,9 +147,9 @@ class Server:
         engine = self.services.engine
         context = engine.max_model_len
         at_least = prompt.min_tokens(engine.max_chars_per_token)
-        # Nothing that runs takes more than the context, so a bound past it is charged as the context.
-        admitted = self.admit(tenant, body.timeout_s,
-                              min(context, at_least + n * (max_tokens or default_max_tokens)), arrival)
+        # Each choice generates at most max_tokens and at most the room the prompt leaves in the context.
+        per_choice = min(max_tokens or default_max_tokens, max(0, context - at_least))
+        admitted = await self.admit(tenant, body.timeout_s, at_least + n * per_choice, arrival, slots=n)
         try:
             check_prompt_bound(at_least, context)  # exact for token ids; a bound from the length for text
             prompt_ids = await prompt.tokenize(engine)
@@ -157,7 +168,7 @@ class Server:
         """Admit and launch a request whose token ids and parameters are ready, or raise ApiError (nothing
         is held afterwards)."""
         request_id_var.set(request_id)
-        admitted = self.admit(tenant, params.timeout_s, len(prompt_ids) + params.max_tokens, arrival)
+        admitted = await self.admit(tenant, params.timeout_s, len(prompt_ids) + params.max_tokens, arrival)
         return await self.launch(admitted, model, prompt_ids, params, request_id)
 
     async def launch(self, admitted: Admitted, model: str | None, prompt_ids: list[int], params: SamplingParams,
@@ -301,8 +312,15 @@ class Server:
                 log.exception("ledger hook failed for request %s", running.request_id)
                 continue
             if isinstance(result, Future):
+                result.add_done_callback(self._count_if_unbilled)
                 billing.append(result)
         return billing
+
+    def _count_if_unbilled(self, future: Future) -> None:
+        """A ledger future resolved: count the request when its record was refused or lost (its answer is
+        then a 500, see `Running._billed`)."""
+        if future.exception() is not None or future.result() is not True:
+            self.metrics.count_unbilled()
 
 
 def tenant_limits(tenant: TenantContext) -> TierLimits:
@@ -340,6 +358,7 @@ async def respond(request, running: Running, *, stream: bool, final: Callable[[l
     `stream` the SSE `events()`; either way the request ends (and frees what it holds) when the client
     goes away."""
     if stream:
+        running.streamed = True
         return RunningStreamingResponse(guarded(events(), running.request_id), running,
                                         media_type="text/event-stream", headers=running.headers())
     outs = await collect_or_cancel(request, running)

@@ -6,7 +6,7 @@ import json
 import logging
 from collections.abc import AsyncIterator
 
-from loramux.server.errors import error_body
+from loramux.server.errors import ApiError, error_body
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +28,9 @@ async def guarded(events: AsyncIterator[str], request_id: str) -> AsyncIterator[
     try:
         async for event in events:
             yield event
+    except ApiError as exc:  # e.g. billing_failed: its message is written for the client
+        log.error("stream of request %s ended with %d %s: %s", request_id, exc.status, exc.code, exc)
+        yield sse_event(error_body(exc.status, str(exc), exc.code, exc.param))
     except Exception:  # noqa: BLE001 - reported to the client as an event, logged in full here
         log.exception("stream of request %s failed", request_id)
         body = error_body(500, f"the server failed while generating; request id {request_id}", "server_error")
