@@ -109,6 +109,16 @@ class Settings(BaseSettings):
     # refused with 400 (compiled off the event loop, cached by the engine).
     max_n: int = Field(default=16, ge=1, le=128)
     structured_compile_timeout_s: float = Field(default=10.0, gt=0)
+    # Request shape limits (issue 24): counted on the parsed JSON before any validator runs or the rate
+    # limiter is asked, so a body of 100k tiny items is a 400 naming the field within milliseconds. Then
+    # the most logprob entries one answer may hold (n x max_tokens x (top_logprobs + 1)): above it a 400
+    # naming this setting, so no answer of hundreds of megabytes is built.
+    max_messages: int = Field(default=2048, ge=1)  # `messages` of one chat request
+    max_content_parts: int = Field(default=256, ge=1)  # content parts of one message
+    max_stop_sequences: int = Field(default=16, ge=1)  # `stop` strings
+    max_logit_bias_entries: int = Field(default=300, ge=0)  # `logit_bias` keys
+    max_tools: int = Field(default=128, ge=0)  # `tools` of one request
+    max_logprob_entries: int = Field(default=131_072, ge=1)  # about 8 MB of JSON
 
     # Operator console (/console): the secret that signs its session cookies ("" = a random one per process,
     # so sessions end at a restart; set one shared by every ingress replica) and how long a session lasts.
@@ -125,3 +135,9 @@ class Settings(BaseSettings):
     cluster_threads_per_replica: int = Field(default=0, ge=0)
     cluster_snapshot_interval_s: float = Field(default=1.0, gt=0)
     redis_url: str = ""
+    # Every Redis call (shared limits, replica state) times out after `redis_timeout_s`; after a failure Redis
+    # is skipped for `redis_cooldown_s` (a circuit breaker). While it is unavailable, shared limits fail
+    # "open" (requests are admitted, logged) or "closed" (503 with Retry-After).
+    redis_timeout_s: float = Field(default=0.25, gt=0, le=10)
+    redis_cooldown_s: float = Field(default=5.0, ge=0)
+    shared_limits_fail_mode: Literal["open", "closed"] = "open"

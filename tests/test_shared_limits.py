@@ -70,16 +70,33 @@ def test_a_replica_that_dies_holding_slots_loses_them_when_their_lease_ends(redi
     survivor.admit(who, "t", limits, 1).release()
 
 
-def test_tokens_per_minute_are_charged_their_estimate_and_a_too_large_one_is_a_client_error(pair):
+def test_tokens_per_minute_are_charged_their_estimate_and_settled_with_what_was_used(pair):
     first, second = pair
     limits, who = TierLimits(tokens_per_min=1000), tenant()
     with pytest.raises(RequestTooLarge):
         first.admit(who, "t", limits, 1001)
-    first.admit(who, "t", limits, 600).release(5)  # the estimate stays charged (see the module docstring)
-    with pytest.raises(RateLimited) as refused:
+    held = first.admit(who, "t", limits, 600)
+    with pytest.raises(RateLimited) as refused:  # the estimate is charged while the request runs
         second.admit(who, "t", limits, 600)
-    assert refused.value.limit == "tokens_per_min"
-    second.admit(who, "t", limits, 300).release()
+    assert refused.value.limit == "tokens_per_min" and 0 < refused.value.retry_after_s <= 60
+    held.release(5)  # it used 5: the other 595 come back, on every replica
+    second.admit(who, "t", limits, 600).release(1300)  # overuse: a debt of 700 beyond the 600 charged
+    with pytest.raises(RateLimited):
+        first.admit(who, "t", limits, 100)  # 1000 - 5 - 1300 < 0 (plus a moment's refill)
+
+
+def test_a_request_with_n_choices_holds_n_concurrency_slots_everywhere(pair):
+    first, second = pair
+    limits, who = TierLimits(max_concurrent=4), tenant()
+    three = first.admit(who, "t", limits, 1, slots=3)
+    assert second.in_flight(who) == 3
+    with pytest.raises(RateLimited) as refused:
+        second.admit(who, "t", limits, 1, slots=2)
+    assert refused.value.limit == "max_concurrent"
+    second.admit(who, "t", limits, 1).release()  # the fourth slot is free
+    three.release()
+    assert first.in_flight(who) == 0
+    first.admit(who, "t", limits, 1, slots=9).release()  # more than the cap: takes the whole cap, not refused
 
 
 def test_a_refused_request_gives_its_concurrency_slot_back(pair):
@@ -91,11 +108,20 @@ def test_a_refused_request_gives_its_concurrency_slot_back(pair):
     assert first.in_flight(who) == 0
 
 
-def test_redis_unreachable_admits_instead_of_failing_every_request():
-    limiter = SharedRateLimiter("redis://127.0.0.1:1/0")  # nothing listens on port 1
-    admission = limiter.admit(tenant(), "t", TierLimits(requests_per_min=1, max_concurrent=1), 1)
-    admission.release()
-    assert admission.released
+def test_redis_unreachable_admits_in_the_open_fail_mode_and_refuses_in_the_closed_one():
+    from loramux.server.shared_ratelimit import LimiterUnavailable
+
+    limits = TierLimits(requests_per_min=1, max_concurrent=1, tokens_per_min=100)
+    opened = SharedRateLimiter("redis://127.0.0.1:1/0")  # nothing listens on port 1
+    for _ in range(3):  # never limited while Redis is away: the limits fail open
+        admission = opened.admit(tenant(), "t", limits, 1)
+        admission.release(1)
+        assert admission.released
+    assert opened.unavailable == 3
+    closed = SharedRateLimiter("redis://127.0.0.1:1/0", fail_mode="closed")
+    with pytest.raises(LimiterUnavailable) as refused:
+        closed.admit(tenant(), "t", limits, 1)
+    assert refused.value.retry_after_s > 0
 
 
 def test_the_wire_format_rebuilds_the_outputs_a_local_engine_gives():

@@ -79,7 +79,9 @@ def _ingress_deployment(settings: Settings):
         own = Settings.model_validate_json(settings_json)
         ingress_id = serve.get_replica_context().replica_id.unique_id
         return create_app(lambda: ingress_services(own, handle, ingress_id),
-                          limiter_factory=lambda: SharedRateLimiter(own.redis_url))
+                          limiter_factory=lambda: SharedRateLimiter(
+                              own.redis_url, timeout_s=own.redis_timeout_s, cooldown_s=own.redis_cooldown_s,
+                              fail_mode=own.shared_limits_fail_mode))
 
     # The builder runs on the replica; binding the engine deployment to it deploys both as one application.
     return serve.deployment(serve.ingress(build_asgi)(), name="ingress", num_replicas=1,

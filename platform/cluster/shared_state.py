@@ -21,34 +21,71 @@ DEFAULT_PREFIX = "loramux:"
 
 
 class ReplicaDirectory:
-    def __init__(self, redis_url: str, prefix: str = DEFAULT_PREFIX, ttl_s: float = 5.0, cache_s: float = 0.5):
+    def __init__(self, redis_url: str, prefix: str = DEFAULT_PREFIX, ttl_s: float = 5.0, cache_s: float = 0.5,
+                 timeout_s: float = 0.25):
         import redis
 
-        self.redis = redis.Redis.from_url(redis_url, socket_timeout=2.0, decode_responses=True)
-        self.prefix, self.ttl_s, self.cache_s = prefix, ttl_s, cache_s
-        self._cached: tuple[float, dict[str, dict]] = (0.0, {})
+        self.redis = redis.Redis.from_url(redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                          decode_responses=True)
+        self.prefix, self.ttl_s, self.cache_s, self.timeout_s = prefix, ttl_s, cache_s, timeout_s
+        self._cached: dict[str, dict] = {}
+        self._fresh_at = 0.0  # monotonic time of the last successful refresh
         self._lock = threading.Lock()
+        self._refreshed = threading.Event()  # set after the first refresh (successful or not)
+        self._refresher: threading.Thread | None = None
+        self._stop = threading.Event()
 
     # -- readers (the ingress) -------------------------------------------------------------------------------
     def snapshots(self) -> dict[str, dict]:
-        """Replica id -> its latest snapshot, for every replica heard from within `ttl_s` (cached `cache_s`)."""
+        """Replica id -> its latest snapshot, for every replica heard from within `ttl_s`. Read from memory:
+        a background thread refreshes it every `cache_s` (callers such as /metrics and the queue-wait
+        estimate on the event loop never wait on Redis; the very first call waits for the first refresh,
+        at most about two `timeout_s`). While Redis is unreachable the last snapshots seen are kept for
+        `ttl_s`, then none (the replicas can no longer be told alive)."""
+        self.watch()
+        self._refreshed.wait(2 * self.timeout_s + 0.05)
         with self._lock:
-            stamp, cached = self._cached
-            if time.monotonic() - stamp < self.cache_s:
-                return cached
-        try:
-            keys = sorted(self.redis.scan_iter(f"{self.prefix}replica:*", count=100))
-            values = self.redis.mget(keys) if keys else []
-        except Exception as exc:  # noqa: BLE001 - state for dashboards: never fail a request over it
-            log.warning("replica snapshots unavailable: %s", exc)
-            return cached
-        fresh = {key.rsplit(":", 1)[1]: json.loads(value) for key, value in zip(keys, values) if value}
+            if time.monotonic() - self._fresh_at > self.ttl_s:
+                return {}
+            return self._cached
+
+    def watch(self) -> None:
+        """Start the background refresher (an ingress calls this at start, so requests never wait)."""
         with self._lock:
-            self._cached = (time.monotonic(), fresh)
-        return fresh
+            if self._refresher is None:
+                self._refresher = threading.Thread(target=self._refresh_loop, name="loramux-replica-directory",
+                                                   daemon=True)
+                self._refresher.start()
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _refresh_loop(self) -> None:
+        failing = False
+        while not self._stop.is_set():
+            try:
+                keys = sorted(self.redis.scan_iter(f"{self.prefix}replica:*", count=100))
+                values = self.redis.mget(keys) if keys else []
+                fresh = {key.rsplit(":", 1)[1]: json.loads(value) for key, value in zip(keys, values) if value}
+                with self._lock:
+                    self._cached, self._fresh_at = fresh, time.monotonic()
+                if failing:
+                    log.warning("replica snapshots available again")
+                failing = False
+            except Exception as exc:  # noqa: BLE001 - state for dashboards: keep the last one seen
+                if not failing:
+                    log.warning("replica snapshots unavailable (keeping the last ones): %s", exc)
+                failing = True
+            self._refreshed.set()
+            self._stop.wait(self.cache_s)
 
     def broadcast_eviction(self, digest: str) -> None:
-        self.redis.publish(f"{self.prefix}evict", digest)
+        """Tell every replica to drop `digest` (best effort: with Redis away the replicas keep their copies,
+        which no request can reach since the registry refuses the deleted version)."""
+        try:
+            self.redis.publish(f"{self.prefix}evict", digest)
+        except Exception as exc:  # noqa: BLE001 - the delete itself has succeeded
+            log.warning("adapter eviction of %s not broadcast (Redis unavailable): %s", digest[:12], exc)
 
     # -- writers (each engine replica) -----------------------------------------------------------------------
     def publish(self, replica_id: str, snapshot: dict) -> None:
