@@ -60,12 +60,17 @@ from loramux.db import Database
 from loramux.db.models import LedgerEntry
 from loramux.usage import RequestRecord
 
-__all__ = ["PRICE_RELOAD_S", "LedgerRecordError", "LedgerWriter", "check_record", "durable", "write_records"]
+__all__ = ["PRICE_RELOAD_S", "LedgerBacklogError", "LedgerRecordError", "LedgerWriter", "check_record", "durable",
+           "write_records"]
 
 log = logging.getLogger(__name__)
 
 _TABLE = LedgerEntry.__table__
 _RECORD_FIELDS = [f.name for f in fields(RequestRecord)]
+
+
+class LedgerBacklogError(OSError):
+    """The log cannot be written and `max_pending` records already wait in memory for it."""
 
 
 def write_records(db: Database, records: Sequence[RequestRecord],
@@ -128,11 +133,13 @@ class _Batch:
 class LedgerWriter:
     def __init__(self, db: Database, spool_path: Path, *, max_buffer: int = 10_000, batch_size: int = 500,
                  retry_initial_s: float = 0.2, retry_max_s: float = 5.0, segment_bytes: int = SEGMENT_BYTES,
-                 linger_s: float = 0.05):
+                 linger_s: float = 0.05, max_pending: int = 10_000):
         """`spool_path` is the log's active segment (sealed ones sit next to it); `max_buffer` records at
         most are kept in memory for SQL, the others are read back from the log; `segment_bytes`: the
         active segment is sealed past this size (and deleted once all of it is in SQL); `linger_s`: a
-        batch smaller than `batch_size` waits up to this long for more rows (not while flushing)."""
+        batch smaller than `batch_size` waits up to this long for more rows (not while flushing);
+        `max_pending`: records waiting for the log (a full or failing disk) beyond which `submit` refuses
+        new ones (their futures fail, so their requests fail) instead of growing memory without bound."""
         if max_buffer < 1 or batch_size < 1:
             raise ValueError("max_buffer and batch_size must be at least 1")
         if not 0 < retry_initial_s <= retry_max_s:
@@ -142,7 +149,7 @@ class LedgerWriter:
         self.rejected_path = self.spool_path.with_name(self.spool_path.name + ".rejected")
         self._wal = WriteAheadLog(self.spool_path, segment_bytes)
         self._rejected = RejectedFile(self.rejected_path)
-        self.max_buffer, self.batch_size = max_buffer, batch_size
+        self.max_buffer, self.batch_size, self.max_pending = max_buffer, batch_size, max_pending
         self.retry_initial_s, self.retry_max_s, self.linger_s = retry_initial_s, retry_max_s, linger_s
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)  # the SQL thread and flush() wait here
@@ -161,7 +168,7 @@ class LedgerWriter:
         self._inflight: _Batch | None = None
         self._prices = PriceCache(PRICE_RELOAD_S)
         self._failing = False
-        self._counts = dict(written=0, duplicates=0, failures=0, rejected=0, lost=0)
+        self._counts = dict(written=0, duplicates=0, failures=0, rejected=0, lost=0, refused_backlog=0)
         self._last_error: str | None = None
 
     # -- the request path ------------------------------------------------------------------------------
@@ -191,6 +198,15 @@ class LedgerWriter:
                 else:
                     if not self._wal.is_open:
                         self._open_wal()
+                    if len(self._commit.pending) >= self.max_pending:
+                        self._counts["refused_backlog"] += 1
+                        if self._counts["refused_backlog"] == 1 or self._counts["refused_backlog"] % 1000 == 0:
+                            log.error("ledger: %d records wait for the log %s (is the disk full?); refusing new "
+                                      "ones (%d so far)", len(self._commit.pending), self.spool_path,
+                                      self._counts["refused_backlog"])
+                        future.set_exception(LedgerBacklogError(
+                            f"{len(self._commit.pending)} records wait for the ledger log; refusing more"))
+                        return future
                     self._seq += 1
                     entry = Entry(self._seq, line, record, future)
                     self._commit.put(entry)

@@ -16,11 +16,16 @@ as duplicates, which the ledger's ON CONFLICT (request_id) DO NOTHING skips. A l
 (the process died inside `write`, before the fsync, so it was never acknowledged) is ended with a newline
 when the log is reopened and then refused as unreadable.
 
+One process at a time: `open` takes an exclusive lock (flock) on `path.lock` and `close` gives it back, so
+two servers pointed at one data dir cannot truncate each other's log; the second one's `open` raises
+`LogInUseError`. The kernel drops the lock when its process dies, so a restart after kill -9 opens at once.
+
 Threads: one appender (`GroupCommit`, the writer's WAL thread) and one reader/trimmer (its SQL thread);
 the log's lock guards the segment list and sizes and serialises appends with truncation and rotation.
 """
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import re
@@ -39,6 +44,27 @@ Position = tuple[int, int]  # (segment number, byte offset in it)
 SEGMENT_BYTES = 16 << 20
 _READ_CHUNK = 1 << 20
 _sync = getattr(os, "fdatasync", os.fsync)  # an append changes the size: fdatasync makes it durable too
+
+
+class LogInUseError(RuntimeError):
+    """Another process (or another writer in this one) has the log open."""
+
+
+def try_lock(path: Path) -> int | None:
+    """An exclusive, non-blocking flock on `path` (created): its fd, or None when someone else holds it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def unlock(fd: int | None) -> None:
+    if fd is not None:
+        os.close(fd)  # closing the only descriptor of the open file releases its flock
 
 
 @dataclass
@@ -66,6 +92,8 @@ class WriteAheadLog:
         self._segments: list[Segment] = []  # oldest first; the last one is the active segment, at `path`
         self._next_no = 1
         self._sealed_name = re.compile(re.escape(self.path.name) + r"\.(\d{8})")
+        self.lock_path = self.path.with_name(self.path.name + ".lock")
+        self._lock_fd: int | None = None
         self.syncs = 0  # group commits (one fsync each) since this object was made
         self.appended = 0  # lines they made durable
 
@@ -78,7 +106,11 @@ class WriteAheadLog:
         with self._lock:
             if self._segments:
                 return 0
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if self._lock_fd is None:
+                self._lock_fd = try_lock(self.lock_path)
+                if self._lock_fd is None:
+                    raise LogInUseError(f"the ledger log {self.path} is in use by another process: give each server "
+                                        "its own data dir (LORAMUX_DATA_DIR)")
             self.path.with_name(self.path.name + ".tmp").unlink(missing_ok=True)  # a compaction cut short
             sealed = sorted((int(m.group(1)), p) for p in self.path.parent.iterdir()
                             if (m := self._sealed_name.fullmatch(p.name)))
@@ -93,6 +125,8 @@ class WriteAheadLog:
             except BaseException:
                 for seg in segments:
                     os.close(seg.fd)
+                unlock(self._lock_fd)
+                self._lock_fd = None
                 raise
             self._segments = segments
             self._next_no = max(self._next_no, segments[-1].no + 1)
@@ -229,6 +263,8 @@ class WriteAheadLog:
             finally:
                 for seg in segments:
                     os.close(seg.fd)
+                unlock(self._lock_fd)
+                self._lock_fd = None
 
     def _compact(self, segments: list[Segment], position: Position) -> None:
         parts = [(s, position[1] if s.no == position[0] else 0) for s in segments if s.no >= position[0]]

@@ -82,7 +82,7 @@ def request_ids(db) -> list[str]:
 
 def log_files(spool: Path) -> list[Path]:
     return sorted(p for p in spool.parent.iterdir() if p.name.startswith(spool.name) and not p.name.endswith(
-        ".rejected"))
+        (".rejected", ".lock")))
 
 
 def run_and_kill(script: Path, url: str, spool: Path, prefix: str, acks: int) -> list[str]:

@@ -5,6 +5,8 @@ Migrations are not run here: the driver (`loramux serve --ray`) runs them once b
 """
 from __future__ import annotations
 
+import logging
+import threading
 from pathlib import Path
 
 from loramux.adapters.registry import AdapterRegistry, AdapterVersionInfo
@@ -12,6 +14,7 @@ from loramux.adapters.tiers import Acquired
 from loramux.adapters.validation import UploadLimits
 from loramux.admin.keys import AdminKeys
 from loramux.admin.ledger import LedgerWriter
+from loramux.admin.ledger_wal import LogInUseError
 from loramux.admin.pricing import PriceBook
 from loramux.cluster.remote_engine import RemoteAdapter, RemoteEngine
 from loramux.cluster.shared_state import ReplicaDirectory
@@ -20,6 +23,9 @@ from loramux.names import base_model_id
 from loramux.services import LOCAL_TENANT, Services, store_from_settings
 from loramux.settings import Settings
 from loramux.tenancy import Tenancy
+
+log = logging.getLogger(__name__)
+SPOOL_NAME = "ledger-spool.jsonl"
 
 
 class RemoteAdapterCache:
@@ -51,6 +57,45 @@ class RemoteAdapterCache:
         pass
 
 
+def claim_ledger(db: Database, root: Path, max_slots: int = 1024) -> LedgerWriter:
+    """A started LedgerWriter in the first free slot folder `root/slot-<n>` (free: no live process holds its
+    log's lock). Names are stable, so an ingress that restarts takes a slot back and replays what its
+    predecessor left; the log folders no live ingress holds (a slot of a scaled-down ingress, or a folder of
+    an older naming) are drained into SQL by `adopt_orphans`, on a background thread."""
+    for n in range(max_slots):
+        ledger = LedgerWriter(db, root / f"slot-{n}" / SPOOL_NAME)
+        try:
+            ledger.start()
+        except LogInUseError:
+            continue
+        threading.Thread(target=adopt_orphans, args=(db, root, ledger.spool_path.parent), daemon=True,
+                         name="ledger-orphans").start()
+        return ledger
+    raise RuntimeError(f"all {max_slots} ledger slots under {root} are in use")
+
+
+def adopt_orphans(db: Database, root: Path, own: Path, timeout_s: float = 300.0) -> int:
+    """Write into SQL every ledger log under `root` (but `own`) that no live process holds, each under its
+    lock; returns how many logs were drained. A log whose database writes fail stays for the next start."""
+    drained = 0
+    for folder in sorted(p for p in root.iterdir() if p.is_dir() and p != own):
+        logs = [p for p in folder.glob(SPOOL_NAME + "*") if not p.name.endswith((".lock", ".rejected"))]
+        if not any(p.stat().st_size for p in logs):
+            continue  # no log, or an empty one: nothing to replay
+        writer = LedgerWriter(db, folder / SPOOL_NAME)
+        try:
+            writer.start()
+        except LogInUseError:
+            continue  # a live ingress holds it
+        try:
+            if writer.flush(timeout_s):
+                drained += 1
+                log.warning("ledger: drained the orphaned log in %s", folder)
+        finally:
+            writer.close()
+    return drained
+
+
 def ingress_services(settings: Settings, engine_handle, ingress_id: str) -> Services:
     """Services for one ingress replica; `engine_handle`: the engine deployment's DeploymentHandle."""
     from transformers import AutoTokenizer
@@ -65,21 +110,20 @@ def ingress_services(settings: Settings, engine_handle, ingress_id: str) -> Serv
     limits = UploadLimits(max_total_bytes=settings.max_upload_bytes, max_rank=settings.max_lora_rank)
     registry = AdapterRegistry(db, store, model_config, base_model_id(settings.model), limits,
                                shared_tenant=LOCAL_TENANT, tenancy=tenancy)
-    directory = ReplicaDirectory(settings.redis_url, ttl_s=max(5.0, 5 * settings.cluster_snapshot_interval_s))
+    directory = ReplicaDirectory(settings.redis_url, ttl_s=max(5.0, 5 * settings.cluster_snapshot_interval_s),
+                                 timeout_s=settings.redis_timeout_s)
+    directory.watch()
     engine = RemoteEngine(engine_handle, AutoTokenizer.from_pretrained(model_dir), 0, directory)
     registry.on_blob_deleted(engine.evict_adapter)
     admin_keys = AdminKeys(db)
     if settings.admin_key:
         admin_keys.ensure(settings.admin_key)
-    # One spool per ingress replica: two writers must never share a write-ahead log.
-    spool_dir = Path(settings.data_dir) / "ingress" / ingress_id
-    spool_dir.mkdir(parents=True, exist_ok=True)
-    ledger = LedgerWriter(db, spool_dir / "ledger-spool.jsonl")
-    ledger.start()
+    ledger = claim_ledger(db, Path(settings.data_dir) / "ingress")
+    log.info("ingress %s writes its ledger log in %s", ingress_id, ledger.spool_path.parent)
     services = Services(settings, db, store, registry, RemoteAdapterCache(), engine, tenancy, admin_keys,
                         PriceBook(db), ledger)
     services.register_local_adapters()
     return services
 
 
-__all__ = ["RemoteAdapterCache", "ingress_services"]
+__all__ = ["RemoteAdapterCache", "adopt_orphans", "claim_ledger", "ingress_services"]

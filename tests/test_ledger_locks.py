@@ -1,0 +1,112 @@
+"""One process per ledger log: a lock that keeps two servers on one data dir from truncating each other's
+log, stable slot folders for ingress replicas, replay of logs nobody holds, and a bounded memory queue
+while the log cannot be written."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from sqlalchemy import func, select
+from test_ledger import record
+
+from loramux.admin import ledger_wal
+from loramux.admin.ledger import LedgerBacklogError, LedgerWriter
+from loramux.admin.ledger_wal import LogInUseError
+from loramux.cluster.ingress_services import SPOOL_NAME, adopt_orphans, claim_ledger
+from loramux.db import LedgerEntry
+
+
+def rows(db) -> int:
+    with db.session() as session:
+        return session.scalar(select(func.count()).select_from(LedgerEntry))
+
+
+def test_a_second_writer_on_the_same_log_is_refused_until_the_first_closes(database, tmp_path):
+    spool = tmp_path / SPOOL_NAME
+    first = LedgerWriter(database, spool)
+    first.start()
+    second = LedgerWriter(database, spool)
+    with pytest.raises(LogInUseError, match="LORAMUX_DATA_DIR"):
+        second.start()
+    assert first.submit(record(1)).result(10)
+    first.close()
+    second.start()  # free again
+    try:
+        assert second.flush(10) and rows(database) == 1
+    finally:
+        second.close()
+
+
+def test_the_lock_of_a_killed_process_is_free_at_once(database, tmp_path):
+    spool = tmp_path / SPOOL_NAME
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys
+        from loramux.admin.ledger_wal import WriteAheadLog
+        WriteAheadLog({str(spool)!r}).open()
+        print("locked", flush=True)
+        sys.stdin.read()
+        """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(LogInUseError):
+            LedgerWriter(database, spool).start()
+    finally:
+        holder.kill()
+        holder.wait()
+    writer = LedgerWriter(database, spool)
+    writer.start()  # the kernel dropped the dead process's lock
+    writer.close()
+
+
+def test_ingress_slots_are_stable_and_orphaned_logs_are_written_to_sql(database, tmp_path, monkeypatch):
+    root = tmp_path / "ingress"
+    # A dead ingress left acknowledged records in a folder of the old naming (its Ray replica id).
+    orphan = LedgerWriter(database, root / "replica-abc123" / SPOOL_NAME)
+    monkeypatch.setattr(orphan, "_write", lambda records: (_ for _ in ()).throw(ConnectionError("db down")))
+    orphan.start()
+    assert all(orphan.submit(record(i)).result(10) for i in range(5))
+    orphan.close(timeout=0.2)
+    assert rows(database) == 0
+
+    first = claim_ledger(database, root)
+    second = claim_ledger(database, root)
+    try:
+        assert first.spool_path.parent.name == "slot-0" and second.spool_path.parent.name == "slot-1"
+        deadline = time.monotonic() + 30
+        while rows(database) < 5:  # the claims drain the orphan on a background thread
+            assert time.monotonic() < deadline, "the orphaned log was not replayed"
+            time.sleep(0.05)
+        assert rows(database) == 5
+        assert adopt_orphans(database, root, first.spool_path.parent) == 0  # drained: empty now; slot-1 is held
+        assert rows(database) == 5
+    finally:
+        second.close()
+    again = claim_ledger(database, root)  # a restarted ingress takes the freed slot back
+    try:
+        assert again.spool_path.parent.name == "slot-1"
+    finally:
+        again.close()
+        first.close()
+
+
+def test_a_full_disk_refuses_new_records_instead_of_growing_memory(database, tmp_path, monkeypatch):
+    def full(self, lines):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ledger_wal.WriteAheadLog, "append", full)
+    writer = LedgerWriter(database, tmp_path / SPOOL_NAME, max_pending=3, retry_initial_s=0.05, retry_max_s=0.1)
+    writer.start()
+    try:
+        waiting = [writer.submit(record(i)) for i in range(3)]
+        refused = writer.submit(record(99))
+        with pytest.raises(LedgerBacklogError):
+            refused.result(5)
+        assert writer.stats()["refused_backlog"] == 1
+        assert not any(f.done() for f in waiting)  # still waiting for the disk
+        monkeypatch.undo()  # the disk has room again
+        assert all(f.result(10) for f in waiting)
+    finally:
+        writer.close()
