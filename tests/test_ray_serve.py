@@ -142,6 +142,8 @@ def _send(stack, item: dict) -> dict:
         if item["chat"]:
             kwargs = dict(model=item["model"], messages=[{"role": "user", "content": item["prompt"]}],
                           max_tokens=item.get("max_tokens", MAX_TOKENS), temperature=0)
+            if item.get("ignore_eos"):  # runs all of max_tokens: it cannot end early at an EOS
+                kwargs["extra_body"] = {"ignore_eos": True}
             if item["stream"]:
                 chunks = list(client.chat.completions.create(stream=True, **kwargs))
                 return {"status": 200, "id": chunks[0].id,
@@ -236,12 +238,14 @@ def test_a_killed_replica_fails_its_requests_retriably_and_comes_back(stack):
     seen = {row[0] for row in _ledger(stack)}
     victim_id, victim_pid = sorted(before.items())[0]
     items = [{"i": i, "tenant": ("acme", "globex")[i % 2], "model": stack["adapters"][i % NUM_ADAPTERS],
-              "chat": True, "stream": False, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 256} for i in range(32)]
+              "chat": True, "stream": False, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 256,
+              "ignore_eos": True} for i in range(32)]
     started = time.monotonic()
     with ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(_send, stack, item) for item in items]
-        # Kill while the victim has requests running (its own snapshot says so, up to 0.5 s late: requests of
-        # 256 tokens are still running by then).
+        # Kill while the victim has requests running (its own snapshot says so, up to 0.5 s late). Each request
+        # runs all its 256 tokens (ignore_eos), so the kill usually catches some mid-stream; on a slow machine
+        # it may catch none (a clean CI run once saw all 32 answered), which the assertions below allow.
         def victim_busy():
             snap = {x["replica"]: x for x in admin.get("/admin/replicas").json()["replicas"]}.get(victim_id)
             return snap is not None and (snap["running"] or 0) >= 2
@@ -253,7 +257,12 @@ def test_a_killed_replica_fails_its_requests_retriably_and_comes_back(stack):
     statuses = collections.Counter(a["status"] for a in answers)
     print(f"replica killed mid-load: {dict(statuses)} in {elapsed:.1f} s")
     assert set(statuses) <= {200, 503}, answers  # failures are retriable 503s, never a hang or a 500
-    assert statuses[503] >= 1 and statuses[200] >= 1  # the victim's requests failed, the survivor's did not
+    # Which requests the kill catches depends on timing (a request not yet routed, or one Serve retries before
+    # it yielded, is a 200 from the survivor), so only what always holds is asserted here; that a request
+    # lost mid-stream is a retriable 503 and unbilled, or billed for what it streamed, is tested
+    # deterministically in tests/test_engine_lost.py.
+    assert statuses[200] >= 1
+    assert all("retry" in a["error"] for a in answers if a["status"] == 503), answers
     # Serve replaces the dead replica: two live replicas again, one of them new.
     def replaced():
         live = {x["replica"]: x["pid"] for x in admin.get("/admin/replicas").json()["replicas"]}
