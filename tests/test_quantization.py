@@ -71,6 +71,10 @@ KERNEL_CASES = [(k, q) for k in KERNELS for q in ((127, 63) if k in quantization
 @pytest.mark.parametrize("rows", [1, 8, 33])
 @pytest.mark.parametrize("bias", [False, True])
 def test_int8_linear_matches_dequantized_reference(kernel, qmax, rows, bias):
+    if kernel == "fbgemm" and qmax == 127 and not quantization.has_vnni():
+        # Without VNNI fbgemm sums u8 x s8 pairs in int16, which saturates at 8 bits: the engine uses qmax 63
+        # there (activation_qmax), which the 63 cases check. (A clean run on an AVX-only AMD VM hit this.)
+        pytest.skip("fbgemm at 8-bit activations needs VNNI; this CPU runs it at qmax 63")
     g = torch.Generator().manual_seed(rows)
     w, x = torch.randn(96, 160, generator=g) / 10, torch.randn(rows, 96, generator=g)
     b = torch.randn(160, generator=g) if bias else None
