@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from pydantic import AliasChoices, Field, model_validator
 
 from loramux.engine.engine import RequestOutput
+from loramux.server.body_prechecks import PrecheckedRoute
 from loramux.server.deps import ServerDep, ServicesDep, TenantDep
 from loramux.server.params import ChatMessage, GenerationParams
 from loramux.server.prompts import Prompt
@@ -19,7 +20,7 @@ from loramux.server.serving import Running, respond
 from loramux.server.sse import DONE, STREAMED, sse_event
 from loramux.server.tool_calls import template_messages
 
-router = APIRouter(tags=["native"])
+router = APIRouter(tags=["native"], route_class=PrecheckedRoute)
 
 DEFAULT_TEMPERATURE = 0.0  # the native API is greedy unless asked otherwise
 DEFAULT_MAX_TOKENS = 256

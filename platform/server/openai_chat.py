@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 from pydantic import Field
 
 from loramux.engine.engine import RequestOutput
+from loramux.server.body_prechecks import PrecheckedRoute
 from loramux.server.chat_stream import ChoiceStream
 from loramux.server.deps import ServerDep, ServicesDep, TenantDep
 from loramux.server.errors import ApiError
@@ -20,6 +21,7 @@ from loramux.server.openai_common import (
     check_n,
     final_json,
     finish_reason,
+    logprobs_in_one_answer,
     refuse_given,
     usage,
 )
@@ -40,7 +42,7 @@ from loramux.server.tool_calls import (
 )
 from loramux.tenancy import TierInfo
 
-router = APIRouter()
+router = APIRouter(route_class=PrecheckedRoute)
 
 DEFAULT_MAX_TOKENS = 1024  # when the client gives none (capped by the room left in the context)
 # Fields OpenAI has that this server refuses (400), with what to do instead; never silently ignored.
@@ -114,6 +116,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servic
         tenant, body.model, prompt, body, arrival, id_prefix="chatcmpl",
         max_tokens=body.max_completion_tokens or body.max_tokens, default_max_tokens=DEFAULT_MAX_TOKENS,
         default_temperature=DEFAULT_TEMPERATURE, n=body.n, sampling={"structured": structured, "top_logprobs": top},
+        logprobs_per_token=logprobs_in_one_answer(body.logprobs, top, body.stream),
         constraints=constraints)
 
     def choice(index: int, out: RequestOutput) -> dict:

@@ -41,6 +41,13 @@ def check_n(n: int, tier: TierInfo, server_max_n: int) -> None:
                             "(or send several requests)", code="invalid_n", param="n")
 
 
+def logprobs_in_one_answer(wanted: bool, top: int, stream: bool) -> int:
+    """Logprob entries per generated token that one JSON answer holds (the token's own and its `top`
+    alternatives), for `check_logprob_volume`; 0 without logprobs, and 0 for a stream, whose chunks carry
+    each step's few entries as they come."""
+    return top + 1 if wanted and not stream else 0
+
+
 def unsupported(what: str, fix: str, param: str | None = None) -> ApiError:
     return ApiError(400, f"{what} is not supported by this server; {fix}", code="unsupported_parameter", param=param)
 

@@ -10,6 +10,7 @@ from pydantic import Field
 
 from loramux.engine.engine import RequestOutput
 from loramux.engine.sampling_params import MAX_TOP_LOGPROBS
+from loramux.server.body_prechecks import PrecheckedRoute
 from loramux.server.deps import ServerDep, ServicesDep, TenantDep
 from loramux.server.errors import ApiError
 from loramux.server.openai_common import (
@@ -20,6 +21,7 @@ from loramux.server.openai_common import (
     final_json,
     finish_reason,
     joined,
+    logprobs_in_one_answer,
     unsupported,
     usage,
 )
@@ -29,7 +31,7 @@ from loramux.server.running import Running
 from loramux.server.serving import respond
 from loramux.server.sse import DONE, STREAMED, sse_event
 
-router = APIRouter()
+router = APIRouter(route_class=PrecheckedRoute)
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -85,7 +87,8 @@ async def completions(body: CompletionRequest, request: Request, services: Servi
     running = await server.start_generation(
         tenant, body.model, prompt, body, arrival, id_prefix="cmpl", max_tokens=body.max_tokens,
         default_max_tokens=DEFAULT_MAX_TOKENS, default_temperature=DEFAULT_TEMPERATURE, n=body.n,
-        sampling={"structured": structured, "top_logprobs": k}, constraints=[(structured, None)])
+        sampling={"structured": structured, "top_logprobs": k}, constraints=[(structured, None)],
+        logprobs_per_token=logprobs_in_one_answer(want_logprobs, k, body.stream))
     echo = _Echo(engine, prompt, running, body.logprobs) if body.echo else None
     before = len(echo.text) if echo else 0  # characters ahead of the generated text
 

@@ -17,9 +17,14 @@ from loramux.server.bodies import RequestBody
 from loramux.server.errors import ApiError
 
 MAX_USER_CHARS = 256
+MAX_LOGIT_BIAS_ENTRIES = 300  # the engine's limit (SamplingParams.validate)
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")
 # C0 and C1 control characters and NUL: PostgreSQL text cannot hold NUL, and none belongs in an end-user id.
 _CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def has_control_chars(text: str) -> bool:
+    return _CONTROL_CHARS.search(text) is not None
 
 
 class ContentPart(RequestBody):
@@ -86,6 +91,9 @@ LogitBias = dict[str, Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS
 def parse_logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     """OpenAI's `logit_bias` (token ids as strings of integers -> a bias in [-100, 100]) as the engine's
     {token id: bias}; 400 for a key that is no token id (the engine refuses ids past the vocabulary)."""
+    if bias and len(bias) > MAX_LOGIT_BIAS_ENTRIES:  # before looking at any key
+        raise ApiError(400, f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES} are accepted",
+                       code="too_many_items", param="logit_bias")
     out = {}
     for key, value in (bias or {}).items():
         if not _TOKEN_ID.fullmatch(key):
@@ -120,14 +128,14 @@ class GenerationParams(RequestBody):
     user: str | None = Field(default=None, max_length=MAX_USER_CHARS,
                              description="your id of the end user, recorded in this request's ledger row")
 
-    @field_validator("user")
+    @field_validator("user")  # (over HTTP a control character is a 400 before this: see body_prechecks)
     @classmethod
     def _user_id(cls, value: str | None) -> str | None:
         """An empty `user` is no user; control characters (NUL included) are refused: the id goes into the
         request's ledger row, which must be writable on every backend."""
         if value is None or value == "":
             return None
-        if _CONTROL_CHARS.search(value):
+        if has_control_chars(value):
             raise ValueError("user must not contain control characters (U+0000-U+001F, U+007F-U+009F)")
         return value
 
@@ -159,6 +167,19 @@ def check_prompt_bound(at_least: int, max_model_len: int, exact: bool = False) -
     if at_least >= max_model_len:
         raise ApiError(400, f"the prompt has {'' if exact else 'at least '}{at_least} tokens; this model accepts "
                             f"at most {max_model_len - 1} prompt tokens", code="context_length_exceeded")
+
+
+def check_logprob_volume(n: int, max_tokens: int, per_token: int, limit: int) -> None:
+    """Refuse (400 too_many_logprobs) an answer that could hold more than `limit` logprob entries: `n`
+    choices of up to `max_tokens` tokens, `per_token` entries each (the token and its top alternatives).
+    Such an answer (n=16, top_logprobs=20 at a full context: over 100 MB of JSON) would cost memory and
+    encoding time out of proportion to the tokens billed."""
+    entries = n * max_tokens * per_token
+    if entries > limit:
+        raise ApiError(400, f"this request could return {entries} logprob entries (n={n} x max_tokens={max_tokens} "
+                            f"x {per_token} per token); this server returns at most {limit} "
+                            "(LORAMUX_MAX_LOGPROB_ENTRIES): lower max_tokens, n or top_logprobs",
+                       code="too_many_logprobs", param="top_logprobs" if per_token > 1 else "max_tokens")
 
 
 def resolve_max_tokens(asked: int | None, prompt_len: int, max_model_len: int, default: int) -> int:

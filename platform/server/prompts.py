@@ -10,6 +10,7 @@ prompt whose bound already fills the context is refused without being tokenized.
 from __future__ import annotations
 
 import json
+import weakref
 from dataclasses import dataclass
 
 from fastapi.concurrency import run_in_threadpool
@@ -79,14 +80,16 @@ class Prompt:
             return len(self.text)
         return sum(len((m.get("content") or "").strip()) for m in self.messages or ())
 
-    def min_tokens(self, max_chars_per_token: int | None) -> int:
+    def min_tokens(self, max_chars_per_token: int | None, tokens_per_message: int = 0) -> int:
         """A lower bound of the prompt's token count, without tokenizing (exact for token ids; 0 when the
-        tokenizer gives no bound)."""
+        tokenizer gives no bound): the text's characters at `max_chars_per_token` each, plus for chat
+        messages `tokens_per_message` each (what the template adds around a message's content, see
+        `template_tokens_per_message`), so 100k empty messages cannot pass as an empty prompt."""
         if self.token_ids is not None:
             return len(self.token_ids)
         if not max_chars_per_token:
             return 0
-        return -(-self.chars() // max_chars_per_token)
+        return -(-self.chars() // max_chars_per_token) + len(self.messages or ()) * tokens_per_message
 
     async def tokenize(self, engine) -> list[int]:
         """The prompt's token ids; `engine` is the AsyncEngine."""
@@ -135,6 +138,42 @@ def chat_template_ids(tokenizer, messages: list[dict], tools: list[dict] | None 
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)
+
+
+# Tokens a content boundary may share with the template around it (a merge at each end of the content).
+_BOUNDARY_MERGES = 2
+_per_message: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def template_tokens_per_message(tokenizer) -> int:
+    """A lower bound of the tokens `tokenizer`'s chat template adds for each message besides its content:
+    the smallest growth, over the roles, from one message to two of that role (minus the content's token
+    and the merges a content may make with its surroundings). 0 when the template cannot say (no template,
+    or one that refuses two messages of a role in a row): then no per-message bound is used."""
+    try:
+        growth = []
+        for role in ("system", "user", "assistant", "tool"):
+            message = {"role": role, "content": "x"}
+            one = len(chat_template_ids(tokenizer, [message]))
+            two = len(chat_template_ids(tokenizer, [message, message]))
+            growth.append(two - one - len(tokenizer.encode("x", add_special_tokens=False)))
+    except Exception:  # noqa: BLE001 - any template failure: no bound rather than a wrong one
+        return 0
+    return max(0, min(growth) - _BOUNDARY_MERGES)
+
+
+async def tokens_per_message(engine) -> int:
+    """`template_tokens_per_message` of the engine's tokenizer, computed once (in the threadpool)."""
+    tokenizer = getattr(engine, "tokenizer", None)
+    if tokenizer is None:
+        return 0
+    try:
+        cached = _per_message.get(tokenizer)
+    except TypeError:  # not weakly referenceable: computed each time
+        return await run_in_threadpool(template_tokens_per_message, tokenizer)
+    if cached is None:
+        cached = _per_message[tokenizer] = await run_in_threadpool(template_tokens_per_message, tokenizer)
+    return cached
 
 
 def decode(engine, ids: list[int]) -> str:

@@ -33,8 +33,8 @@ from loramux.engine.engine import RequestError, RequestOutput
 from loramux.engine.sampling_params import SamplingParams, StructuredOutput
 from loramux.server.errors import ApiError, client_disconnected
 from loramux.server.logs import request_id_var
-from loramux.server.params import GenerationParams, check_prompt_bound, resolve_max_tokens
-from loramux.server.prompts import Prompt
+from loramux.server.params import GenerationParams, check_logprob_volume, check_prompt_bound, resolve_max_tokens
+from loramux.server.prompts import Prompt, tokens_per_message
 from loramux.server.ratelimit import Admission, RateLimited, RateLimiter, RequestTooLarge, TierLimits
 from loramux.server.response_format import compile_structured
 from loramux.server.running import BILLING_WAIT_S, LOST, Running
@@ -131,7 +131,7 @@ class Server:
     async def start_generation(self, tenant: TenantContext, model: str | None, prompt: Prompt,
                                body: GenerationParams, arrival: float, *, id_prefix: str, max_tokens: int | None,
                                default_max_tokens: int, default_temperature: float, n: int = 1,
-                               sampling: dict | None = None,
+                               sampling: dict | None = None, logprobs_per_token: int = 0,
                                constraints: Sequence[tuple[StructuredOutput | None, str | None]] = ()) -> Running:
         """A route's request, cheapest checks first: `admit` with the prompt's token count bounded from its
         length (`Prompt.min_tokens`), then refuse a prompt whose bound cannot fit the context, and only then
@@ -141,16 +141,22 @@ class Server:
         compiled only to check it; see `compile_structured`) and `launch` it as `<id_prefix>-<hex>` with
         `n` choices. The
         tokens-per-minute bucket is charged the bound (prompt + n x max_tokens) at admission and settled
-        with the real prompt + completion tokens when the request ends. Raises ApiError with nothing held."""
+        with the real prompt + completion tokens when the request ends. `logprobs_per_token`: the logprob
+        entries the answer holds per generated token (top_logprobs + 1 when logprobs are asked for, else 0),
+        bounded by `check_logprob_volume`. Raises ApiError with nothing held."""
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         request_id_var.set(request_id)  # log lines of this request carry its id
         engine = self.services.engine
         context = engine.max_model_len
-        at_least = prompt.min_tokens(engine.max_chars_per_token)
-        # Each choice generates at most max_tokens and at most the room the prompt leaves in the context.
+        per_message = await tokens_per_message(engine) if prompt.messages else 0
+        at_least = prompt.min_tokens(engine.max_chars_per_token, per_message)
+        # Each choice generates at most max_tokens and at most the room the prompt leaves in the context; a
+        # prompt bound past the context is charged as the context (it is refused right after admission).
         per_choice = min(max_tokens or default_max_tokens, max(0, context - at_least))
-        admitted = await self.admit(tenant, body.timeout_s, at_least + n * per_choice, arrival, slots=n)
+        admitted = await self.admit(tenant, body.timeout_s, min(at_least, context) + n * per_choice, arrival,
+                                    slots=n)
         try:
+            check_logprob_volume(n, per_choice, logprobs_per_token, self.services.settings.max_logprob_entries)
             check_prompt_bound(at_least, context)  # exact for token ids; a bound from the length for text
             prompt_ids = await prompt.tokenize(engine)
             max_tokens = resolve_max_tokens(max_tokens, len(prompt_ids), context, default_max_tokens)
@@ -354,15 +360,19 @@ async def until_disconnected(request) -> None:
 
 async def respond(request, running: Running, *, stream: bool, final: Callable[[list[RequestOutput]], Response],
                   events: Callable[[], AsyncIterator[str]]) -> Response:
-    """The answer to a started request: `final(every choice's final output)` once it ends, or with
-    `stream` the SSE `events()`; either way the request ends (and frees what it holds) when the client
-    goes away."""
+    """The answer to a started request: `final(every choice's final output)` (called in the threadpool)
+    once it ends, or with `stream` the SSE `events()`; either way the request ends (and frees what it
+    holds) when the client goes away."""
     if stream:
         running.streamed = True
         return RunningStreamingResponse(guarded(events(), running.request_id), running,
                                         media_type="text/event-stream", headers=running.headers())
     outs = await collect_or_cancel(request, running)
-    return client_disconnected() if outs is None else final(outs)
+    if outs is None:
+        return client_disconnected()
+    # Built and encoded in the threadpool: an answer with LORAMUX_MAX_LOGPROB_ENTRIES logprobs (131072 by
+    # default, ~8 MB) took about a second to build here, which on the event loop would stall every stream.
+    return await run_in_threadpool(final, outs)
 
 
 async def collect_or_cancel(request, running: Running) -> list[RequestOutput] | None:
