@@ -276,22 +276,13 @@ def run_to_completion(engine: LLMEngine, requests) -> list:
 
 
 # --- Redis: shared rate limits and replica state (scale-out tests) ---------------------------------
-@pytest.fixture(scope="session")
-def redis_url():
-    """A private redis-server on a free port for this session (nothing on disk); without the binary, the
-    machine's Redis (LORAMUX_TEST_REDIS_URL, default db 15 on 127.0.0.1:6379), flushed first."""
-    import shutil
+def start_redis_server(binary: str):
+    """Start `binary` (redis-server) on a free port with nothing on disk; (url, process, port) once it answers."""
     import socket
     import subprocess
 
     import redis
 
-    binary = shutil.which("redis-server")
-    if binary is None:
-        url = os.environ.get("LORAMUX_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
-        redis.Redis.from_url(url).flushdb()
-        yield url
-        return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -303,12 +294,29 @@ def redis_url():
     while True:
         try:
             client.ping()
-            break
+            return url, proc, port
         except redis.ConnectionError:
             if time.monotonic() > deadline or proc.poll() is not None:
                 proc.kill()
                 pytest.fail("redis-server did not start")
-            time.sleep(0.05)
+            time.sleep(0.05)  # polling a real condition: the server accepting connections
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    """A private redis-server on a free port for this session (nothing on disk); without the binary, the
+    machine's Redis (LORAMUX_TEST_REDIS_URL, default db 15 on 127.0.0.1:6379), flushed first."""
+    import shutil
+
+    import redis
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        url = os.environ.get("LORAMUX_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+        redis.Redis.from_url(url).flushdb()
+        yield url
+        return
+    url, proc, _ = start_redis_server(binary)
     yield url
     proc.terminate()
     proc.wait(timeout=10)

@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 pytest.importorskip("limits", reason="the ray extra is not installed")
 
-from conftest import make_engine, make_services, new_tenant_key  # noqa: E402
+from conftest import make_engine, make_services, new_tenant_key, start_redis_server  # noqa: E402
 from loramux.server.app import create_app  # noqa: E402
 from loramux.server.shared_ratelimit import SharedRateLimiter  # noqa: E402
 
@@ -62,28 +62,11 @@ class DelayingProxy:
 def private_redis():
     """A redis-server of this test's own, which the test may stop: yields (url, process)."""
     import shutil
-    import subprocess
-
-    import redis
 
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.skip("redis-server is not installed")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url, socket_timeout=1)
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            assert time.monotonic() < deadline, "redis-server did not start"
-            time.sleep(0.05)  # polling a real condition: the server accepting connections
+    url, proc, port = start_redis_server(binary)
     yield url, proc, port
     proc.kill()
     proc.wait()
