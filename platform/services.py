@@ -50,6 +50,7 @@ class Services:
     def from_settings(cls, settings: Settings, engine=None, migrate: bool = True) -> Services:
         """Everything the server needs. `engine`: an LLMEngine to use instead of building one."""
         from loramux.engine.async_engine import AsyncEngine
+        from loramux.engine.compile_pool import CompileLimits
         from loramux.engine.engine import LLMEngine
 
         db = Database(settings.resolved_database_url())
@@ -63,7 +64,8 @@ class Services:
                                    shared_tenant=LOCAL_TENANT, tenancy=tenancy)
         cache = AdapterCache(store, DiskCache(Path(settings.data_dir) / "adapter-cache", settings.disk_cache_bytes),
                              HostCache(settings.host_cache_bytes))
-        async_engine = AsyncEngine(llm, stalled_reader_timeout_s=settings.stalled_reader_timeout_s)
+        async_engine = AsyncEngine(llm, stalled_reader_timeout_s=settings.stalled_reader_timeout_s,
+                                   compile_limits=CompileLimits.from_settings(settings))
         registry.on_blob_deleted(cache.evict)
         registry.on_blob_deleted(async_engine.evict_adapter)
         admin_keys = AdminKeys(db)

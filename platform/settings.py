@@ -100,6 +100,15 @@ class Settings(BaseSettings):
     port: int = 8000
     admin_key: str | None = None  # registered as an admin key at start (`loramux admin create-key` makes one)
     json_logs: bool = True  # one JSON object per log line (with the request id); false = plain text
+    # Reverse proxies (addresses or CIDR networks, comma-separated) whose X-Forwarded-For / X-Forwarded-Proto
+    # are believed: the client address (failed-authentication limit) and the scheme (Secure console cookies).
+    trusted_proxies: str = ""
+    # Failed authentications (unknown or revoked keys, console sign-ins) one client address may make per
+    # minute before it gets 429 + Retry-After, valid key or not, until its minute ends (0 = no limit).
+    auth_failures_per_min: int = Field(default=30, ge=0)
+    # /metrics: "" = open (bind the server where only Prometheus reaches it); else a bearer token that
+    # scrapes must send (Prometheus' `authorization: {credentials: ...}`), 401 without it.
+    metrics_key: str = ""
     # A request whose reader (a streaming client) takes nothing for this long while output waits is
     # aborted: its KV blocks and adapter slot are freed, and its record says "cancelled".
     stalled_reader_timeout_s: float = Field(default=30.0, gt=0)
@@ -109,6 +118,14 @@ class Settings(BaseSettings):
     # refused with 400 (compiled off the event loop, cached by the engine).
     max_n: int = Field(default=16, ge=1, le=128)
     structured_compile_timeout_s: float = Field(default=10.0, gt=0)
+    # Structured-output compiles (issue 24) run in worker processes, killed past the timeout above: at most
+    # this many at once (a compile waits for a free worker at most the timeout, then 503), each allowed
+    # this much address space beyond the worker's own (RLIMIT_AS; a blow-up kills the worker, not the
+    # engine). Repetition bounds above `structured_max_repetition` (regex {m,n}, a schema's minLength,
+    # maxLength, minItems, maxItems, minProperties, maxProperties) are a 400 before anything compiles.
+    structured_compile_workers: int = Field(default=2, ge=1, le=64)
+    structured_compile_memory_bytes: int = Field(default=2 * 1024**3, ge=64 * 1024**2)
+    structured_max_repetition: int = Field(default=4096, ge=1)
     # Request shape limits (issue 24): counted on the parsed JSON before any validator runs or the rate
     # limiter is asked, so a body of 100k tiny items is a 400 naming the field within milliseconds. Then
     # the most logprob entries one answer may hold (n x max_tokens x (top_logprobs + 1)): above it a 400
@@ -124,6 +141,9 @@ class Settings(BaseSettings):
     # so sessions end at a restart; set one shared by every ingress replica) and how long a session lasts.
     console_secret: str = ""
     console_session_s: int = Field(default=8 * 3600, gt=0)
+    # Whether console cookies are `Secure`: "auto" = when the request came over HTTPS (as the server saw it,
+    # or as a trusted proxy's X-Forwarded-Proto says), "always" (TLS ends at a proxy you do not list), "never".
+    console_secure_cookies: Literal["auto", "always", "never"] = "auto"
 
     # Scale-out on Ray Serve (`loramux serve --ray`, see loramux.cluster): engine replicas, each its own
     # engine; adapters one replica keeps loaded for routing affinity (Serve's multiplexing LRU); torch threads

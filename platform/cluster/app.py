@@ -52,9 +52,6 @@ def _engine_deployment(settings: Settings):
         def info(self) -> dict:
             return self.core.info()
 
-        def compile_structured(self, spec) -> None:
-            self.core.compile_structured(spec)
-
         def check_health(self) -> None:
             if self.core.engine._stopped:  # the engine loop died: let Serve replace this replica
                 raise RuntimeError("engine stopped")

@@ -113,7 +113,8 @@ def ingress_services(settings: Settings, engine_handle, ingress_id: str) -> Serv
     directory = ReplicaDirectory(settings.redis_url, ttl_s=max(5.0, 5 * settings.cluster_snapshot_interval_s),
                                  timeout_s=settings.redis_timeout_s)
     directory.watch()
-    engine = RemoteEngine(engine_handle, AutoTokenizer.from_pretrained(model_dir), 0, directory)
+    engine = RemoteEngine(engine_handle, AutoTokenizer.from_pretrained(model_dir), 0, directory,
+                          max_repetition=settings.structured_max_repetition)
     registry.on_blob_deleted(engine.evict_adapter)
     admin_keys = AdminKeys(db)
     if settings.admin_key:

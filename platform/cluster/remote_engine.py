@@ -22,8 +22,10 @@ from loramux.adapters.registry import AdapterVersionInfo
 from loramux.cluster.shared_state import ReplicaDirectory
 from loramux.cluster.wire import Reassembler
 from loramux.engine.async_engine import EngineDeadError
+from loramux.engine.compile_pool import CompileLimits
 from loramux.engine.engine import RequestError, RequestOutput
 from loramux.engine.sampling_params import SamplingParams, StructuredOutput
+from loramux.engine.spec_checks import check_spec
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +46,12 @@ class RemoteAdapter:
 
 
 class RemoteEngine:
-    def __init__(self, handle, tokenizer, max_model_len: int, directory: ReplicaDirectory):
-        """`handle`: the engine deployment's DeploymentHandle; `tokenizer`: the model's HF tokenizer."""
+    def __init__(self, handle, tokenizer, max_model_len: int, directory: ReplicaDirectory,
+                 max_repetition: int = CompileLimits.max_repetition):
+        """`handle`: the engine deployment's DeploymentHandle; `tokenizer`: the model's HF tokenizer;
+        `max_repetition`: LORAMUX_STRUCTURED_MAX_REPETITION, checked here before a request is sent."""
         self.handle = handle
+        self.max_repetition = max_repetition
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.directory = directory
@@ -113,8 +118,12 @@ class RemoteEngine:
         return [self.tokenizer.decode([i]) for i in ids]
 
     def compile_structured(self, spec: StructuredOutput) -> None:
-        """Checked by one replica (blocking: called from a worker thread); each replica compiles on first use."""
-        self.handle.compile_structured.remote(spec).result()
+        """Check `spec` here, without compiling it (size, unsupported keywords, repetition bounds): raise
+        StructuredOutputError. The replica that serves the request compiles it, off its engine thread and
+        within its compile limits, as its `generate` starts; a spec it refuses or stops comes back as a
+        RequestError (HTTP 400). Asking some other replica to compile would stall on it without a bound
+        and help no one: that replica's cache is not the serving one's."""
+        check_spec(spec, self.max_repetition)
 
     # -- engine-wide state, from the replicas' snapshots --------------------------------------------------
     def stats(self) -> dict:

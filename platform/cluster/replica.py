@@ -28,6 +28,7 @@ class EngineReplica:
         import torch
 
         from loramux.engine.async_engine import AsyncEngine
+        from loramux.engine.compile_pool import CompileLimits
         from loramux.engine.engine import LLMEngine
         from loramux.services import store_from_settings
 
@@ -35,11 +36,13 @@ class EngineReplica:
             torch.set_num_threads(settings.cluster_threads_per_replica)
         self.settings, self.replica_id = settings, replica_id
         llm = LLMEngine.from_settings(settings, load_adapters=False)
-        self.engine = AsyncEngine(llm, stalled_reader_timeout_s=settings.stalled_reader_timeout_s)
+        self.engine = AsyncEngine(llm, stalled_reader_timeout_s=settings.stalled_reader_timeout_s,
+                                  compile_limits=CompileLimits.from_settings(settings))
         disk_dir = Path(settings.data_dir) / "replicas" / replica_id / "adapter-cache"  # not shared between replicas
         self.cache = AdapterCache(store_from_settings(settings), DiskCache(disk_dir, settings.disk_cache_bytes),
                                   HostCache(settings.host_cache_bytes))
         self._versions: dict[str, AdapterVersionInfo] = {}  # digest -> version, set before the multiplexed load
+        self._sent: dict[str, int] = {}  # request id -> tokens this replica has sent for it so far, while it runs
         self.directory = ReplicaDirectory(settings.redis_url)
         self._stop = self.directory.start_replica_threads(replica_id, self.snapshot, self.evict,
                                                           settings.cluster_snapshot_interval_s)
@@ -70,21 +73,25 @@ class EngineReplica:
         stream = self.engine.generate(payload["request_id"], payload["prompt"], payload["params"],
                                       priority=payload["priority"], adapter=adapter, arrival=arrival,
                                       cache_salt=payload["cache_salt"])
+        rid = payload["request_id"]
+        self._sent[rid] = 0
         try:
             async for out in stream:
+                self._sent[rid] += len(out.new_token_ids)
                 yield to_wire(out, self.replica_id)
         except RequestError as exc:
             yield {"error": "request", "message": str(exc)}
         except EngineDeadError as exc:
             yield {"error": "dead", "message": str(exc)}
         finally:
+            self._sent.pop(rid, None)
             await stream.aclose()  # cancelled by the ingress: the request is aborted in the engine
 
     def info(self) -> dict:
-        return {"replica": self.replica_id, "pid": os.getpid(), "max_model_len": self.engine.max_model_len}
-
-    def compile_structured(self, spec) -> None:
-        self.engine.compile_structured(spec)
+        """Who this replica is, and now (not as of its last snapshot): `streaming`, request id -> tokens sent
+        so far, for every request it is generating."""
+        return {"replica": self.replica_id, "pid": os.getpid(), "max_model_len": self.engine.max_model_len,
+                "streaming": dict(self._sent)}
 
     def snapshot(self) -> dict:
         """What the ingress shows of this replica: engine counters, residency by digest, queue wait."""

@@ -9,6 +9,11 @@ coalesced (past `max_buffered_outputs` undelivered outputs, new ones fold into t
 the text itself, never a copy per step); a reader that takes nothing for `stalled_reader_timeout_s`
 while outputs wait has its request aborted, so its KV blocks and adapter slot go to other requests, and
 reads, if it ever reads again, the outputs so far ending in one with finish_reason "cancelled".
+
+Structured output never compiles on the engine thread: `generate` compiles the request's grammar first
+(in a killable worker process of the grammar cache's `CompilePool`, within `compile_limits`; a cache hit
+when the server checked the spec before) and hands the engine the CompiledGrammar, which the request
+holds until it ends, so neither a slow spec nor an LRU eviction can freeze the other streams.
 """
 from __future__ import annotations
 
@@ -21,7 +26,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from loramux.adapters.peft_format import LoRAAdapter
-from loramux.engine.engine import LLMEngine, RequestOutput
+from loramux.engine.compile_pool import CompileBusy, CompileLimits
+from loramux.engine.engine import LLMEngine, RequestError, RequestOutput
+from loramux.engine.grammar import StructuredOutputError
 from loramux.engine.sampling_params import SamplingParams, StructuredOutput
 
 log = logging.getLogger(__name__)
@@ -45,6 +52,7 @@ class _Add:
     adapter: str | LoRAAdapter | None
     arrival: float | None
     cache_salt: str | None
+    grammar: object  # params.structured's CompiledGrammar (None: unconstrained)
     loop: asyncio.AbstractEventLoop
     stream: _Stream
     accepted: asyncio.Future
@@ -68,13 +76,16 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, stalled_reader_timeout_s: float = 30.0, max_buffered_outputs: int = 64):
+    def __init__(self, engine: LLMEngine, stalled_reader_timeout_s: float = 30.0, max_buffered_outputs: int = 64,
+                 compile_limits: CompileLimits | None = None):
         """`stalled_reader_timeout_s`: abort a request whose reader has taken nothing for this long while
         outputs wait (LORAMUX_STALLED_READER_TIMEOUT_S); `max_buffered_outputs`: undelivered outputs kept
-        apart per request before later ones are coalesced into the last."""
+        apart per request before later ones are coalesced into the last; `compile_limits`: how grammar
+        compiles are bounded (LORAMUX_STRUCTURED_COMPILE_*; the defaults when None)."""
         if stalled_reader_timeout_s <= 0 or max_buffered_outputs < 1:
             raise ValueError("stalled_reader_timeout_s must be > 0 and max_buffered_outputs >= 1")
         self.engine = engine
+        engine.grammars.use_pool(compile_limits or CompileLimits())
         self.stalled_reader_timeout_s = stalled_reader_timeout_s
         self.max_buffered_outputs = max_buffered_outputs
         self._inbox: deque = deque()
@@ -98,13 +109,19 @@ class AsyncEngine:
         `arrival` (time.monotonic()) is when the request reached the server: queue time, TTFT and the
         deadline count from it. `on_abandoned(final output)` runs on this event loop if the request is
         aborted because its reader stalled: the reader may be stuck (a client that never reads) and never
-        see that final output, but whoever holds resources for the request must still let them go."""
+        see that final output, but whoever holds resources for the request must still let them go.
+        A constrained request's grammar is compiled first (see the module docstring): a spec refused or
+        stopped by the compile limits raises RequestError, busy compile workers EngineDeadError (retry)."""
+        if self._stopped:
+            raise EngineDeadError("the engine has stopped")
+        grammar = await self._grammar(params.structured) if params.structured is not None else None
         if self._stopped:
             raise EngineDeadError("the engine has stopped")
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, on_abandoned)
         accepted = loop.create_future()
-        self._post(_Add(request_id, prompt, params, priority, adapter, arrival, cache_salt, loop, stream, accepted))
+        self._post(_Add(request_id, prompt, params, priority, adapter, arrival, cache_salt, grammar, loop, stream,
+                        accepted))
         finished = False
         try:
             await accepted  # raises RequestError for a request the engine refuses
@@ -120,6 +137,15 @@ class AsyncEngine:
             self._close(stream)
             if not finished:
                 self.abort(request_id)
+
+    async def _grammar(self, spec: StructuredOutput):
+        """`spec`'s CompiledGrammar, compiled off the engine thread and the event loop within the limits."""
+        try:  # shielded: a caller that leaves does not cancel a compile other requests may share
+            return await asyncio.shield(asyncio.wrap_future(self.engine.grammars.compile_future(spec)))
+        except StructuredOutputError as exc:
+            raise RequestError(str(exc)) from None
+        except CompileBusy as exc:
+            raise EngineDeadError(f"structured output cannot be compiled now ({exc}); retry the request") from None
 
     async def _take(self, stream: _Stream) -> RequestOutput | BaseException:
         """The next item of `stream`, waiting for the engine thread to put one there."""
@@ -164,10 +190,13 @@ class AsyncEngine:
         return {**self.engine.stats(), **buffered}
 
     def compile_structured(self, spec: StructuredOutput) -> None:
-        """Compile a structured-output constraint into the engine's grammar cache; raise StructuredOutputError
-        (a ValueError whose message is fit for the user). Thread-safe and blocking: call it in a worker thread
-        before `generate`, so the compile time is the requester's and never stalls the engine loop."""
-        self.engine.compile_structured(spec)
+        """Compile a structured-output constraint into the engine's grammar cache, in a worker process
+        within the compile limits; raise StructuredOutputError (a ValueError whose message is fit for the
+        user; StructuredOutputTooComplex when a limit stopped it) or CompileBusy (no worker free in time).
+        Thread-safe and blocking: call it in a worker thread before `generate`. It returns only once the
+        compile has finished or its process is dead, so a caller that holds the request's admission
+        until then counts the whole compile against the tenant."""
+        self.engine.grammars.compile(spec)
 
     def adapter_residency(self, digest: str) -> str | None:
         """See LLMEngine.adapter_residency: "device", "loading" or None."""
@@ -217,6 +246,7 @@ class AsyncEngine:
             self._stopped = True
             self._wake.notify()
         self._thread.join(timeout=30)
+        self.engine.grammars.shutdown()
         if self.engine.pool is not None:
             self.engine.pool.shutdown()
 
@@ -262,7 +292,8 @@ class AsyncEngine:
         if isinstance(item, _Add):
             try:
                 self.engine.add_request(item.request_id, item.prompt, item.params, item.priority,
-                                        arrival=item.arrival, adapter=item.adapter, cache_salt=item.cache_salt)
+                                        arrival=item.arrival, adapter=item.adapter, cache_salt=item.cache_salt,
+                                        grammar=item.grammar)
             except Exception as exc:  # noqa: BLE001 - a refused request (RequestError) or a bug: its caller gets it
                 _post_to(item.loop, _settle, item.accepted, exc)
                 return

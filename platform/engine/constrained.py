@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from loramux.engine.grammar import GrammarCache, allocate_mask, apply_mask_
+from loramux.engine.grammar import GrammarCache, Matcher, allocate_mask, apply_mask_
 from loramux.engine.sampling_params import StructuredOutput
 
 __all__ = ["Constraint", "batch_masker"]
@@ -25,9 +25,13 @@ class Constraint:
     refreshed after every accepted token; `done` says the grammar is complete and allows no other token
     than a stop token, so the request must end now. Engine thread only."""
 
-    def __init__(self, grammars: GrammarCache, spec: StructuredOutput):
-        """Raise StructuredOutputError for a spec that cannot be compiled."""
-        self.matcher = grammars.matcher(spec)
+    def __init__(self, grammars: GrammarCache, spec: StructuredOutput, compiled=None):
+        """`compiled`: `spec`'s CompiledGrammar, compiled by the caller off the engine thread (AsyncEngine
+        does), held here until the request ends so that cache eviction never makes the engine thread
+        compile; without it the spec is compiled here (the sync engine). Raise StructuredOutputError for a
+        spec that cannot be compiled."""
+        self.grammar = compiled if compiled is not None else grammars.compile(spec)
+        self.matcher = Matcher(self.grammar, grammars.stop_token_ids)
         self._extra = grammars.extra_mask(spec)  # JSON: no raw control characters
         self.stop_token_ids = frozenset(grammars.stop_token_ids)
         self._vocab = grammars.vocab_size

@@ -146,10 +146,14 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     priority: int = 0, arrival: float | None = None,
-                    adapter: str | LoRAAdapter | None = None, cache_salt: str | None = None) -> Sequence:
+                    adapter: str | LoRAAdapter | None = None, cache_salt: str | None = None,
+                    grammar=None) -> Sequence:
         """Queue a request for the base model or an adapter: a registered name, or an adapter object the
         caller holds in host RAM until the request finishes. `cache_salt` namespaces its prefix-cache
-        blocks (the tenant, when tenants must not share them). Raise RequestError when it can never run."""
+        blocks (the tenant, when tenants must not share them). `grammar`: the CompiledGrammar of
+        `params.structured`, compiled by the caller (AsyncEngine, off this thread) and pinned by the
+        request until it ends; without it the spec is compiled here. Raise RequestError when it can never
+        run."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
@@ -182,7 +186,7 @@ class LLMEngine:
         generator = Sampler.make_generator(params.seed) if params.seed is not None else None
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         try:  # the grammar decides when a constrained request stops: its EOS ends it even with ignore_eos
-            constraint = Constraint(self.grammars, params.structured) if params.structured else None
+            constraint = Constraint(self.grammars, params.structured, grammar) if params.structured else None
         except StructuredOutputError as exc:
             raise RequestError(str(exc)) from None
         stop_ids |= constraint.stop_token_ids if constraint else frozenset()

@@ -1,14 +1,15 @@
 """Grammar-constrained decoding on xgrammar: compile a `StructuredOutput` once, match tokens per request.
 
 `GrammarCache.compile` turns a constraint into an xgrammar CompiledGrammar (LRU-cached on (kind, spec),
-thread-safe, so the server can compile in a worker thread before the request reaches the engine) or
-raises `StructuredOutputError`, whose message is fit for a 400 response. `GrammarCache.matcher` gives a
+thread-safe; in a killable worker process once `use_pool` is called, see `compile_pool`) or raises
+`StructuredOutputError`, whose message is fit for a 400 response; specs are checked first without
+compiling (`spec_checks`: size, unsupported keywords, repetition bounds). `GrammarCache.matcher` gives a
 request its own `Matcher`: the pushdown automaton that says which tokens may come next.
 
 What each kind accepts (xgrammar's dialects):
 - json_object: one JSON object, any keys and values, separators ", " and ": ", no other whitespace.
 - json_schema: strict (no properties or items the schema does not name), same separators. Keywords that
-  xgrammar would silently ignore, so that outputs could break the schema, are refused (`_UNSUPPORTED`);
+  xgrammar would silently ignore, so that outputs could break the schema, are refused (`spec_checks`);
   oneOf is enforced as anyOf.
   For both JSON kinds, tokens holding a raw control character (U+0000-U+001F) are masked too
   (`extra_mask`): xgrammar lets them into strings, where JSON forbids them, and there is no other place
@@ -18,7 +19,6 @@ What each kind accepts (xgrammar's dialects):
 """
 from __future__ import annotations
 
-import json
 import re
 import threading
 from collections import OrderedDict
@@ -26,28 +26,21 @@ from concurrent.futures import Future
 
 import torch
 
+from loramux.engine.compile_pool import CompileBusy, CompileLimits, CompilePool, CompileRefused, CompileTooComplex
 from loramux.engine.sampling_params import StructuredOutput
+from loramux.engine.spec_checks import LABELS as _LABELS
+from loramux.engine.spec_checks import MAX_SPEC_BYTES, StructuredOutputError, check_spec, choice_grammar
 
-__all__ = ["MAX_SPEC_BYTES", "StructuredOutputError", "GrammarCache", "Matcher", "allocate_mask", "pack_mask",
-           "apply_mask_"]
+__all__ = ["MAX_SPEC_BYTES", "StructuredOutputError", "StructuredOutputTooComplex", "GrammarCache", "Matcher",
+           "allocate_mask", "pack_mask", "apply_mask_"]
 
-MAX_SPEC_BYTES = 64 * 1024  # a schema, regex or choice list larger than this is refused
-_MAX_SCHEMA_DEPTH = 64  # nesting of schema objects (the converter recurses)
-# Keywords xgrammar 0.2 accepts but does not enforce (or enforces wrongly); outputs could violate them.
-_UNSUPPORTED = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "contains", "minContains",
-                "maxContains", "patternProperties", "uniqueItems", "$dynamicRef", "$recursiveRef")
-_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SUBSCHEMAS = ("items", "additionalProperties", "propertyNames", "unevaluatedProperties", "unevaluatedItems")
 _CONTROL = re.compile(rb"[\x00-\x1f]")
 _XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
-_LABELS = {"json_object": "response_format json_object", "json_schema": "response_format json_schema",
-           "regex": "structured output regex", "choice": "structured output choice"}
 
 
-class StructuredOutputError(ValueError):
-    """A structured-output spec that cannot be enforced (invalid, unsupported or too large); the message
-    names the kind and what is wrong, without internals, fit to return to the user (HTTP 400)."""
+class StructuredOutputTooComplex(StructuredOutputError):
+    """A spec whose compile passed its time, memory or size limit and was stopped (HTTP 400
+    response_format_too_complex); cached like any refusal."""
 
 
 def _xgr():
@@ -113,21 +106,47 @@ class GrammarCache:
     The xgrammar tokenizer info (a pass over the vocabulary) is built on first use, so an engine that never
     sees a constraint never pays for it. At most `max_entries` results are kept (least recently used go
     first); refusals are cached too, so a bad spec sent again is refused at once. Concurrent compiles of
-    one spec compile it once."""
+    one spec compile it once. A cached result is shared: whoever holds a CompiledGrammar (a request's
+    `Constraint`) keeps it alive whatever the LRU evicts.
+
+    By default a compile runs in the calling thread, uninterruptible (the sync `LLMEngine`, tests). After
+    `use_pool(limits)` every compile runs in a worker process of a `CompilePool` that is killed past the
+    limits (`StructuredOutputTooComplex`), and `compile_future` never compiles in the calling thread."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids=(), max_entries: int = 256):
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         self.max_entries = max_entries
+        self.max_repetition = CompileLimits.max_repetition
         self._tokenizer = tokenizer
         self._compiler = None
+        self._info = None
         self._json_mask: torch.Tensor | None = None
         self._lock = threading.Lock()
         self._entries: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._limits: CompileLimits | None = None
+        self._pool: CompilePool | None = None
         allowed = torch.ones(1, vocab_size, dtype=torch.bool)
         allowed[0, [t for t in self.stop_token_ids if t < vocab_size]] = False
         # A mask whose AND with this one is empty allows nothing but stopping (the grammar is complete).
         self.non_stop_mask = pack_mask(allowed)
+
+    def use_pool(self, limits: CompileLimits) -> None:
+        """Compile in worker processes within `limits` from now on (the pool starts on the first compile)."""
+        self._limits = limits
+        self.max_repetition = limits.max_repetition
+
+    @property
+    def pool(self) -> CompilePool | None:
+        """The worker pool, once a compile started it (None without `use_pool`)."""
+        return self._pool
+
+    def shutdown(self) -> None:
+        """Stop the worker pool (a running compile is killed)."""
+        with self._lock:
+            pool, self._pool, self._limits = self._pool, None, None
+        if pool is not None:
+            pool.shutdown()
 
     def compiler(self):
         """The xgrammar GrammarCompiler (built on the first call)."""
@@ -138,6 +157,7 @@ class GrammarCache:
                                                           stop_token_ids=self.stop_token_ids or None)
                 # Our own LRU caches results; one thread per compile (callers compile in parallel).
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+                self._info = info
                 no_control = torch.tensor([_CONTROL.search(t) is None for t in info.decoded_vocab], dtype=torch.bool)
                 allowed = torch.zeros(1, self.vocab_size, dtype=torch.bool)
                 n = min(self.vocab_size, len(no_control))
@@ -155,32 +175,33 @@ class GrammarCache:
         return None
 
     def compile(self, spec: StructuredOutput):
-        """The CompiledGrammar of `spec` (from the cache when compiled before); raise StructuredOutputError."""
+        """The CompiledGrammar of `spec` (from the cache when compiled before); blocking. Raise
+        StructuredOutputError (StructuredOutputTooComplex when a limit stopped it) or CompileBusy."""
+        return self.compile_future(spec).result()
+
+    def compile_future(self, spec: StructuredOutput) -> Future:
+        """A future of `spec`'s CompiledGrammar, with `compile`'s errors. With a pool it resolves only once
+        the compile has finished or its worker is dead, and nothing compiles in the calling thread (an
+        event loop may await it); without one the compile runs here and the future is done on return."""
         key = (spec.kind, spec.spec)
         with self._lock:
-            future = self._entries.get(key)
-            owner = future is None
+            entry = self._entries.get(key)
+            owner = entry is None
             if owner:
-                future = self._entries[key] = Future()
+                entry = self._entries[key] = Future()
                 while len(self._entries) > self.max_entries:
                     self._entries.popitem(last=False)
             else:
                 self._entries.move_to_end(key)
+            pooled = self._limits is not None
         if owner:
-            try:
-                future.set_result(self._compile(spec))
-            except StructuredOutputError as exc:
-                future.set_result(exc)  # kept as a value: raising one instance again and again grows its traceback
-            except BaseException as exc:  # not the spec's fault (e.g. out of memory): do not cache it
-                with self._lock:
-                    if self._entries.get(key) is future:
-                        del self._entries[key]
-                future.set_exception(exc)
-                raise
-        result = future.result()
-        if isinstance(result, StructuredOutputError):
-            raise StructuredOutputError(str(result))
-        return result
+            if pooled:
+                self._compile_in_pool(spec, key, entry)
+            else:
+                self._compile_here(spec, key, entry)
+        out: Future = Future()
+        entry.add_done_callback(lambda done: _relay(done, out))
+        return out
 
     def matcher(self, spec: StructuredOutput) -> Matcher:
         """A fresh matcher at the start of `spec`'s grammar; raise StructuredOutputError."""
@@ -190,26 +211,90 @@ class GrammarCache:
         with self._lock:
             return len(self._entries)
 
-    def _compile(self, spec: StructuredOutput):
-        label = _LABELS[spec.kind]
-        if len(spec.spec.encode()) > MAX_SPEC_BYTES:
-            raise StructuredOutputError(f"{label}: the spec is {len(spec.spec.encode())} bytes; at most "
-                                        f"{MAX_SPEC_BYTES} are accepted")
-        compiler = self.compiler()
+    def _compile_here(self, spec: StructuredOutput, key, entry: Future) -> None:
         try:
-            if spec.kind == "json_object":
-                # A schema, not xgrammar's builtin JSON grammar: that one accepts any value and any whitespace.
-                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
-            if spec.kind == "json_schema":
-                _check_schema(spec.spec)
-                return compiler.compile_json_schema(spec.spec, any_whitespace=False, strict_mode=True)
-            if spec.kind == "regex":
-                if not spec.spec:
-                    raise StructuredOutputError(f"{label}: the pattern is empty")
-                return compiler.compile_regex(spec.spec)
-            return compiler.compile_grammar(_choice_grammar(spec.spec))
+            entry.set_result(self._compile(spec))
+        except StructuredOutputError as exc:
+            entry.set_result(exc)  # kept as a value: raising one instance again and again grows its traceback
+        except BaseException as exc:  # noqa: BLE001 - not the spec's fault (e.g. out of memory): not cached
+            self._forget(key, entry)
+            entry.set_exception(exc)
+
+    def _compile_in_pool(self, spec: StructuredOutput, key, entry: Future) -> None:
+        label = _LABELS[spec.kind]
+        try:
+            method, args = self._plan(spec)
+            pool = self._started_pool()
+        except StructuredOutputError as exc:
+            entry.set_result(exc)
+            return
+        except BaseException as exc:  # noqa: BLE001 - e.g. the pool could not start: not cached
+            self._forget(key, entry)
+            entry.set_exception(exc)
+            return
+
+        def settle(job: Future) -> None:  # on the pool's manager thread, never the engine's
+            try:
+                entry.set_result(_xgr().CompiledGrammar.deserialize_json(job.result(), self._info))
+            except CompileRefused as exc:
+                entry.set_result(StructuredOutputError(f"{label}: {_clean(str(exc))}"))
+            except CompileTooComplex as exc:
+                entry.set_result(StructuredOutputTooComplex(f"{label}: too complex to compile ({exc})"))
+            except BaseException as exc:  # noqa: BLE001 - busy, or a failure of ours: not the spec's, not cached
+                self._forget(key, entry)
+                entry.set_exception(exc)
+
+        pool.submit(method, args).add_done_callback(settle)
+
+    def _started_pool(self) -> CompilePool:
+        self.compiler()  # the tokenizer info the workers need
+        with self._lock:
+            if self._pool is None:
+                if self._limits is None:
+                    raise CompileBusy("the compile pool is shut down")
+                self._pool = CompilePool(self._info.serialize_json(), self._limits)
+            return self._pool
+
+    def _forget(self, key, entry: Future) -> None:
+        with self._lock:
+            if self._entries.get(key) is entry:
+                del self._entries[key]
+
+    def _plan(self, spec: StructuredOutput) -> tuple[str, dict]:
+        """The GrammarCompiler method and arguments that compile `spec`; raise StructuredOutputError for a
+        spec refused without compiling."""
+        check_spec(spec, self.max_repetition)
+        if spec.kind == "json_object":
+            # A schema, not xgrammar's builtin JSON grammar: that one accepts any value and any whitespace.
+            return "compile_json_schema", {"schema": '{"type": "object"}', "any_whitespace": False,
+                                           "strict_mode": False}
+        if spec.kind == "json_schema":
+            return "compile_json_schema", {"schema": spec.spec, "any_whitespace": False, "strict_mode": True}
+        if spec.kind == "regex":
+            return "compile_regex", {"regex": spec.spec}
+        return "compile_grammar", {"grammar": choice_grammar(spec.spec)}
+
+    def _compile(self, spec: StructuredOutput):
+        """Compile in the calling thread (no pool)."""
+        method, args = self._plan(spec)
+        try:
+            return getattr(self.compiler(), method)(**args)
         except RuntimeError as exc:  # xgrammar reports a bad spec as RuntimeError "[time] file.cc:line: why"
-            raise StructuredOutputError(f"{label}: {_clean(str(exc))}") from None
+            raise StructuredOutputError(f"{_LABELS[spec.kind]}: {_clean(str(exc))}") from None
+
+
+def _relay(entry: Future, out: Future) -> None:
+    """Copy a cache entry's outcome to one caller's future; a cached refusal raises a fresh error each time."""
+    if out.cancelled():
+        return
+    if entry.exception() is not None:
+        out.set_exception(entry.exception())
+        return
+    result = entry.result()
+    if isinstance(result, StructuredOutputError):
+        out.set_exception(type(result)(str(result)))
+    else:
+        out.set_result(result)
 
 
 def _clean(message: str) -> str:
@@ -217,60 +302,3 @@ def _clean(message: str) -> str:
     first = _XGR_PREFIX.sub("", message.strip()).strip()
     first = " ".join(first.split())
     return first[:300] + ("..." if len(first) > 300 else "")
-
-
-def _check_schema(text: str) -> None:
-    """Raise StructuredOutputError unless `text` is a JSON object schema that xgrammar enforces in full."""
-    label = _LABELS["json_schema"]
-    try:
-        schema = json.loads(text)
-    except RecursionError:
-        raise StructuredOutputError(f"{label}: the schema is nested too deeply") from None
-    except ValueError as exc:
-        raise StructuredOutputError(f"{label}: the schema is not valid JSON ({exc})") from None
-    if not isinstance(schema, dict):
-        raise StructuredOutputError(f"{label}: the schema must be a JSON object, got {type(schema).__name__}")
-    _walk(schema, 0, label)
-
-
-def _walk(schema, depth: int, label: str) -> None:
-    if isinstance(schema, bool):
-        return
-    if not isinstance(schema, dict):
-        raise StructuredOutputError(f"{label}: a subschema must be an object or a boolean, got "
-                                    f"{json.dumps(schema)[:80]}")
-    if depth > _MAX_SCHEMA_DEPTH:
-        raise StructuredOutputError(f"{label}: the schema is nested more than {_MAX_SCHEMA_DEPTH} levels deep")
-    for key in _UNSUPPORTED:
-        if key in schema and not (key == "uniqueItems" and schema[key] is False):
-            raise StructuredOutputError(f"{label}: unsupported keyword {key!r}")
-    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
-        raise StructuredOutputError(f"{label}: unsupported keyword 'allOf' with more than one subschema")
-    children = []
-    for key in _SUBSCHEMA_MAPS:
-        if isinstance(schema.get(key), dict):
-            children += schema[key].values()
-    for key in _SUBSCHEMA_LISTS:
-        if isinstance(schema.get(key), list):
-            children += schema[key]
-    for key in _SUBSCHEMAS:
-        if key in schema:
-            value = schema[key]
-            children += value if key == "items" and isinstance(value, list) else [value]
-    for child in children:
-        _walk(child, depth + 1, label)
-
-
-def _choice_grammar(text: str) -> str:
-    """EBNF accepting exactly one of the JSON list of strings `text`: each a JSON string literal, whose
-    escapes xgrammar's EBNF shares."""
-    label = _LABELS["choice"]
-    try:
-        choices = json.loads(text)
-    except ValueError:
-        raise StructuredOutputError(f"{label}: the choices must be a JSON list of strings") from None
-    if not isinstance(choices, list) or not all(isinstance(c, str) for c in choices):
-        raise StructuredOutputError(f"{label}: the choices must be a list of strings")
-    if not choices:
-        raise StructuredOutputError(f"{label}: the list of choices is empty")
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in dict.fromkeys(choices))

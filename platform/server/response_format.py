@@ -3,19 +3,22 @@
 request reaches the engine.
 
 Compiling a grammar costs time in proportion to the schema (and can blow up on a pathological one), so it
-runs in the threadpool, after the rate limiter admitted the request, bounded by
-`LORAMUX_STRUCTURED_COMPILE_TIMEOUT_S`; the engine caches compiled grammars by their canonical spec, so a
-schema that many requests share compiles once.
+runs after the rate limiter admitted the request, in one of the engine's compile worker processes, which
+is killed past `LORAMUX_STRUCTURED_COMPILE_TIMEOUT_S` or its memory limit (`loramux.engine.compile_pool`);
+the engine caches compiled grammars by their canonical spec, so a schema that many requests share compiles
+once. `compile_structured` returns only when the compile has really stopped, so the request's admission
+(its concurrency slot, its tokens) is held for the whole compile.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
 from fastapi.concurrency import run_in_threadpool
 from pydantic import ConfigDict, Field
 
+from loramux.engine.compile_pool import CompileBusy
+from loramux.engine.grammar import StructuredOutputTooComplex
 from loramux.engine.sampling_params import StructuredOutput
 from loramux.server.bodies import RequestBody
 from loramux.server.errors import ApiError
@@ -90,20 +93,25 @@ def from_native(fmt: ResponseFormat | None, regex: str | None, choice: list[str]
 
 async def compile_structured(engine, structured: StructuredOutput | None, timeout_s: float,
                              what: str | None = None) -> None:
-    """Compile `structured` in the engine's grammar cache (`AsyncEngine.compile_structured`), in the
-    threadpool, within `timeout_s`: 400 `invalid_response_format` with the grammar engine's message (which
-    names the kind) for a constraint it cannot take, 400 `response_format_too_complex` when compiling takes
-    longer. `what` names the constraint in messages when it is not the request's own (e.g. the schema made
-    of the tools). A compile that timed out goes on in its thread and lands in the cache, but this request
-    is refused."""
+    """Compile `structured` in the engine's grammar cache (`AsyncEngine.compile_structured`; the Ray ingress's
+    engine only checks it, its replica compiles), waiting in the threadpool: 400 `invalid_response_format`
+    with the grammar engine's message (which names the kind) for a constraint it cannot take or whose
+    repetition bounds pass the limit, 400 `response_format_too_complex` when the compile passed its time
+    (`timeout_s`, the engine's own limit, named in the message) or memory limit and was stopped, 503
+    `overloaded` when no compile worker was free in time. Returns or raises only once the compile it
+    started has finished or been killed. `what` names the constraint in messages when it is not the
+    request's own (e.g. the schema made of the tools)."""
     if structured is None:
         return
     try:
-        await asyncio.wait_for(run_in_threadpool(engine.compile_structured, structured), timeout_s)
-    except asyncio.TimeoutError:
-        raise ApiError(400, f"the {what or _KINDS[structured.kind]} is too complex to compile within {timeout_s:g} s; "
-                            "simplify it (fewer alternatives, smaller bounds, less nesting)",
+        await run_in_threadpool(engine.compile_structured, structured)
+    except StructuredOutputTooComplex:
+        raise ApiError(400, f"the {what or _KINDS[structured.kind]} is too complex to compile within {timeout_s:g} s "
+                            "and its memory limit; simplify it (fewer alternatives, smaller bounds, less nesting)",
                        code="response_format_too_complex") from None
+    except CompileBusy:
+        raise ApiError(503, "the server is busy compiling other structured-output constraints; retry later",
+                       retry_after_s=max(1.0, timeout_s), code="overloaded") from None
     except ValueError as exc:  # the grammar engine's StructuredOutputError (a ValueError), written for clients
         message = f"the {what} cannot be enforced ({exc})" if what else str(exc)
         raise ApiError(400, message, code="invalid_response_format") from None

@@ -1,0 +1,203 @@
+"""Structured-output compiles are bounded (issue 24, items 2 and 3): huge repetition bounds are refused
+before anything compiles; a compile past its time limit is stopped (its worker process killed) before the
+request is refused, so a flood of new pathological specs never stacks up running compiles; the engine
+thread never compiles, not even for a spec the LRU evicted after the server checked it; on Ray the ingress
+checks specs locally and the serving replica compiles as its `generate` starts.
+
+Hostile shapes (for tests/test_hostile_requests.py): `test_hostile_*`."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import httpx
+import pytest
+
+from conftest import make_engine, make_services, new_tenant_key
+from live_server import LiveServer
+from loramux.engine.grammar import GrammarCache, StructuredOutputError
+from loramux.engine.sampling_params import SamplingParams, StructuredOutput
+from loramux.server.app import create_app
+
+TIMEOUT_S = 1.0  # LORAMUX_STRUCTURED_COMPILE_TIMEOUT_S here; `.{0,n}` compiles for 5-8 s on the test vocabulary
+
+
+def slow_regex(i: int) -> StructuredOutput:
+    """A small regex xgrammar takes seconds to compile (`.` is every character), distinct per `i`."""
+    return StructuredOutput("regex", f".{{0,{200 + i}}}")
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_dir, tokenizer, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("compile-bounds")
+    app = create_app(lambda: make_services(tmp, make_engine(tiny_dir, tokenizer),
+                                           structured_compile_timeout_s=TIMEOUT_S))
+    with LiveServer(app) as server:
+        yield server, new_tenant_key(server.services, "acme", "premium")
+
+
+def grammars_of(server) -> GrammarCache:
+    return server.services.engine.engine.grammars
+
+
+def compiles_still_running(grammars: GrammarCache) -> list:
+    """Cache entries whose compile has not ended (an entry is done once its compile finished or was killed)."""
+    with grammars._lock:
+        return [key for key, entry in grammars._entries.items() if not entry.done()]
+
+
+class ThreadsThatCompile:
+    """Records the threads that ask the grammar cache for a compiled grammar."""
+
+    def __init__(self, grammars: GrammarCache, monkeypatch):
+        self.names: set[str] = set()
+        for name in ("compile", "compile_future", "matcher", "_compile"):
+            if hasattr(grammars, name):
+                real = getattr(grammars, name)
+                monkeypatch.setattr(grammars, name, self._recording(real))
+
+    def _recording(self, real):
+        def call(*args, **kwargs):
+            self.names.add(threading.current_thread().name)
+            return real(*args, **kwargs)
+        return call
+
+
+async def collect(stream) -> list:
+    return [out async for out in stream]
+
+
+# -- item 2: bounds before compiling, compiles that stop ----------------------------------------------------
+@pytest.mark.parametrize("spec,named", [
+    (StructuredOutput("regex", "a{1,100000}"), "the repetition {1,100000} exceeds the limit of 4096"),
+    (StructuredOutput("regex", "(ab){5000}"), "the repetition {5000} exceeds the limit of 4096"),
+    (StructuredOutput("json_schema", json.dumps({"type": "string", "maxLength": 1_000_000})),
+     "maxLength 1e+06 exceeds the limit of 4096"),
+    (StructuredOutput("json_schema", json.dumps({"type": "object", "properties": {"xs": {
+        "type": "array", "items": {"type": "integer"}, "minItems": 5000}}})), "minItems 5000 exceeds the limit"),
+    (StructuredOutput("json_schema", json.dumps({"type": "string", "pattern": "^[a-z]{2,9999}$"})),
+     "the pattern's repetition {2,9999} exceeds the limit"),
+])
+def test_huge_repetition_bounds_are_refused_before_compiling(tokenizer, spec, named):
+    cache = GrammarCache(tokenizer, len(tokenizer), [2])
+    cache.compiler = lambda: pytest.fail("compiled a spec that the bounds refuse")
+    with pytest.raises(StructuredOutputError, match="LORAMUX_STRUCTURED_MAX_REPETITION") as caught:
+        cache.compile(spec)
+    assert named in str(caught.value)
+
+
+def test_escaped_braces_are_no_repetition():
+    from loramux.engine.spec_checks import check_spec
+
+    check_spec(StructuredOutput("regex", r"x\{99999\}"), 4096)  # a literal brace, not a quantifier
+
+
+def test_a_timed_out_compile_is_stopped_before_its_refusal_returns(stack):
+    """Distinct slow specs at once (more than the compile workers): each is refused (400 too complex, or 503
+    when no worker was free in time) only once its compile has stopped, so no compile outlives its request
+    and the request's admission is held for all of it."""
+    from loramux.server.errors import ApiError
+    from loramux.server.response_format import compile_structured
+
+    server, _ = stack
+    engine, grammars = server.services.engine, grammars_of(server)
+
+    async def refused(i: int) -> ApiError:
+        with pytest.raises(ApiError) as caught:
+            await compile_structured(engine, slow_regex(i), TIMEOUT_S)
+        assert not [k for k in compiles_still_running(grammars) if k == ("regex", slow_regex(i).spec)]
+        return caught.value
+
+    async def flood():
+        return await asyncio.gather(*(refused(i) for i in range(4)))
+
+    errors = asyncio.run(flood())
+    assert {(e.status, e.code) for e in errors} <= {(400, "response_format_too_complex"), (503, "overloaded")}
+    assert any(e.code == "response_format_too_complex" for e in errors)
+    assert compiles_still_running(grammars) == []
+    assert grammars.pool.stats()["compiles_running"] == 0
+    assert len(grammars.pool.worker_pids()) <= grammars.pool.limits.workers
+    engine.compile_structured(StructuredOutput("regex", "[a-c]{2}"))  # a fresh worker takes the next spec
+
+
+# -- item 3: never on the engine thread; pinned until the request ends --------------------------------------
+def test_the_engine_thread_never_compiles_even_for_a_spec_evicted_after_its_check(stack, monkeypatch):
+    server, _ = stack
+    async_engine, grammars = server.services.engine, grammars_of(server)
+    monkeypatch.setattr(grammars, "max_entries", 1)
+    threads = ThreadsThatCompile(grammars, monkeypatch)
+    spec = StructuredOutput("choice", json.dumps(["north", "south"]))
+    async_engine.compile_structured(spec)  # the server's check
+    async_engine.compile_structured(StructuredOutput("choice", json.dumps(["other"])))  # evicts it
+    assert len(grammars) == 1
+    outs = asyncio.run(collect(async_engine.generate("evicted", "Go", SamplingParams(structured=spec,
+                                                                                     max_tokens=8))))
+    assert outs[-1].finished and outs[-1].text in ("north", "south")
+    assert "loramux-engine" not in threads.names, threads.names
+
+
+def test_the_ray_ingress_checks_specs_locally_and_never_asks_a_replica_to_compile(tokenizer):
+    from loramux.cluster.remote_engine import RemoteEngine
+
+    class NoCalls:
+        def __getattr__(self, name):
+            pytest.fail(f"the ingress called the engine deployment's {name!r} to check a spec")
+
+    remote = RemoteEngine(NoCalls(), tokenizer, 512, directory=None)
+    remote.compile_structured(StructuredOutput("regex", "[a-z]{3}"))
+    with pytest.raises(StructuredOutputError, match=r"the repetition \{1,100000\} exceeds the limit of 4096"):
+        remote.compile_structured(StructuredOutput("regex", "a{1,100000}"))
+    with pytest.raises(StructuredOutputError, match="unsupported keyword 'not'"):
+        remote.compile_structured(StructuredOutput("json_schema", json.dumps({"not": {"type": "string"}})))
+
+
+def test_a_replica_compiles_as_generate_starts_off_its_engine_thread(stack, monkeypatch):
+    """The replica's generate (what the ingress streams from) compiles before the request enters the engine;
+    a spec the compile refuses comes back as a request error (a 400 at the ingress)."""
+    from loramux.cluster.replica import EngineReplica
+
+    server, _ = stack
+    replica = object.__new__(EngineReplica)  # its engine only: no Redis, no adapter tiers
+    replica.engine, replica.replica_id = server.services.engine, "r0"
+    threads = ThreadsThatCompile(grammars_of(server), monkeypatch)
+
+    def payload(request_id: str, spec: StructuredOutput) -> dict:
+        return {"request_id": request_id, "prompt": "Pick", "params": SamplingParams(structured=spec, max_tokens=8),
+                "priority": 0, "cache_salt": None, "waited_s": 0.0}
+
+    good = asyncio.run(collect(replica.generate(payload("r-good", StructuredOutput("regex", "(up|down)")), None)))
+    assert good[-1]["output"]["finished"] and good[-1]["output"]["text"] in ("up", "down"), good[-1]
+    bad = asyncio.run(collect(replica.generate(payload("r-bad", StructuredOutput("regex", "a(?=b)")), None)))
+    assert bad == [{"error": "request", "message": bad[0]["message"]}] and "Lookahead" in bad[0]["message"]
+    assert "loramux-engine" not in threads.names, threads.names
+
+
+# -- hostile shapes, through the real app -------------------------------------------------------------------
+def test_hostile_a_flood_of_new_pathological_regexes_is_refused_and_leaves_no_compile_running(stack):
+    server, key = stack
+    headers = {"Authorization": f"Bearer {key}"}
+
+    async def send(body: dict) -> httpx.Response:
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await client.post(f"{server.url}/generate", json={"prompt": "x", "max_tokens": 8, **body},
+                                     headers=headers)
+
+    async def flood():
+        return await asyncio.gather(*(send({"regex": slow_regex(100 + i).spec}) for i in range(6)))
+
+    for response in asyncio.run(flood()):
+        code = response.json()["error"]["code"]
+        assert (response.status_code, code) in {(400, "response_format_too_complex"), (503, "overloaded")}, \
+            response.text
+    assert compiles_still_running(grammars_of(server)) == []
+    assert len(grammars_of(server).pool.worker_pids()) <= grammars_of(server).pool.limits.workers
+
+    huge = asyncio.run(send({"regex": "a{1,100000}"}))
+    assert huge.status_code == 400 and huge.json()["error"]["code"] == "invalid_response_format"
+    assert "{1,100000} exceeds the limit of 4096" in huge.json()["error"]["message"]
+    long_string = asyncio.run(send({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "s", "schema": {"type": "object", "properties": {"s": {"type": "string", "maxLength": 10**7}}}}}}))
+    assert long_string.status_code == 400 and "maxLength 1e+07 exceeds the limit" in long_string.text
+    fine = asyncio.run(send({"regex": "[a-c]{2}"}))
+    assert fine.status_code == 200 and len(fine.json()["text"]) == 2, fine.text
