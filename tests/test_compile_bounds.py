@@ -159,7 +159,7 @@ def test_a_replica_compiles_as_generate_starts_off_its_engine_thread(stack, monk
 
     server, _ = stack
     replica = object.__new__(EngineReplica)  # its engine only: no Redis, no adapter tiers
-    replica.engine, replica.replica_id = server.services.engine, "r0"
+    replica.engine, replica.replica_id, replica._sent = server.services.engine, "r0", {}
     threads = ThreadsThatCompile(grammars_of(server), monkeypatch)
 
     def payload(request_id: str, spec: StructuredOutput) -> dict:
