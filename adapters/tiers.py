@@ -235,7 +235,9 @@ class AdapterCache:
             except StoreError as exc:
                 raise self._failed(version, f"the object store failed ({exc})") from None
         try:
-            adapter = unpack(data, version.name, version.digest)
+            # The engine knows a version by its id, never by the tenant-chosen name: its stats feed the
+            # metrics (`vllm:lora_requests_info`), which anyone who reaches /metrics reads.
+            adapter = unpack(data, f"{version.adapter_id}@{version.version}", version.digest)
         except DigestMismatchError as exc:
             raise self._failed(version, str(exc)) from None
         if tier == "store":

@@ -38,3 +38,24 @@ def test_the_cache_is_bounded_and_keys_of_the_wrong_form_never_look_up():
     assert cache.authenticate("lmx-" + "x" * 200, "lmx-", looked_up.append) is None
     assert looked_up == []
     assert cache.authenticate("lmx-ok", "lmx-", lambda digest: digest) == hash_key("lmx-ok")
+
+
+def test_a_flood_of_unknown_keys_never_evicts_known_ones():
+    """Unknown keys ("no such key" answers) have their own bounded side: filling it many times over clears
+    only that side, so a real key keeps its cached answer and costs no lookup."""
+    cache, loads = KeyCache(ttl_s=60), []
+    assert cache.get_or_load("real", lambda: loads.append("real") or "ctx") == "ctx"
+    for i in range(3 * 10_000):
+        cache.get_or_load(f"random-{i}", lambda: None)
+    assert len(cache._negative) <= cache.max_negative
+    assert cache.get_or_load("real", lambda: loads.append("real") or "ctx") == "ctx"
+    assert loads == ["real"]
+
+
+def test_unknown_keys_are_cached_too_and_a_key_created_later_is_found_after_invalidate():
+    cache, loads = KeyCache(ttl_s=60), []
+    assert cache.get_or_load("d", lambda: loads.append(1)) is None
+    assert cache.get_or_load("d", lambda: loads.append(2) or "new") is None  # the negative answer, cached
+    cache.invalidate()  # what creating a key does
+    assert cache.get_or_load("d", lambda: "new") == "new"
+    assert loads == [1]

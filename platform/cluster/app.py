@@ -15,6 +15,7 @@ import logging
 
 from ray import serve
 
+from loramux.cluster.deployment_settings import public_fields, replica_settings, runtime_env
 from loramux.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -27,15 +28,16 @@ def _engine_deployment(settings: Settings):
     gpus = 1 if settings.device in ("cuda", "auto") and _cuda_visible() else 0
 
     @serve.deployment(name=ENGINE_DEPLOYMENT, num_replicas=settings.ray_replicas,
-                      ray_actor_options={"num_cpus": 1 if gpus else 0.5, "num_gpus": gpus},
+                      ray_actor_options={"num_cpus": 1 if gpus else 0.5, "num_gpus": gpus,
+                                         "runtime_env": runtime_env(settings)},  # secrets: never arguments
                       max_ongoing_requests=max(2 * settings.max_num_seqs, 8), health_check_period_s=2,
                       health_check_timeout_s=10, graceful_shutdown_timeout_s=5)
     class Engine:
-        def __init__(self, settings_json: str):
+        def __init__(self, public: dict):
             from loramux.cluster.replica import EngineReplica
 
             context = serve.get_replica_context()
-            self.core = EngineReplica(Settings.model_validate_json(settings_json), context.replica_id.unique_id)
+            self.core = EngineReplica(replica_settings(public), context.replica_id.unique_id)
 
         @serve.multiplexed(max_num_models_per_replica=settings.ray_adapters_per_replica)
         async def adapter(self, digest: str):
@@ -65,7 +67,7 @@ def _engine_deployment(settings: Settings):
 
 
 def _ingress_deployment(settings: Settings):
-    settings_json = settings.model_dump_json()
+    public = public_fields(settings)  # what the builder closes over is shipped with it: no secrets
 
     def build_asgi():
         from loramux.cluster.ingress_services import ingress_services
@@ -73,7 +75,7 @@ def _ingress_deployment(settings: Settings):
         from loramux.server.shared_ratelimit import SharedRateLimiter
 
         handle = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=APP_NAME)
-        own = Settings.model_validate_json(settings_json)
+        own = replica_settings(public)
         ingress_id = serve.get_replica_context().replica_id.unique_id
         return create_app(lambda: ingress_services(own, handle, ingress_id),
                           limiter_factory=lambda: SharedRateLimiter(
@@ -82,13 +84,14 @@ def _ingress_deployment(settings: Settings):
 
     # The builder runs on the replica; binding the engine deployment to it deploys both as one application.
     return serve.deployment(serve.ingress(build_asgi)(), name="ingress", num_replicas=1,
-                            ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
+                            ray_actor_options={"num_cpus": 0, "runtime_env": runtime_env(settings)},
+                            max_ongoing_requests=1000)
 
 
 def build_app(settings: Settings) -> serve.Application:
     if not settings.redis_url:
         raise ValueError("LORAMUX_REDIS_URL is required with Ray: replicas share rate limits and state through it")
-    engine = _engine_deployment(settings).bind(settings.model_dump_json())
+    engine = _engine_deployment(settings).bind(public_fields(settings))
     return _ingress_deployment(settings).bind(engine)
 
 

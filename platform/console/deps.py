@@ -9,7 +9,17 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.templating import Jinja2Templates
 
 from loramux.admin.keys import AdminKeyInfo
-from loramux.console.session import COOKIE, CSRF_FIELD, CSRF_HEADER, ConsoleSession, SessionSigner, csrf_matches
+from loramux.console.revocations import SessionRevocations
+from loramux.console.session import (
+    COOKIE,
+    CSRF_FIELD,
+    CSRF_HEADER,
+    ConsoleSession,
+    SessionSigner,
+    csrf_matches,
+    secure_cookies,
+)
+from loramux.server.forwarded import request_scheme
 
 TEMPLATES = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
 
@@ -26,9 +36,21 @@ def signer(request: Request) -> SessionSigner:
     return request.app.state.console_signer
 
 
+def revocations(request: Request) -> SessionRevocations:
+    return request.app.state.console_revocations
+
+
+def secure_cookie(request: Request) -> bool:
+    """Whether this response's cookies get `Secure` (LORAMUX_CONSOLE_SECURE_COOKIES, trusted proxies)."""
+    scheme = request_scheme(request.scope, getattr(request.app.state, "trusted_proxies", ()))
+    return secure_cookies(request.app.state.services.settings.console_secure_cookies, scheme)
+
+
 async def current_operator(request: Request) -> tuple[ConsoleSession, AdminKeyInfo]:
     session = signer(request).read(request.cookies.get(COOKIE))
     if session is None:
+        raise SignInRequired
+    if await run_in_threadpool(revocations(request).is_revoked, session.session_id):  # signed out
         raise SignInRequired
     admin = await run_in_threadpool(request.app.state.services.admin_keys.live, session.admin_key_id)
     if admin is None:  # the key was revoked since: its sessions end with it

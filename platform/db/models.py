@@ -200,6 +200,15 @@ class AdminKey(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True, default=None)
 
 
+class RevokedConsoleSession(Base):
+    """A console session signed out before its cookie expired: refused by every ingress replica until then."""
+
+    __tablename__ = "console_revoked_sessions"
+
+    session_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)  # the row is purged after this
+
+
 class Price(Base):
     """USD per 1M tokens from `effective_from` on, for a base model; `adapter_id` and/or `tier` narrow it
     (the most specific price in force when a request ran applies)."""

@@ -1,9 +1,9 @@
 """The HTTP server: OpenAI-compatible tenant API (/v1), the native API (/generate), health, readiness,
 metrics (engine-wide stats are an admin route).
 
-Every route except /health, /ready, /metrics and the API docs needs a key (a tenant key; an admin key
-under /admin), checked by `loramux.server.ingress:Ingress` before any body is read, which also caps
-bodies (`max_request_bytes`, 413) and their JSON nesting. Errors have OpenAI's shape,
+Every route except /health, /ready, /metrics (behind `metrics_key` when one is set) and the API docs needs
+a key (a tenant key; an admin key under /admin), checked by `loramux.server.ingress:Ingress` before any
+body is read, which also caps bodies (`max_request_bytes`, 413) and their JSON nesting. Errors have OpenAI's shape,
 `{"error": {"message", "type", "param", "code"}}`, with the right status (400/401/403/404/413/422/429/503)
 and a Retry-After header where waiting helps.
 """
@@ -16,13 +16,17 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from loramux.admin.routes import router as admin_router
+from loramux.console.revocations import SessionRevocations
 from loramux.console.routes import install_console
 from loramux.console.session import SessionSigner
 from loramux.server import native, openai_api
+from loramux.server.auth_failures import AuthFailureLimiter
 from loramux.server.deps import ServicesDep
-from loramux.server.errors import install_error_handlers
+from loramux.server.errors import error_response, install_error_handlers
+from loramux.server.forwarded import parse_trusted_proxies
 from loramux.server.ingress import OPEN_PATHS, Ingress
 from loramux.server.metrics import ServerMetrics
+from loramux.server.metrics_auth import scrape_allowed
 from loramux.server.ratelimit import RateLimiter
 from loramux.server.serving import Server
 from loramux.services import base_model_id
@@ -46,7 +50,10 @@ def create_app(services_factory, ledger_hooks: list | None = None, limiter_facto
         app.state.services = services
         app.state.console_signer = SessionSigner(services.settings.console_secret or None,
                                                  services.settings.console_session_s)
+        app.state.console_revocations = SessionRevocations(services.db)
         app.state.metrics = metrics
+        app.state.trusted_proxies = parse_trusted_proxies(services.settings.trusted_proxies)
+        app.state.auth_failures = AuthFailureLimiter(services.settings.auth_failures_per_min)
         hooks = [services.ledger.submit, *(ledger_hooks or [])]
         app.state.server = Server(services, limiter_factory(), metrics, hooks, base_model_id(services.settings.model))
         try:
@@ -80,7 +87,11 @@ def create_app(services_factory, ledger_hooks: list | None = None, limiter_facto
         return {"status": "ready", "model": base_model_id(services.settings.model)}
 
     @app.get("/metrics", tags=["ops"], response_class=PlainTextResponse)
-    async def metrics(request: Request):
+    async def metrics(request: Request, services: ServicesDep):
+        """Prometheus text; with `metrics_key` set, only for `Authorization: Bearer <metrics_key>`."""
+        if not scrape_allowed(services.settings.metrics_key, request.headers.get("authorization")):
+            return error_response(401, "this server's metrics need `Authorization: Bearer <LORAMUX_METRICS_KEY>`",
+                                  headers={"WWW-Authenticate": "Bearer"})
         body, content_type = request.app.state.metrics.render()
         return Response(body, media_type=content_type)
 

@@ -9,7 +9,9 @@
    (`resolve_tenant` / `resolve_admin`, answers cached by the key cache) and stored in
    `scope["state"]` ("tenant" / "admin"), where `loramux.server.deps:get_tenant` and
    `loramux.admin.deps:get_admin` find it instead of authenticating twice. Refusals (401, 403) are
-   answered at once in OpenAI's error shape, the body unread.
+   answered at once in OpenAI's error shape, the body unread. A client address (see
+   `loramux.server.forwarded`) past `Settings.auth_failures_per_min` unknown keys gets 429 with
+   Retry-After before its key is looked up (`loramux.server.auth_failures`).
 2. **The size.** Bodies are capped at `Settings.max_request_bytes` (413): a declared Content-Length
    above it is refused at once, a chunked body as soon as the bytes streamed in pass it. Adapter uploads
    (`POST /admin/adapters`) are passed through unbuffered: `loramux.admin.uploads:receive_upload` caps
@@ -23,6 +25,7 @@ memory, followed by the client's own messages (a later `http.disconnect` still r
 """
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -33,7 +36,9 @@ from fastapi.security.utils import get_authorization_scheme_param
 from starlette.datastructures import Headers
 
 from loramux.admin.keys import ADMIN_KEY_PREFIX, AdminKeyInfo
+from loramux.server.auth_failures import AuthFailureLimiter
 from loramux.server.errors import error_response
+from loramux.server.forwarded import client_address
 from loramux.tenancy import KEY_PREFIX, TenantContext
 
 MAX_JSON_DEPTH = 64  # arrays and objects nested in each other; OpenAI's request shapes need fewer than 8
@@ -63,6 +68,21 @@ ADMIN_KEY_ON_TENANT_ROUTE = Refusal(403, "admin keys are not accepted on tenant 
 MISSING_ADMIN_KEY = Refusal(401, "missing admin key: send `Authorization: Bearer <admin key>`")
 INVALID_ADMIN_KEY = Refusal(401, "invalid or revoked admin key")
 TENANT_KEY_ON_ADMIN_ROUTE = Refusal(403, "tenant API keys are not accepted on admin routes: use an admin key")
+FAILED_KEYS = (INVALID_TENANT_KEY, INVALID_ADMIN_KEY)  # the refusals a failed-authentication limit counts
+
+
+def too_many_failures(retry_after_s: float) -> Refusal:
+    return Refusal(429, f"too many failed authentications from this address; retry in {retry_after_s:.0f} s")
+
+
+def retry_after_header(seconds: float) -> dict[str, str]:
+    return {"Retry-After": str(max(1, math.ceil(seconds)))}
+
+
+def failure_limit(scope) -> tuple[AuthFailureLimiter | None, str]:
+    """The app's failed-authentication limiter (None before its lifespan ran) and this request's client."""
+    state = scope["app"].state
+    return getattr(state, "auth_failures", None), client_address(scope, getattr(state, "trusted_proxies", ()))
 
 
 def bearer_token(authorization: str | None) -> str | None:
@@ -98,9 +118,10 @@ async def resolve_admin(services, raw: str | None) -> AdminKeyInfo | Refusal:
 
 
 # -- JSON nesting ----------------------------------------------------------------------------------
-# A JSON string, escapes included; possessive, and an unterminated string runs to the end, so the scan
-# never backtracks and stays linear on any input.
-_JSON_STRING = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"?', re.S)
+# A JSON string, escapes included; an unterminated string runs to the end. Linear on any input without
+# possessive quantifiers (Python 3.11+): the two branches start with disjoint bytes, so there is one way
+# to match, and the closing quote is optional, so a match never fails and nothing backtracks.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?', re.S)
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _STEP = [0] * 256
 _STEP[ord("[")] = _STEP[ord("{")] = 1
@@ -155,7 +176,16 @@ class Ingress:
         if path not in self.open_paths and not _under(path, OWN_AUTH_PREFIXES):
             raw = bearer_token(headers.get("authorization"))
             admin_route = path == "/admin" or path.startswith("/admin/")
+            limiter, client = failure_limit(scope)
+            wait = limiter.retry_after(client) if limiter is not None and raw is not None else None
+            if wait is not None:
+                refusal = too_many_failures(wait)
+                await self._refuse(scope, receive, send, refusal.status, refusal.message, "too_many_auth_failures",
+                                   retry_after_header(wait), close=body_coming)
+                return
             caller = await (resolve_admin(services, raw) if admin_route else resolve_tenant(services, raw))
+            if limiter is not None and isinstance(caller, Refusal) and caller in FAILED_KEYS:
+                limiter.record_failure(client)
             if isinstance(caller, Refusal):
                 await self._refuse(scope, receive, send, caller.status, caller.message, None, caller.headers,
                                    close=body_coming)

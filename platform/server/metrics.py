@@ -6,11 +6,13 @@ Label cardinality is bounded by construction: the only labels are `tier` (the fi
 adapter memory, the tier once labelled "slot"). Tenant ids, adapter names and request ids never become
 labels: they belong in the logs and the cost ledger.
 
-The one exception, and the one place adapter names appear in a label value, is `vllm:lora_requests_info`:
+The one exception, and the one place adapter references appear in a label value, is `vllm:lora_requests_info`:
 vLLM's gauge of the same name and shape, which LoRA-affinity routers (the Kubernetes Gateway API Inference
 Extension, llm-d) scrape to send a request where its adapter already is. It has exactly one sample per
 scrape, whatever the adapters: labels `running_lora_adapters` and `waiting_lora_adapters` (comma-joined
-names of the adapters with running / waiting requests, "" when none) and `max_lora` (the most distinct
+references of the adapters with running / waiting requests, "" when none: `ad_<id>@<version>` for registry
+adapters, a valid `model` for them, never the tenant-chosen name; the name an operator gave an adapter
+loaded straight into the engine) and `max_lora` (the most distinct
 adapters one batch may hold), value the current Unix time, as vLLM sets it. So the exposition never grows
 with the number of adapters or tenants (a Prometheus server storing it sees a new series whenever the set
 of names changes, as it does for vLLM; routers read only the latest sample).
