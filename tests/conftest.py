@@ -235,8 +235,11 @@ def serve_admin_stack(tmp: Path, tiny_dir: Path, tokenizer, admin_key: str):
     from loramux.model.loader import read_model_config
     from loramux.server.app import create_app
 
+    # The auth tests here send many keyless and bad-key requests from one client address: the per-address
+    # failed-authentication limit (tested in test_auth_hardening.py) is off for them.
     app = create_app(lambda: make_services(tmp, make_engine(tiny_dir, tokenizer, max_loras=2, max_lora_rank=8),
-                                           admin_key=admin_key, max_upload_bytes=256 * 1024))
+                                           admin_key=admin_key, max_upload_bytes=256 * 1024,
+                                           auth_failures_per_min=0))
     with LiveServer(app) as server:
         yield server, new_tenant_key(server.services, "acme", "standard"), read_model_config(tiny_dir)[0], tmp
 
