@@ -30,7 +30,10 @@ def fuzz_stack(tiny_dir, tokenizer, tmp_path_factory):
     """One server for the module; a premium tenant (no rate limits) owning one adapter."""
     tmp = tmp_path_factory.mktemp("api-fuzz")
     cfg, _ = read_model_config(tiny_dir)
-    app = create_app(lambda: make_services(tmp, make_engine(tiny_dir, tokenizer, max_loras=2, max_lora_rank=8)))
+    # Fuzzed headers carry bad keys: with the per-address failed-authentication limit on, the rest of the
+    # fuzz would meet only 429s. It is off here (tests/test_auth_hardening.py covers it).
+    app = create_app(lambda: make_services(tmp, make_engine(tiny_dir, tokenizer, max_loras=2, max_lora_rank=8),
+                                           auth_failures_per_min=0))
     with LiveServer(app) as server:
         key = new_tenant_key(server.services, "fuzz-co", "premium")
         tenant = server.services.tenancy.tenant("fuzz-co")
