@@ -3,16 +3,22 @@ clear 4xx before it costs anything, or served and billed exactly once. Never fre
 limit dodged, never an answered request without its ledger row."""
 from __future__ import annotations
 
+import asyncio
 import json
 import string
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import select
+from test_auth_hardening import FAILURES_PER_MIN, proxied_client, random_key
+from test_auth_hardening import chat as keyed_chat
+from test_compile_bounds import TIMEOUT_S, compiles_still_running, grammars_of, slow_regex
 
 from conftest import make_engine, make_services, new_tenant_key
+from live_server import LiveServer
 from loramux.db.models import LedgerEntry
 from loramux.server.app import create_app
 from loramux.tenancy import TierInfo
@@ -406,3 +412,72 @@ def test_a_model_name_with_control_characters_is_a_400_never_a_database_error(st
     assert answer.status_code == 400, answer.text
     assert answer.json()["error"]["param"] == ("adapter_id" if route == "/generate" else "model")
     assert rejected_lines(services) == []
+
+
+# -- floods: structured-output compiles and unknown keys -----------------------------------------------------
+@pytest.fixture(scope="module")
+def compile_server(tiny_dir, tokenizer, tmp_path_factory):
+    """A live server whose structured-output compiles time out after TIMEOUT_S; a premium tenant's key."""
+    tmp = tmp_path_factory.mktemp("hostile-compiles")
+    app = create_app(lambda: make_services(tmp, make_engine(tiny_dir, tokenizer),
+                                           structured_compile_timeout_s=TIMEOUT_S))
+    with LiveServer(app) as server:
+        yield server, new_tenant_key(server.services, "acme", "premium")
+
+
+def test_hostile_a_flood_of_new_pathological_regexes_is_refused_and_leaves_no_compile_running(compile_server):
+    server, key = compile_server
+    headers = {"Authorization": f"Bearer {key}"}
+
+    async def send(body: dict) -> httpx.Response:
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await client.post(f"{server.url}/generate", json={"prompt": "x", "max_tokens": 8, **body},
+                                     headers=headers)
+
+    async def flood():
+        return await asyncio.gather(*(send({"regex": slow_regex(100 + i).spec}) for i in range(6)))
+
+    for response in asyncio.run(flood()):
+        code = response.json()["error"]["code"]
+        assert (response.status_code, code) in {(400, "response_format_too_complex"), (503, "overloaded")}, \
+            response.text
+    assert compiles_still_running(grammars_of(server)) == []
+    assert len(grammars_of(server).pool.worker_pids()) <= grammars_of(server).pool.limits.workers
+
+    huge = asyncio.run(send({"regex": "a{1,100000}"}))
+    assert huge.status_code == 400 and huge.json()["error"]["code"] == "invalid_response_format"
+    assert "{1,100000} exceeds the limit of 4096" in huge.json()["error"]["message"]
+    long_string = asyncio.run(send({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "s", "schema": {"type": "object", "properties": {"s": {"type": "string", "maxLength": 10**7}}}}}}))
+    assert long_string.status_code == 400 and "maxLength 1e+07 exceeds the limit" in long_string.text
+    fine = asyncio.run(send({"regex": "[a-c]{2}"}))
+    assert fine.status_code == 200 and len(fine.json()["text"]) == 2, fine.text
+
+
+@pytest.fixture(scope="module")
+def behind_proxy(tiny_dir, tokenizer, tmp_path_factory):
+    """tests/test_auth_hardening.py's app behind a trusted proxy, its own instance here."""
+    with proxied_client(tiny_dir, tokenizer, tmp_path_factory.mktemp("hostile-keys")) as c:
+        yield c
+
+
+def test_a_random_key_flood_is_cut_off_per_address_before_any_lookup(behind_proxy):
+    client = behind_proxy
+    services = client.app.state.services
+    good = new_tenant_key(services, "flood-victim")
+    lookups = []
+    real_lookup = services.tenancy._lookup
+    services.tenancy._lookup = lambda digest: lookups.append(digest) or real_lookup(digest)
+    try:
+        answers = [keyed_chat(client, random_key(), "203.0.113.5") for _ in range(FAILURES_PER_MIN + 20)]
+    finally:
+        services.tenancy._lookup = real_lookup
+    assert [r.status_code for r in answers[:FAILURES_PER_MIN]] == [401] * FAILURES_PER_MIN
+    assert {r.status_code for r in answers[FAILURES_PER_MIN:]} == {429}
+    late = answers[-1]
+    assert 1 <= int(late.headers["Retry-After"]) <= 60
+    assert late.json()["error"]["code"] == "too_many_auth_failures"
+    assert len(lookups) == FAILURES_PER_MIN  # refused before the key costs a lookup
+    assert keyed_chat(client, good, "203.0.113.5").status_code == 429  # the address is out, whatever its key
+    assert keyed_chat(client, good, "198.51.100.9").status_code == 200  # other clients are not
+    assert keyed_chat(client, random_key(), "198.51.100.9").status_code == 401
