@@ -14,8 +14,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
-from loramux.adapters.store_common import CHUNK, Counted, Secret, as_source, atomic_file, check_key, check_prefix
+from loramux.adapters.store_common import CHUNK, Counted, Secret, as_source, check_key, check_prefix
 from loramux.adapters.store_errors import BlobNotFoundError, StoreError, StoreUnavailableError
+from loramux.durable_files import atomic_file
 
 __all__ = ["S3Store"]
 

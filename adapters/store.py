@@ -27,8 +27,9 @@ from typing import Protocol, runtime_checkable
 from urllib.parse import unquote, urlsplit
 
 from loramux.adapters.s3_store import S3Store
-from loramux.adapters.store_common import CHUNK, TMP_MARK, Counted, as_source, atomic_file, check_key, check_prefix
+from loramux.adapters.store_common import CHUNK, TMP_MARK, Counted, as_source, check_key, check_prefix
 from loramux.adapters.store_errors import BlobNotFoundError, StoreError, StoreUnavailableError
+from loramux.durable_files import atomic_file
 
 __all__ = [
     "StoreError", "StoreUnavailableError", "BlobNotFoundError", "ObjectStore", "FileStore", "S3Store",

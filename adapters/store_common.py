@@ -1,5 +1,5 @@
 """What both object-store backends (`store.FileStore`, `s3_store.S3Store`) share: key and prefix checks,
-atomic local file writes, the redacted credential holder and the per-store operation counters.
+the redacted credential holder and the per-store operation counters.
 
 This module exists so that the backends can live in their own files without importing each other.
 """
@@ -7,12 +7,8 @@ from __future__ import annotations
 
 import collections
 import os
-import tempfile
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import IO
 
 CHUNK = 1 << 20
 TMP_MARK = ".loramux-tmp-"  # FileStore temp files; key segments may not start with it
@@ -54,43 +50,6 @@ def as_source(data: bytes | Path) -> bytes | Path:
     if isinstance(data, os.PathLike):
         return Path(data)
     raise TypeError(f"put() takes bytes or a Path, not {type(data).__name__}")
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename or create in `path` durable (best effort: some filesystems cannot fsync a directory)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems cannot fsync a directory
-    finally:
-        os.close(fd)
-
-
-@contextmanager
-def atomic_file(dest: Path, tmp_prefix: str | None = None) -> Iterator[IO[bytes]]:
-    """Yield a temp file next to `dest` (named `tmp_prefix`..., else .<name>....part); on success fsync it
-    and rename it over `dest` (readers see the old file or the new one, never a partial one), else remove it."""
-    if tmp_prefix is None:
-        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
-    else:
-        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=tmp_prefix)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, dest)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    fsync_dir(dest.parent)
 
 
 class Secret:

@@ -66,13 +66,15 @@ def run(args, settings: Settings) -> int:
     if args.admin_command == "create-key":
         from loramux.admin.keys import AdminKeys
         from loramux.db import Database
+        from loramux.services.admin_keys import create_admin_key
 
         db = Database(settings.resolved_database_url())
         db.upgrade()
-        info, raw = AdminKeys(db).create(args.name)
+        issued = create_admin_key(AdminKeys(db), args.name)
         db.dispose()
-        print(raw)
-        print(f"admin key {info.id} ({info.prefix}...): shown once, store it now (e.g. export LORAMUX_ADMIN_KEY=...)",
+        print(issued.key)
+        print(f"admin key {issued.id} ({issued.prefix}...): shown once, store it now"
+              " (e.g. export LORAMUX_ADMIN_KEY=...)",
               file=sys.stderr)
         return 0
     key = args.key or settings.admin_key

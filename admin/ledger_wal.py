@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
 
-from loramux.adapters.store_common import fsync_dir
+from loramux.durable_files import fsync_dir
 
 log = logging.getLogger("loramux.admin.ledger")  # the writer's own logger: these are its messages
 

@@ -11,17 +11,12 @@ from fastapi import Request
 from starlette.datastructures import UploadFile
 
 from loramux.adapters.validation import ALLOWED_FILENAMES
+from loramux.services.adapters import UploadError
 
 CONFIG_FIELD, WEIGHTS_FIELD = "adapter_config", "adapter_model"
 FIELD_NAMES = {CONFIG_FIELD: ALLOWED_FILENAMES[0], WEIGHTS_FIELD: ALLOWED_FILENAMES[1]}
 _SUSPICIOUS = ("/", "\\", "..", "\x00")
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
-
-
-class UploadError(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
 
 
 @asynccontextmanager

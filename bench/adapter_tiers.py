@@ -77,7 +77,7 @@ class Bench:
         import uvicorn
 
         from loramux.server.app import create_app
-        from loramux.services import LOCAL_TENANT, Services
+        from loramux.services.container import LOCAL_TENANT, Services
         from loramux.settings import Settings
 
         boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="bench",

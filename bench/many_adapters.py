@@ -186,7 +186,7 @@ class Stack:
 
         from loramux.names import base_model_id
         from loramux.server.app import create_app
-        from loramux.services import Services
+        from loramux.services.container import Services
         from loramux.settings import Settings
 
         overrides = {"data_dir": data_dir, "database_url": "", "store_url": "", "dtype": "float32", "device": "cpu"}

@@ -84,7 +84,7 @@ def server_main(argv: list[str] | None = None) -> None:
 
     from loramux.names import base_model_id
     from loramux.server.app import create_app
-    from loramux.services import Services
+    from loramux.services.container import Services
     from loramux.settings import Settings
 
     cpus = sorted(os.sched_getaffinity(0))[:args.threads]  # the cores vllm_peer pins vLLM to, for the same machine

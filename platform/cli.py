@@ -122,7 +122,7 @@ def cmd_serve(args, settings: Settings) -> int:
     from loramux.model.loader import read_model_config, resolve_model_dir
     from loramux.server.app import create_app
     from loramux.server.logs import configure_logging
-    from loramux.services import Services
+    from loramux.services.container import Services
 
     # Configuration that cannot work fails here, in one line, before the server starts.
     settings.adapter_dirs()
@@ -225,7 +225,7 @@ def cmd_db(args, settings: Settings) -> int:
 def _collect_garbage(db, settings: Settings) -> int:
     """Delete adapter blobs in the object store that no live version references."""
     from loramux.adapters.registry import collect_garbage
-    from loramux.services import store_from_settings
+    from loramux.services.container import store_from_settings
 
     removed = collect_garbage(db, store_from_settings(settings))
     for key in removed:

@@ -12,6 +12,7 @@ from dataclasses import asdict
 from datetime import datetime
 
 from loramux.names import InvalidNameError
+from loramux.services import tenants as ops
 from loramux.settings import Settings
 from loramux.tenancy import Tenancy, TenancyError
 
@@ -66,18 +67,17 @@ def cmd_tenants(args, settings: Settings) -> int:
     tenancy = _tenancy(settings)
     try:
         if args.tenants_command == "create":
-            t = tenancy.create_tenant(args.name, args.tier)
+            t = ops.create_tenant(tenancy, args.name, args.tier)
             print(_json(asdict(t)) if args.json else
                   f"created tenant {t.name} ({t.id}), tier {t.tier}\nnext: loramux keys create {t.name}")
         elif args.tenants_command == "list":
-            tenants = tenancy.list_tenants()
+            tenants = ops.list_tenants(tenancy)
             if args.json:
                 print(_json({"tenants": [asdict(t) for t in tenants]}))
             for t in tenants if not args.json else ():
                 print(f"{t.id}  {t.name:<24} tier={t.tier:<10} status={t.status} fallback={t.fallback}")
         else:
-            t = tenancy.set_tenant(tenancy.tenant(args.tenant).id, tier=args.tier, status=args.status,
-                                   fallback=args.fallback)
+            t = ops.update_tenant(tenancy, args.tenant, tier=args.tier, status=args.status, fallback=args.fallback)
             print(_json(asdict(t)) if args.json else f"{t.name}: tier={t.tier} status={t.status} fallback={t.fallback}")
     except (TenancyError, InvalidNameError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -90,29 +90,27 @@ def cmd_tenants(args, settings: Settings) -> int:
 def cmd_keys(args, settings: Settings) -> int:
     tenancy = _tenancy(settings)
     try:
-        tenant = tenancy.tenant(args.tenant)
+        tenant = ops.get_tenant(tenancy, args.tenant)
         if args.keys_command in ("create", "rotate"):
-            if args.keys_command == "create":
-                info, raw = tenancy.create_key(tenant.id)
-                revoked = None
-            else:
-                info, raw, revoked = tenancy.rotate_key(tenant.id, args.key_id)
+            issued = (ops.issue_key(tenancy, tenant.id) if args.keys_command == "create"
+                      else ops.rotate_key(tenancy, tenant.id, args.key_id))
+            revoked = issued.revoked
             if args.json:
-                print(_json({"id": info.id, "key": raw, "prefix": info.prefix,
+                print(_json({"id": issued.id, "key": issued.key, "prefix": issued.prefix,
                              **({"revoked": revoked.id} if revoked else {})}))
             else:
-                print(raw)
-                print(f"key {info.id} ({info.prefix}...) for tenant {tenant.name}: shown once, store it now"
+                print(issued.key)
+                print(f"key {issued.id} ({issued.prefix}...) for tenant {tenant.name}: shown once, store it now"
                       + (f"; revoked {revoked.id}" if revoked else ""), file=sys.stderr)
         elif args.keys_command == "list":
-            keys = tenancy.list_keys(tenant.id)
+            keys = ops.list_keys(tenancy, tenant.id)
             if args.json:
                 print(_json({"keys": [asdict(k) for k in keys]}))
             for k in keys if not args.json else ():
                 state = f"revoked {k.revoked_at:%Y-%m-%d %H:%M}" if k.revoked_at else "active"
                 print(f"{k.id}  {k.prefix}...  created {k.created_at:%Y-%m-%d %H:%M}  {state}")
         else:
-            info = tenancy.revoke_key(tenant.id, args.key_id)
+            info = ops.revoke_key(tenancy, tenant.id, args.key_id)
             print(_json(asdict(info)) if args.json else f"revoked {info.id} ({info.prefix}...)")
     except TenancyError as exc:
         print(f"error: {exc}", file=sys.stderr)

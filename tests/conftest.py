@@ -214,7 +214,7 @@ def database(database_url):
 
 def make_services(tmp_path: Path, engine: LLMEngine, **settings):
     """Services (SQLite registry + file store in tmp_path unless overridden) around a given engine."""
-    from loramux.services import Services
+    from loramux.services.container import Services
 
     return Services.from_settings(Settings(data_dir=tmp_path / "data", **settings), engine=engine)
 

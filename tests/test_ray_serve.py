@@ -367,7 +367,7 @@ def test_greedy_outputs_equal_the_single_process_servers(stack, tmp_path):
     """The same requests, greedy, against one in-process server on the same registry and store: same text."""
     from live_server import LiveServer
     from loramux.server.app import create_app
-    from loramux.services import Services
+    from loramux.services.container import Services
 
     ray_settings = stack["settings"]
     load = RESULTS.get("load")

@@ -9,7 +9,7 @@ from loramux.admin.keys import AdminKeyInfo
 from loramux.admin.routes.schemas import AdminKeyList, NewKey, RevokedAdminKey
 from loramux.server.bodies import RequestBody
 from loramux.server.deps import ServicesDep
-from loramux.server.errors import ApiError
+from loramux.services import admin_keys as ops
 
 router = APIRouter(prefix="/keys")
 
@@ -20,17 +20,15 @@ class AdminKeyCreate(RequestBody):
 
 @router.post("", status_code=201)
 def create_admin_key(body: AdminKeyCreate, services: ServicesDep) -> NewKey:
-    info, raw = services.admin_keys.create(body.name)
-    return NewKey(id=info.id, key=raw, prefix=info.prefix)
+    issued = ops.create_admin_key(services.admin_keys, body.name)
+    return NewKey(id=issued.id, key=issued.key, prefix=issued.prefix)
 
 
 @router.get("", response_model=AdminKeyList)
 def list_admin_keys(services: ServicesDep) -> dict:
-    return {"keys": services.admin_keys.list()}
+    return {"keys": ops.list_admin_keys(services.admin_keys)}
 
 
 @router.delete("/{key_id}", response_model=RevokedAdminKey)
 def revoke_admin_key(key_id: str, services: ServicesDep, admin: AdminDep) -> AdminKeyInfo:
-    if key_id == admin.id:
-        raise ApiError(400, "an admin key cannot revoke itself; use another admin key")
-    return services.admin_keys.revoke(key_id)  # AdminKeyError: 404
+    return ops.revoke_admin_key(services.admin_keys, key_id, admin.id)  # AdminKeyError: 404

@@ -11,6 +11,7 @@ from loramux.admin.pricing import PriceInfo
 from loramux.admin.routes.schemas import Price, PriceList
 from loramux.server.bodies import RequestBody
 from loramux.server.deps import ServerDep, ServicesDep
+from loramux.services import prices as ops
 
 router = APIRouter(prefix="/prices")
 
@@ -27,15 +28,11 @@ class PriceBody(RequestBody):
 
 @router.post("", status_code=201, response_model=Price)
 def set_price(body: PriceBody, services: ServicesDep, server: ServerDep) -> PriceInfo:
-    if body.tier is not None:
-        services.tenancy.tier(body.tier)  # UnknownTierError: 400
-    if body.adapter_id is not None:
-        services.registry.owner_of(body.adapter_id)  # AdapterNotFoundError: 404
-    return services.prices.set_price(
-        body.base_model or server.model_id, str(body.input_per_mtok), str(body.cached_input_per_mtok),
-        str(body.output_per_mtok), adapter_id=body.adapter_id, tier=body.tier, effective_from=body.effective_from)
+    return ops.set_price(services, body.base_model or server.model_id, body.input_per_mtok,
+                         body.cached_input_per_mtok, body.output_per_mtok, adapter_id=body.adapter_id,
+                         tier=body.tier, effective_from=body.effective_from)
 
 
 @router.get("", response_model=PriceList)
 def list_prices(services: ServicesDep, base_model: str | None = None) -> dict:
-    return {"prices": services.prices.list_prices(base_model)}
+    return {"prices": ops.list_prices(services, base_model)}

@@ -5,10 +5,11 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from loramux.server.deps import ServicesDep
+from loramux.services import engine_state
 
 router = APIRouter(prefix="/stats")
 
 
 @router.get("")
 def engine_stats(services: ServicesDep) -> dict:
-    return {**services.engine.stats(), "adapter_cache": services.adapter_cache.stats()}
+    return engine_state.engine_stats(services)

@@ -9,6 +9,7 @@ from pydantic import Field
 from loramux.admin.routes.schemas import Key, KeyList, NewKey, RotatedKey, Tenant, TenantList
 from loramux.server.bodies import RequestBody
 from loramux.server.deps import ServicesDep
+from loramux.services import tenants as ops
 from loramux.tenancy import KeyInfo, TenantInfo
 
 router = APIRouter(prefix="/tenants")
@@ -27,44 +28,43 @@ class TenantPatch(RequestBody):
 
 @router.post("", status_code=201, response_model=Tenant)
 def create_tenant(body: TenantCreate, services: ServicesDep) -> TenantInfo:
-    return services.tenancy.create_tenant(body.name, body.tier)
+    return ops.create_tenant(services.tenancy, body.name, body.tier)
 
 
 @router.get("", response_model=TenantList)
 def list_tenants(services: ServicesDep) -> dict:
-    return {"tenants": services.tenancy.list_tenants()}
+    return {"tenants": ops.list_tenants(services.tenancy)}
 
 
 @router.get("/{tenant_id}", response_model=Tenant)
 def get_tenant(tenant_id: str, services: ServicesDep) -> TenantInfo:
     """A tenant by id or name."""
-    return services.tenancy.tenant(tenant_id)
+    return ops.get_tenant(services.tenancy, tenant_id)
 
 
 @router.patch("/{tenant_id}", response_model=Tenant)
 def patch_tenant(tenant_id: str, body: TenantPatch, services: ServicesDep) -> TenantInfo:
-    tenant = services.tenancy.tenant(tenant_id)
-    return services.tenancy.set_tenant(tenant.id, tier=body.tier, status=body.status, fallback=body.fallback)
+    return ops.update_tenant(services.tenancy, tenant_id, tier=body.tier, status=body.status, fallback=body.fallback)
 
 
 @router.post("/{tenant_id}/keys", status_code=201)
 def create_key(tenant_id: str, services: ServicesDep) -> NewKey:
-    info, raw = services.tenancy.create_key(tenant_id)
-    return NewKey(id=info.id, key=raw, prefix=info.prefix)
+    issued = ops.issue_key(services.tenancy, tenant_id)
+    return NewKey(id=issued.id, key=issued.key, prefix=issued.prefix)
 
 
 @router.get("/{tenant_id}/keys", response_model=KeyList)
 def list_keys(tenant_id: str, services: ServicesDep) -> dict:
-    return {"keys": services.tenancy.list_keys(services.tenancy.tenant(tenant_id).id)}
+    return {"keys": ops.list_keys(services.tenancy, tenant_id)}
 
 
 @router.post("/{tenant_id}/keys/{key_id}/rotate", status_code=201)
 def rotate_key(tenant_id: str, key_id: str, services: ServicesDep) -> RotatedKey:
     """A new key replaces `key_id`, which is revoked at once."""
-    info, raw, old = services.tenancy.rotate_key(services.tenancy.tenant(tenant_id).id, key_id)
-    return RotatedKey(id=info.id, key=raw, prefix=info.prefix, revoked=old.id)
+    issued = ops.rotate_key(services.tenancy, tenant_id, key_id)
+    return RotatedKey(id=issued.id, key=issued.key, prefix=issued.prefix, revoked=issued.revoked.id)
 
 
 @router.delete("/{tenant_id}/keys/{key_id}", response_model=Key)
 def revoke_key(tenant_id: str, key_id: str, services: ServicesDep) -> KeyInfo:
-    return services.tenancy.revoke_key(services.tenancy.tenant(tenant_id).id, key_id)
+    return ops.revoke_key(services.tenancy, tenant_id, key_id)

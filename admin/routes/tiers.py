@@ -7,6 +7,7 @@ from pydantic import Field
 from loramux.admin.routes.schemas import Tier, TierList
 from loramux.server.bodies import RequestBody
 from loramux.server.deps import ServicesDep
+from loramux.services import tenants as ops
 from loramux.tenancy import TierInfo
 
 router = APIRouter(prefix="/tiers")
@@ -27,10 +28,10 @@ class TierBody(RequestBody):
 
 @router.get("", response_model=TierList)
 def list_tiers(services: ServicesDep) -> dict:
-    return {"tiers": services.tenancy.tiers()}
+    return {"tiers": ops.list_tiers(services.tenancy)}
 
 
 @router.put("/{name}", response_model=Tier)
 def put_tier(name: str, body: TierBody, services: ServicesDep) -> TierInfo:
     """Create or replace a tier (0 = unlimited for the per-minute and concurrency limits)."""
-    return services.tenancy.upsert_tier(TierInfo(name=name, **body.model_dump()))
+    return ops.put_tier(services.tenancy, TierInfo(name=name, **body.model_dump()))

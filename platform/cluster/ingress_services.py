@@ -20,7 +20,7 @@ from loramux.cluster.remote_engine import RemoteAdapter, RemoteEngine
 from loramux.cluster.shared_state import ReplicaDirectory
 from loramux.db import Database
 from loramux.names import base_model_id
-from loramux.services import LOCAL_TENANT, Services, store_from_settings
+from loramux.services.container import LOCAL_TENANT, Services, store_from_settings
 from loramux.settings import Settings
 from loramux.tenancy import Tenancy
 

@@ -30,7 +30,7 @@ class EngineReplica:
         from loramux.engine.async_engine import AsyncEngine
         from loramux.engine.compile_pool import CompileLimits
         from loramux.engine.engine import LLMEngine
-        from loramux.services import store_from_settings
+        from loramux.services.container import store_from_settings
 
         if settings.cluster_threads_per_replica:
             torch.set_num_threads(settings.cluster_threads_per_replica)

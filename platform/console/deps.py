@@ -19,6 +19,7 @@ from loramux.console.session import (
     csrf_matches,
     secure_cookies,
 )
+from loramux.server.deps import ServicesDep
 from loramux.server.forwarded import request_scheme
 
 TEMPLATES = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
@@ -32,27 +33,36 @@ class CsrfRejected(Exception):
     """A state-changing request without the session's CSRF token (403)."""
 
 
-def signer(request: Request) -> SessionSigner:
+def get_signer(request: Request) -> SessionSigner:
+    """The session signer the app's startup made (LORAMUX_CONSOLE_SECRET)."""
     return request.app.state.console_signer
 
 
-def revocations(request: Request) -> SessionRevocations:
+def get_revocations(request: Request) -> SessionRevocations:
     return request.app.state.console_revocations
 
 
-def secure_cookie(request: Request) -> bool:
+SignerDep = Annotated[SessionSigner, Depends(get_signer)]
+RevocationsDep = Annotated[SessionRevocations, Depends(get_revocations)]
+
+
+def secure_cookie(request: Request, services: ServicesDep) -> bool:
     """Whether this response's cookies get `Secure` (LORAMUX_CONSOLE_SECURE_COOKIES, trusted proxies)."""
     scheme = request_scheme(request.scope, getattr(request.app.state, "trusted_proxies", ()))
-    return secure_cookies(request.app.state.services.settings.console_secure_cookies, scheme)
+    return secure_cookies(services.settings.console_secure_cookies, scheme)
 
 
-async def current_operator(request: Request) -> tuple[ConsoleSession, AdminKeyInfo]:
-    session = signer(request).read(request.cookies.get(COOKIE))
+SecureCookieDep = Annotated[bool, Depends(secure_cookie)]
+
+
+async def current_operator(request: Request, signer: SignerDep, revocations: RevocationsDep,
+                           services: ServicesDep) -> tuple[ConsoleSession, AdminKeyInfo]:
+    session = signer.read(request.cookies.get(COOKIE))
     if session is None:
         raise SignInRequired
-    if await run_in_threadpool(revocations(request).is_revoked, session.session_id):  # signed out
+    if await run_in_threadpool(revocations.is_revoked, session.session_id):  # signed out
         raise SignInRequired
-    admin = await run_in_threadpool(request.app.state.services.admin_keys.live, session.admin_key_id)
+    admin = await run_in_threadpool(services.admin_keys.live, session.admin_key_id)
     if admin is None:  # the key was revoked since: its sessions end with it
         raise SignInRequired
     return session, admin

@@ -19,6 +19,7 @@ from loramux.admin.routes import router as admin_router
 from loramux.console.revocations import SessionRevocations
 from loramux.console.routes import install_console
 from loramux.console.session import SessionSigner
+from loramux.names import base_model_id
 from loramux.server import native, openai_api
 from loramux.server.auth_failures import AuthFailureLimiter
 from loramux.server.deps import ServicesDep
@@ -29,7 +30,6 @@ from loramux.server.metrics import ServerMetrics
 from loramux.server.metrics_auth import scrape_allowed
 from loramux.server.ratelimit import RateLimiter
 from loramux.server.serving import Server
-from loramux.services import base_model_id
 
 
 def create_app(services_factory, ledger_hooks: list | None = None, limiter_factory=RateLimiter) -> FastAPI:

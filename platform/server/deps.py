@@ -8,7 +8,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from loramux.server.ingress import Refusal, resolve_tenant
 from loramux.server.serving import Server
-from loramux.services import Services
+from loramux.services.container import Services
 from loramux.tenancy import TenantContext
 
 _bearer = HTTPBearer(auto_error=False, description="A tenant API key: `Authorization: Bearer lmx-...`")

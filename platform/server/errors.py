@@ -18,8 +18,9 @@ from loramux.adapters.validation import AdapterFormatError
 from loramux.admin.billing import BillingQueryError
 from loramux.admin.keys import AdminKeyError
 from loramux.admin.pricing import PriceError
-from loramux.admin.uploads import UploadError
 from loramux.names import InvalidNameError
+from loramux.services.adapters import AdapterUnavailableError, UploadError
+from loramux.services.admin_keys import SelfRevocationError
 from loramux.tenancy import KeyNotFoundError, TenancyError, TenantExistsError, TenantNotFoundError
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away before the answer"
@@ -104,9 +105,11 @@ def install_error_handlers(app: FastAPI) -> None:
                                                         str(e), getattr(e, "code", "invalid_adapter")))
     handle(UploadError, lambda e: error_response(e.status, str(e), "upload_rejected"))
     handle(AdapterLoadError, lambda e: error_response(503, str(e), "adapter_unavailable", retry_after_s=5))
+    handle(AdapterUnavailableError, lambda e: error_response(503, str(e), "adapter_unavailable", retry_after_s=5))
     handle(PriceError, lambda e: error_response(400, str(e), "invalid_price"))
     handle(BillingQueryError, lambda e: error_response(400, str(e), "invalid_period"))
     handle(AdminKeyError, lambda e: error_response(404, str(e), "admin_key_not_found"))
+    handle(SelfRevocationError, lambda e: error_response(400, str(e), "invalid_request"))
 
 
 def _tenancy_error(exc: TenancyError) -> JSONResponse:

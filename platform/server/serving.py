@@ -44,7 +44,7 @@ from loramux.usage import RequestRecord
 
 if TYPE_CHECKING:
     from loramux.server.metrics import ServerMetrics
-    from loramux.services import Services
+    from loramux.services.container import Services
 
 __all__ = ["BILLING_WAIT_S", "Admitted", "Running", "RunningStreamingResponse", "Server", "respond"]
 

@@ -2,12 +2,10 @@
 its requests and tokens in the last hour; upload (with a progress bar; the validator's message on a
 refusal), versions, visibility, delete, warm and pin.
 
-Uploads go through the admin API's own path (`receive_upload` and the registry's validation), so the
-console accepts and refuses exactly what the API does, and a refused upload stores nothing.
+Every operation is the admin API's own (`loramux.services.adapters`, uploads through `receive_upload`), so
+the console accepts and refuses exactly what the API does, and a refused upload stores nothing.
 """
 from __future__ import annotations
-
-from datetime import timedelta
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
@@ -15,57 +13,29 @@ from fastapi.responses import JSONResponse, RedirectResponse
 
 from loramux.adapters.registry import RegistryError
 from loramux.adapters.validation_common import AdapterFormatError
-from loramux.admin.billing import Period, summary
-from loramux.admin.routes import adapters as admin_adapters
-from loramux.admin.uploads import UploadError, receive_upload
+from loramux.admin.uploads import receive_upload
 from loramux.console.deps import CheckedForm, CsrfRejected, Operator, render
 from loramux.console.session import CSRF_FIELD, csrf_matches
-from loramux.db.models import utcnow
+from loramux.server.deps import ServicesDep
 from loramux.server.errors import ApiError
+from loramux.services import adapters as ops
+from loramux.services import tenants
 
 router = APIRouter(prefix="/adapters")
 
 
-def _last_hour(services) -> dict[str, dict]:
-    """adapter id -> requests and tokens in the last hour (the ledger's billing summary)."""
-    now = utcnow()
-    services.ledger.flush(5.0)
-    lines = summary(services.db, None, Period(now - timedelta(hours=1), None))["adapters"]
-    usage: dict[str, dict] = {}
-    for line in lines:
-        if line["adapter_id"] is not None:
-            seen = usage.setdefault(line["adapter_id"], {"requests": 0, "tokens": 0})
-            seen["requests"] += line["requests"]
-            seen["tokens"] += line["prompt_tokens"] + line["completion_tokens"]
-    return usage
-
-
-def _listing(services) -> list[dict]:
-    tenants = {t.id: t.name for t in services.tenancy.list_tenants()}
-    usage = _last_hour(services)
-    rows = []
-    for version in services.registry.list_all(None):
-        rows.append({"version": version, "tenant": tenants.get(version.tenant_id, version.tenant_id),
-                     "where": admin_adapters._residency(services, version),
-                     "pinned": version.adapter_id in services.admin_pins,
-                     "usage": usage.get(version.adapter_id, {"requests": 0, "tokens": 0})})
-    return rows
-
-
 @router.get("")
-async def adapters_page(request: Request, operator: Operator, notice: str | None = None):
-    services = request.app.state.services
-    rows = await run_in_threadpool(_listing, services)
-    tenants = await run_in_threadpool(services.tenancy.list_tenants)
-    return render(request, "adapters.html", operator, rows=rows, tenants=tenants, notice=notice,
+async def adapters_page(request: Request, operator: Operator, services: ServicesDep, notice: str | None = None):
+    rows = await run_in_threadpool(ops.adapter_overview, services)
+    tenant_list = await run_in_threadpool(tenants.list_tenants, services.tenancy)
+    return render(request, "adapters.html", operator, rows=rows, tenants=tenant_list, notice=notice,
                   max_upload_bytes=services.settings.max_upload_bytes)
 
 
 @router.post("/upload")
-async def upload(request: Request, operator: Operator):
+async def upload(request: Request, operator: Operator, services: ServicesDep):
     """multipart: csrf_token, tenant_id, name, visibility, adapter_config, adapter_model. JSON answer for the
     page's script ({"ok": true, "adapter": ...} or {"ok": false, "message": the validator's words})."""
-    services = request.app.state.services
     cap = services.settings.max_upload_bytes + 1024 * 1024
     header = request.headers.get("x-csrf-token")
     if header is not None and not csrf_matches(operator[0], header):  # checked before a byte is read
@@ -77,9 +47,9 @@ async def upload(request: Request, operator: Operator):
                 raise CsrfRejected
             checked = True
             fields.pop(CSRF_FIELD, None)
-            admin_adapters._check_form_fields(fields)
-            version = await run_in_threadpool(admin_adapters._register, services, fields, files)
-    except (UploadError, AdapterFormatError, RegistryError, ApiError) as exc:
+            ops.check_upload_fields(fields)
+            version = await run_in_threadpool(ops.register_upload, services, fields, files)
+    except (ops.UploadError, AdapterFormatError, RegistryError, ApiError) as exc:
         if not checked:  # a form without the token learns nothing about its body
             raise CsrfRejected from None
         status = getattr(exc, "status", None) or (413 if getattr(exc, "code", "") == "too_large" else 400)
@@ -90,46 +60,39 @@ async def upload(request: Request, operator: Operator):
 
 
 @router.get("/{adapter_id}")
-async def adapter_page(request: Request, adapter_id: str, operator: Operator, notice: str | None = None):
-    services = request.app.state.services
-    owner = await run_in_threadpool(services.registry.owner_of, adapter_id)
-    versions = await run_in_threadpool(services.registry.versions, owner, adapter_id)
-    where = await run_in_threadpool(admin_adapters._residency, services, versions[-1]) if versions else None
-    return render(request, "adapter.html", operator, adapter_id=adapter_id, versions=versions, where=where,
-                  pinned=adapter_id in services.admin_pins, notice=notice)
+async def adapter_page(request: Request, adapter_id: str, operator: Operator, services: ServicesDep,
+                       notice: str | None = None):
+    detail = await run_in_threadpool(ops.adapter_detail, services, adapter_id)
+    return render(request, "adapter.html", operator, adapter_id=adapter_id, versions=detail["versions"],
+                  where=detail["residency"], pinned=detail["pinned"], notice=notice)
 
 
 @router.post("/{adapter_id}/visibility")
-async def set_visibility(request: Request, adapter_id: str, operator: Operator, form: CheckedForm):
-    services = request.app.state.services
+async def set_visibility(request: Request, adapter_id: str, operator: Operator, form: CheckedForm,
+                         services: ServicesDep):
     visibility = form.get("visibility")
     if visibility not in ("private", "public"):
         return render(request, "error.html", operator, status_code=400, message="visibility is private or public")
-    owner = await run_in_threadpool(services.registry.owner_of, adapter_id)
-    await run_in_threadpool(services.registry.set_visibility, owner, adapter_id, visibility)
+    await run_in_threadpool(ops.set_visibility, services, adapter_id, visibility)
     return RedirectResponse(f"/console/adapters/{adapter_id}?notice=saved", status_code=303)
 
 
 @router.post("/{adapter_id}/delete")
-async def delete(request: Request, adapter_id: str, operator: Operator, form: CheckedForm):
-    services = request.app.state.services
-    owner = await run_in_threadpool(services.registry.owner_of, adapter_id)
-    admin_adapters._unpin(services, adapter_id)
-    await run_in_threadpool(services.registry.delete, owner, adapter_id)
+async def delete(request: Request, adapter_id: str, operator: Operator, form: CheckedForm, services: ServicesDep):
+    await run_in_threadpool(ops.delete_adapter, services, adapter_id)
     return RedirectResponse("/console/adapters?notice=deleted", status_code=303)
 
 
 @router.post("/{adapter_id}/warm")
-async def warm(request: Request, adapter_id: str, operator: Operator, form: CheckedForm):
-    await admin_adapters.warm_adapter(adapter_id, request.app.state.services)
+async def warm(request: Request, adapter_id: str, operator: Operator, form: CheckedForm, services: ServicesDep):
+    await ops.warm_adapter(services, await run_in_threadpool(ops.latest_version, services, adapter_id))
     return RedirectResponse(f"/console/adapters/{adapter_id}?notice=warmed", status_code=303)
 
 
 @router.post("/{adapter_id}/pin")
-async def pin(request: Request, adapter_id: str, operator: Operator, form: CheckedForm):
-    services = request.app.state.services
+async def pin(request: Request, adapter_id: str, operator: Operator, form: CheckedForm, services: ServicesDep):
     if form.get("pinned") == "false":
-        admin_adapters.unpin_adapter(adapter_id, services)
+        await run_in_threadpool(ops.unpin_adapter, services, adapter_id)
     else:
-        await admin_adapters.pin_adapter(adapter_id, services)
+        await ops.pin_adapter(services, await run_in_threadpool(ops.latest_version, services, adapter_id))
     return RedirectResponse(f"/console/adapters/{adapter_id}?notice=saved", status_code=303)

@@ -10,49 +10,39 @@ from fastapi.responses import RedirectResponse
 from loramux.adapters.registry import RegistryError
 from loramux.admin.pricing import PriceError
 from loramux.console.deps import CheckedForm, Operator, render
-from loramux.db.models import utcnow
+from loramux.server.deps import ServerDep, ServicesDep
+from loramux.services import adapters, tenants
+from loramux.services import prices as ops
 from loramux.tenancy import TenancyError
 
 router = APIRouter(prefix="/prices")
 
 
-async def _page(request: Request, operator, status_code: int = 200, **extra):
-    services = request.app.state.services
-    prices = await run_in_threadpool(services.prices.list_prices, None)
-    now = utcnow()
-    in_force: dict = {}
-    for price in sorted(prices, key=lambda p: p.effective_from):  # the latest started one per scope wins
-        if price.effective_from <= now:
-            in_force[(price.base_model, price.adapter_id, price.tier)] = price
-    scheduled = [p for p in prices if p.effective_from > now]
-    tiers = await run_in_threadpool(services.tenancy.tiers)
-    adapters = await run_in_threadpool(services.registry.list_all, None)
-    return render(request, "prices.html", operator, status_code=status_code, current=list(in_force.values()),
-                  scheduled=scheduled, tiers=tiers, adapters=adapters,
-                  base_model=request.app.state.server.model_id, **extra)
+async def _page(request: Request, operator, services, server, status_code: int = 200, **extra):
+    board = await run_in_threadpool(ops.price_board, services)
+    tiers = await run_in_threadpool(tenants.list_tiers, services.tenancy)
+    adapter_list = await run_in_threadpool(adapters.list_adapters, services)
+    return render(request, "prices.html", operator, status_code=status_code, current=board.current,
+                  scheduled=board.scheduled, tiers=tiers, adapters=adapter_list, base_model=server.model_id, **extra)
 
 
 @router.get("")
-async def prices_page(request: Request, operator: Operator, notice: str | None = None):
-    return await _page(request, operator, notice=notice)
+async def prices_page(request: Request, operator: Operator, services: ServicesDep, server: ServerDep,
+                      notice: str | None = None):
+    return await _page(request, operator, services, server, notice=notice)
 
 
 @router.post("")
-async def set_price(request: Request, operator: Operator, form: CheckedForm):
-    services = request.app.state.services
+async def set_price(request: Request, operator: Operator, form: CheckedForm, services: ServicesDep,
+                    server: ServerDep):
     try:
         effective = _when(str(form.get("effective_from", "")).strip())
-        tier = form.get("tier") or None
-        adapter_id = form.get("adapter_id") or None
-        if tier is not None:
-            await run_in_threadpool(services.tenancy.tier, tier)
-        if adapter_id is not None:
-            await run_in_threadpool(services.registry.owner_of, adapter_id)
-        await run_in_threadpool(lambda: services.prices.set_price(
-            request.app.state.server.model_id, form.get("input_per_mtok", ""), form.get("cached_input_per_mtok", ""),
-            form.get("output_per_mtok", ""), adapter_id=adapter_id, tier=tier, effective_from=effective))
+        await run_in_threadpool(lambda: ops.set_price(
+            services, server.model_id, form.get("input_per_mtok", ""), form.get("cached_input_per_mtok", ""),
+            form.get("output_per_mtok", ""), adapter_id=form.get("adapter_id") or None, tier=form.get("tier") or None,
+            effective_from=effective))
     except (PriceError, TenancyError, RegistryError, ValueError) as exc:
-        return await _page(request, operator, 400, error=str(exc), form=form)
+        return await _page(request, operator, services, server, 400, error=str(exc), form=form)
     return RedirectResponse("/console/prices?notice=saved", status_code=303)
 
 

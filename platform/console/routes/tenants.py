@@ -10,86 +10,80 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import RedirectResponse
 
 from loramux.console.deps import CheckedForm, Operator, render
+from loramux.server.deps import ServicesDep
+from loramux.services import tenants as ops
 from loramux.tenancy import TenancyError
 
 router = APIRouter(prefix="/tenants")
 
 
-def _services(request: Request):
-    return request.app.state.services
-
-
 @router.get("")
-async def tenants_page(request: Request, operator: Operator, notice: str | None = None):
-    services = _services(request)
-    tenants = await run_in_threadpool(services.tenancy.list_tenants)
-    tiers = await run_in_threadpool(services.tenancy.tiers)
+async def tenants_page(request: Request, operator: Operator, services: ServicesDep, notice: str | None = None):
+    tenants = await run_in_threadpool(ops.list_tenants, services.tenancy)
+    tiers = await run_in_threadpool(ops.list_tiers, services.tenancy)
     return render(request, "tenants.html", operator, tenants=tenants, tiers=tiers, notice=notice)
 
 
 @router.post("")
-async def create_tenant(request: Request, operator: Operator, form: CheckedForm):
-    services = _services(request)
+async def create_tenant(request: Request, operator: Operator, form: CheckedForm, services: ServicesDep):
     name, tier = str(form.get("name", "")).strip(), str(form.get("tier", "standard"))
     try:
-        if not name:
-            raise TenancyError("a tenant needs a name")
-        tenant = await run_in_threadpool(services.tenancy.create_tenant, name, tier)
+        tenant = await run_in_threadpool(ops.create_tenant, services.tenancy, name, tier)
     except TenancyError as exc:
-        tenants = await run_in_threadpool(services.tenancy.list_tenants)
-        tiers = await run_in_threadpool(services.tenancy.tiers)
+        tenants = await run_in_threadpool(ops.list_tenants, services.tenancy)
+        tiers = await run_in_threadpool(ops.list_tiers, services.tenancy)
         return render(request, "tenants.html", operator, status_code=400, tenants=tenants, tiers=tiers,
                       error=str(exc), form=form)
     return RedirectResponse(f"/console/tenants/{tenant.id}?notice=created", status_code=303)
 
 
-async def _tenant_page(request: Request, operator, tenant_ref: str, status_code: int = 200, **extra):
-    services = _services(request)
-    tenant = await run_in_threadpool(services.tenancy.tenant, tenant_ref)
-    keys = await run_in_threadpool(services.tenancy.list_keys, tenant.id)
-    tiers = await run_in_threadpool(services.tenancy.tiers)
+async def _tenant_page(request: Request, operator, services, tenant_ref: str, status_code: int = 200, **extra):
+    tenant = await run_in_threadpool(ops.get_tenant, services.tenancy, tenant_ref)
+    keys = await run_in_threadpool(ops.list_keys, services.tenancy, tenant.id)
+    tiers = await run_in_threadpool(ops.list_tiers, services.tenancy)
     return render(request, "tenant.html", operator, status_code=status_code, tenant=tenant, keys=keys, tiers=tiers,
                   **extra)
 
 
 @router.get("/{tenant_id}")
-async def tenant_page(request: Request, tenant_id: str, operator: Operator, notice: str | None = None):
-    return await _tenant_page(request, operator, tenant_id, notice=notice)
+async def tenant_page(request: Request, tenant_id: str, operator: Operator, services: ServicesDep,
+                      notice: str | None = None):
+    return await _tenant_page(request, operator, services, tenant_id, notice=notice)
 
 
 @router.post("/{tenant_id}")
-async def update_tenant(request: Request, tenant_id: str, operator: Operator, form: CheckedForm):
-    services = _services(request)
-    tenant = await run_in_threadpool(services.tenancy.tenant, tenant_id)
+async def update_tenant(request: Request, tenant_id: str, operator: Operator, form: CheckedForm,
+                        services: ServicesDep):
+    tenant = await run_in_threadpool(ops.get_tenant, services.tenancy, tenant_id)
     changes = {"tier": form.get("tier") or None, "status": form.get("status") or None,
                "fallback": form.get("fallback") if "fallback" in form else None}
     try:
-        await run_in_threadpool(lambda: services.tenancy.set_tenant(tenant.id, **changes))
+        await run_in_threadpool(lambda: ops.update_tenant(services.tenancy, tenant.id, **changes))
     except TenancyError as exc:
-        return await _tenant_page(request, operator, tenant.id, 400, error=str(exc))
+        return await _tenant_page(request, operator, services, tenant.id, 400, error=str(exc))
     return RedirectResponse(f"/console/tenants/{tenant.id}?notice=saved", status_code=303)
 
 
 @router.post("/{tenant_id}/keys")
-async def create_key(request: Request, tenant_id: str, operator: Operator, form: CheckedForm):
-    services = _services(request)
-    tenant = await run_in_threadpool(services.tenancy.tenant, tenant_id)
-    info, raw = await run_in_threadpool(services.tenancy.create_key, tenant.id)
-    return await _tenant_page(request, operator, tenant.id, 201, new_key=raw, new_key_prefix=info.prefix)
+async def create_key(request: Request, tenant_id: str, operator: Operator, form: CheckedForm, services: ServicesDep):
+    tenant = await run_in_threadpool(ops.get_tenant, services.tenancy, tenant_id)
+    issued = await run_in_threadpool(ops.issue_key, services.tenancy, tenant.id)
+    return await _tenant_page(request, operator, services, tenant.id, 201, new_key=issued.key,
+                              new_key_prefix=issued.prefix)
 
 
 @router.post("/{tenant_id}/keys/{key_id}/rotate")
-async def rotate_key(request: Request, tenant_id: str, key_id: str, operator: Operator, form: CheckedForm):
-    services = _services(request)
-    tenant = await run_in_threadpool(services.tenancy.tenant, tenant_id)
-    info, raw, old = await run_in_threadpool(services.tenancy.rotate_key, tenant.id, key_id)
-    return await _tenant_page(request, operator, tenant.id, 201, new_key=raw, new_key_prefix=info.prefix,
-                              notice=f"key {old.prefix}… revoked and replaced")
+async def rotate_key(request: Request, tenant_id: str, key_id: str, operator: Operator, form: CheckedForm,
+                     services: ServicesDep):
+    tenant = await run_in_threadpool(ops.get_tenant, services.tenancy, tenant_id)
+    issued = await run_in_threadpool(ops.rotate_key, services.tenancy, tenant.id, key_id)
+    return await _tenant_page(request, operator, services, tenant.id, 201, new_key=issued.key,
+                              new_key_prefix=issued.prefix, notice=f"key {issued.revoked.prefix}… revoked and replaced")
 
 
 @router.post("/{tenant_id}/keys/{key_id}/revoke")
-async def revoke_key(request: Request, tenant_id: str, key_id: str, operator: Operator, form: CheckedForm):
-    services = _services(request)
-    tenant = await run_in_threadpool(services.tenancy.tenant, tenant_id)
-    await run_in_threadpool(services.tenancy.revoke_key, tenant.id, key_id)
+async def revoke_key(request: Request, tenant_id: str, key_id: str, operator: Operator, form: CheckedForm,
+                     services: ServicesDep):
+    tenant = await run_in_threadpool(ops.get_tenant, services.tenancy, tenant_id)
+    await run_in_threadpool(ops.revoke_key, services.tenancy, tenant.id, key_id)
     return RedirectResponse(f"/console/tenants/{tenant.id}?notice=revoked", status_code=303)

@@ -7,14 +7,14 @@ from datetime import timedelta
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 
-from loramux.admin.billing import FORMATS, BillingQueryError, parse_period, summary
-from loramux.admin.routes.billing import billing_export
+from loramux.admin.billing import FORMATS, BillingQueryError
 from loramux.console.deps import Operator, render
 from loramux.db.models import utcnow
+from loramux.server.deps import ServicesDep
+from loramux.server.downloads import download_response
+from loramux.services import adapters, billing, tenants
 
 router = APIRouter(prefix="/usage")
-
-FLUSH_TIMEOUT_S = 10.0
 
 
 def _period_fields(start: str | None, end: str | None) -> tuple[str, str]:
@@ -25,30 +25,29 @@ def _period_fields(start: str | None, end: str | None) -> tuple[str, str]:
 
 
 @router.get("")
-async def usage_page(request: Request, operator: Operator, start: str | None = None, end: str | None = None):
-    services = request.app.state.services
+async def usage_page(request: Request, operator: Operator, services: ServicesDep, start: str | None = None,
+                     end: str | None = None):
     start, end = _period_fields(start, end)
     try:
-        period = parse_period(start or None, end or None)
+        totals = await run_in_threadpool(billing.billing_summary, services, None, start or None, end or None)
     except BillingQueryError as exc:
         return render(request, "usage.html", operator, status_code=400, error=str(exc), start=start, end=end,
                       totals=None, formats=FORMATS)
-    await run_in_threadpool(services.ledger.flush, FLUSH_TIMEOUT_S)
-    totals = await run_in_threadpool(summary, services.db, None, period)
-    names = {t.id: t.name for t in await run_in_threadpool(services.tenancy.list_tenants)}
-    adapters = {v.adapter_id: v.label for v in await run_in_threadpool(services.registry.list_all, None)}
+    names = {t.id: t.name for t in await run_in_threadpool(tenants.list_tenants, services.tenancy)}
+    labels = {v.adapter_id: v.label for v in await run_in_threadpool(adapters.list_adapters, services)}
     chart = {"tenants": [{"label": names.get(t["tenant_id"], t["tenant_id"]), "cost": float(t["cost"]),
                           "tokens": t["prompt_tokens"] + t["completion_tokens"]} for t in totals["tenants"]],
-             "adapters": [{"label": "base model" if a["adapter_id"] is None else adapters.get(a["adapter_id"],
-                                                                                             a["adapter_id"]),
+             "adapters": [{"label": "base model" if a["adapter_id"] is None else labels.get(a["adapter_id"],
+                                                                                           a["adapter_id"]),
                            "cost": float(a["cost"]), "tokens": a["prompt_tokens"] + a["completion_tokens"]}
                           for a in totals["adapters"]]}
-    return render(request, "usage.html", operator, totals=totals, names=names, adapter_names=adapters, chart=chart,
+    return render(request, "usage.html", operator, totals=totals, names=names, adapter_names=labels, chart=chart,
                   start=start, end=end, formats=FORMATS)
 
 
 @router.get("/export")
-def usage_export(request: Request, operator: Operator, start: str | None = None, end: str | None = None,
+def usage_export(operator: Operator, services: ServicesDep, start: str | None = None, end: str | None = None,
                  format: str = "csv"):  # noqa: A002 - the query parameter's name
     """The admin API's own export (GET /admin/billing/export), for the signed-in operator."""
-    return billing_export(request.app.state.services, None, start or None, end or None, format)
+    export = billing.billing_export(services, format, None, start or None, end or None)
+    return download_response(export.chunks, export.filename, export.content_type)

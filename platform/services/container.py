@@ -104,6 +104,3 @@ def store_from_settings(settings: Settings) -> ObjectStore:
     return open_store(settings.resolved_store_url(), endpoint_url=settings.s3_endpoint_url, region=settings.s3_region,
                       access_key_id=settings.s3_access_key_id, secret_access_key=settings.s3_secret_access_key,
                       timeout_s=settings.s3_timeout_s, max_attempts=settings.s3_max_attempts)
-
-
-__all__ = ["LOCAL_TENANT", "Services", "base_model_id", "store_from_settings"]
