@@ -7,7 +7,7 @@ from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from loramux.admin.keys import AdminKeyInfo
-from loramux.server.ingress import Refusal, resolve_admin
+from loramux.server.http.ingress import Refusal, resolve_admin
 
 _bearer = HTTPBearer(auto_error=False, scheme_name="AdminKey",
                      description="An admin key: `Authorization: Bearer lmxa-...`")
@@ -15,7 +15,7 @@ _bearer = HTTPBearer(auto_error=False, scheme_name="AdminKey",
 
 async def get_admin(request: Request,
                     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> AdminKeyInfo:
-    """The admin key `loramux.server.ingress:Ingress` resolved before the body was read; without that
+    """The admin key `loramux.server.http.ingress:Ingress` resolved before the body was read; without that
     middleware (an app assembled differently), the same checks here."""
     admin = request.scope.get("state", {}).get("admin")
     if admin is None:

@@ -121,7 +121,7 @@ def cmd_serve(args, settings: Settings) -> int:
     from loramux.admin.keys import AdminKeyFormatError, check_admin_key_format
     from loramux.model.loader import read_model_config, resolve_model_dir
     from loramux.server.app import create_app
-    from loramux.server.logs import configure_logging
+    from loramux.server.http.logs import configure_logging
     from loramux.services.container import Services
 
     # Configuration that cannot work fails here, in one line, before the server starts.
@@ -301,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from loramux.server.logs import configure_logging
+    from loramux.server.http.logs import configure_logging
 
     configure_logging(json_logs=False)  # `serve` switches to JSON lines (LORAMUX_JSON_LOGS)
     args = build_parser().parse_args(argv)

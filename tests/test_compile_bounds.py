@@ -96,8 +96,8 @@ def test_a_timed_out_compile_is_stopped_before_its_refusal_returns(stack):
     """Distinct slow specs at once (more than the compile workers): each is refused (400 too complex, or 503
     when no worker was free in time) only once its compile has stopped, so no compile outlives its request
     and the request's admission is held for all of it."""
-    from loramux.server.errors import ApiError
-    from loramux.server.response_format import compile_structured
+    from loramux.server.http.errors import ApiError
+    from loramux.server.intake.response_format import compile_structured
 
     server, _ = stack
     engine, grammars = server.services.engine, grammars_of(server)

@@ -129,7 +129,7 @@ def test_n_choices_are_charged_n_times_max_tokens_and_hold_n_concurrency_slots(s
 
 
 def _limits(tier: TierInfo):
-    from loramux.server.ratelimit import TierLimits
+    from loramux.rate_limits import TierLimits
 
     return TierLimits(tier.requests_per_min, tier.tokens_per_min, tier.max_concurrent)
 
@@ -251,8 +251,8 @@ def test_100k_empty_messages_in_a_4mb_body_get_their_400_within_milliseconds(lim
     400. The count is checked on the parsed JSON, before any validator."""
     import time
 
-    from loramux.server.body_prechecks import CountLimits, check_counts
-    from loramux.server.errors import ApiError
+    from loramux.server.http.errors import ApiError
+    from loramux.server.intake.body_prechecks import CountLimits, check_counts
 
     client, _ = limited_context
     body = {"model": MODEL, "messages": [{"role": "user", "content": ""}] * 100_000}
@@ -296,7 +296,7 @@ def limited_context(tiny_dir, tokenizer, tmp_path):
                           st.text(alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=8)),
                 min_size=1, max_size=6))
 def test_the_prompt_bound_never_exceeds_the_real_token_count(tokenizer_once, messages):
-    from loramux.server.prompts import Prompt, chat_template_ids
+    from loramux.server.intake.prompts import Prompt, chat_template_ids
 
     tokenizer, per_message, longest = tokenizer_once
     rendered = [{"role": role, "content": content} for role, content in messages]
@@ -308,7 +308,7 @@ def test_the_prompt_bound_never_exceeds_the_real_token_count(tokenizer_once, mes
 def tokenizer_once(smol_dir):
     from transformers import AutoTokenizer
 
-    from loramux.server.prompts import max_chars_per_token, template_tokens_per_message
+    from loramux.server.intake.prompts import max_chars_per_token, template_tokens_per_message
 
     tokenizer = AutoTokenizer.from_pretrained(smol_dir)
     return tokenizer, template_tokens_per_message(tokenizer), max_chars_per_token(tokenizer)
@@ -334,7 +334,7 @@ def test_an_answer_with_more_logprob_entries_than_the_setting_is_a_400_naming_it
 def test_the_final_json_answer_is_built_off_the_event_loop(limited, monkeypatch):
     import asyncio
 
-    import loramux.server.openai_chat as chat_route
+    import loramux.server.routes.openai_chat as chat_route
 
     client, _ = limited
     on_loop = []

@@ -14,7 +14,7 @@ from conftest import make_engine, make_services, new_tenant_key, write_peft_adap
 from live_server import LiveServer
 from loramux.model.loader import read_model_config
 from loramux.server.app import create_app
-from loramux.server.ingress import json_depth_exceeds
+from loramux.server.http.ingress import json_depth_exceeds
 
 ADMIN_KEY = "lmxa-test-ingress-admin-key-0123456789abcdefghij"
 MODEL = "SmolLM2-135M-Instruct"
@@ -287,7 +287,7 @@ def test_max_chars_per_token_is_the_longest_token_where_every_character_is_cover
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from loramux.server.prompts import Prompt, max_chars_per_token
+    from loramux.server.intake.prompts import Prompt, max_chars_per_token
 
     longest = max(map(len, tokenizer.get_vocab()))
     assert max_chars_per_token(tokenizer) == longest  # byte-level BPE (SmolLM2)

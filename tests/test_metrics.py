@@ -13,8 +13,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from loramux.histogram import DurationHistogram
-from loramux.server.logs import NOISY_LOGGERS, JsonFormatter, configure_logging, request_id_var
-from loramux.server.metrics import CACHE_TIERS, LORA_INFO, LORA_INFO_LABELS, OUTCOMES, ServerMetrics
+from loramux.server.http.logs import NOISY_LOGGERS, JsonFormatter, configure_logging, request_id_var
+from loramux.server.serving.metrics import CACHE_TIERS, LORA_INFO, LORA_INFO_LABELS, OUTCOMES, ServerMetrics
 
 ALLOWED_LABELS = {"tier", "outcome", "kind", "cache_tier", "le"}
 
@@ -192,7 +192,7 @@ def test_raising_state_source_still_renders(broken, caplog):
     m = ServerMetrics()
     m.count_rejected("free", "rate_limited")
     m.set_state_source(broken)
-    with caplog.at_level(logging.ERROR, logger="loramux.server.metrics"):
+    with caplog.at_level(logging.ERROR, logger="loramux.server.serving.metrics"):
         all_samples = samples(m)
     names = {s.name for s in all_samples}
     assert "loramux_tokens_total" in names

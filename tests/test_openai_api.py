@@ -376,7 +376,7 @@ def test_a_request_whose_stream_never_starts_is_still_cleaned_up(small):
     from starlette.requests import ClientDisconnect
 
     from loramux.engine.sampling_params import SamplingParams
-    from loramux.server.serving import RunningStreamingResponse
+    from loramux.server.routes.responses import RunningStreamingResponse
 
     server, keys = small
     services, front = server.services, server.app.state.server
@@ -384,8 +384,9 @@ def test_a_request_whose_stream_never_starts_is_still_cleaned_up(small):
 
     async def scenario():
         ids = services.engine.engine.tokenizer.encode("Count:")
-        running = await front.start(tenant, "tuned", ids, SamplingParams(max_tokens=500, ignore_eos=True),
-                                     "never-read", time.monotonic())
+        admitted = await front.admit(tenant, None, len(ids) + 500, time.monotonic())
+        running = await front.launch(admitted, "tuned", ids, SamplingParams(max_tokens=500, ignore_eos=True),
+                                     "never-read")
         assert front.limiter.in_flight(tenant.tenant_id) == 1
 
         async def body():

@@ -76,7 +76,7 @@ def test_the_json_string_scan_matches_the_possessive_one_it_replaced():
     """The non-possessive pattern in the ingress depth scan finds the same strings (random bodies)."""
     import random
 
-    from loramux.server.ingress import _JSON_STRING
+    from loramux.server.http.ingress import _JSON_STRING
 
     possessive = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"?', re.S)
     rng = random.Random(7)

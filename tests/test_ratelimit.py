@@ -1,4 +1,4 @@
-"""Per-tenant rate limits and concurrency caps (loramux.server.ratelimit): fake clock, no sleeps."""
+"""Per-tenant rate limits and concurrency caps (loramux.rate_limits): fake clock, no sleeps."""
 from __future__ import annotations
 
 import sys
@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from loramux.server.ratelimit import Admission, RateLimited, RateLimiter, RequestTooLarge, TierLimits
+from loramux.rate_limits import Admission, RateLimited, RateLimiter, RequestTooLarge, TierLimits
 
 
 class FakeClock:

@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("limits", reason="the ray extra is not installed")
 
-from loramux.server.ratelimit import RateLimited, RequestTooLarge, TierLimits  # noqa: E402
-from loramux.server.shared_ratelimit import SharedRateLimiter  # noqa: E402
+from loramux.cluster.shared_ratelimit import SharedRateLimiter  # noqa: E402
+from loramux.rate_limits import RateLimited, RequestTooLarge, TierLimits  # noqa: E402
 
 
 @pytest.fixture
@@ -109,7 +109,7 @@ def test_a_refused_request_gives_its_concurrency_slot_back(pair):
 
 
 def test_redis_unreachable_admits_in_the_open_fail_mode_and_refuses_in_the_closed_one():
-    from loramux.server.shared_ratelimit import LimiterUnavailable
+    from loramux.cluster.shared_ratelimit import LimiterUnavailable
 
     limits = TierLimits(requests_per_min=1, max_concurrent=1, tokens_per_min=100)
     opened = SharedRateLimiter("redis://127.0.0.1:1/0")  # nothing listens on port 1

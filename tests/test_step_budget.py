@@ -161,7 +161,7 @@ def test_priority_still_orders_the_chunks():
 
 def test_engine_steps_are_measured_and_exported(tiny_dir, tokenizer):
     from conftest import make_engine
-    from loramux.server.metrics import ServerMetrics
+    from loramux.server.serving.metrics import ServerMetrics
 
     tiny_engine = make_engine(tiny_dir, tokenizer, enable_prefix_caching=False)  # every prompt token computed
     params = SamplingParams(max_tokens=12, ignore_eos=True)

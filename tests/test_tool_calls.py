@@ -8,10 +8,17 @@ import pytest
 from openai.lib.streaming.chat._completions import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
-from loramux.server.chat_stream import ChoiceStream, may_be_call
-from loramux.server.params import ChatMessage
-from loramux.server.tool_calls import NamedToolChoice, Tool, ToolError, parse_calls, plan_tools, template_messages
-from loramux.server.tool_scan import scan_calls
+from loramux.server.intake.params import ChatMessage
+from loramux.server.intake.tool_calls import (
+    NamedToolChoice,
+    Tool,
+    ToolError,
+    parse_calls,
+    plan_tools,
+    template_messages,
+)
+from loramux.server.intake.tool_scan import scan_calls
+from loramux.server.routes.chat_stream import ChoiceStream, may_be_call
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
@@ -191,7 +198,7 @@ def test_a_template_that_takes_tools_renders_them_itself(tokenizer):
     import asyncio
     import copy
 
-    from loramux.server.prompts import template_takes_tools, tokenize_chat
+    from loramux.server.intake.prompts import template_takes_tools, tokenize_chat
 
     assert not template_takes_tools(_Engine(tokenizer))  # SmolLM2's template knows no tools
     tooled = copy.deepcopy(tokenizer)
@@ -215,8 +222,8 @@ def test_a_compile_that_takes_too_long_is_a_400_and_a_bad_spec_a_400_with_its_me
 
     from loramux.engine.grammar import StructuredOutputTooComplex
     from loramux.engine.sampling_params import StructuredOutput
-    from loramux.server.errors import ApiError
-    from loramux.server.response_format import compile_structured
+    from loramux.server.http.errors import ApiError
+    from loramux.server.intake.response_format import compile_structured
 
     def stopped(spec):  # the engine stopped the compile at its time limit (see tests/test_compile_bounds.py)
         raise StructuredOutputTooComplex("response_format json_schema: too complex to compile")

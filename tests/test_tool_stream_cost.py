@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from loramux.server.chat_stream import ChoiceStream
-from loramux.server.tool_calls import Tool, plan_tools
+from loramux.server.intake.tool_calls import Tool, plan_tools
+from loramux.server.routes.chat_stream import ChoiceStream
 
 TOOLS = [Tool.model_validate({"type": "function", "function": {"name": "write", "parameters": {
     "type": "object", "properties": {"text": {"type": "string"}}}}})]
@@ -62,7 +62,7 @@ def test_streaming_a_call_costs_linear_work_in_its_length(tool_choice):
 
 
 def test_the_scanner_examines_each_character_about_once():
-    from loramux.server.tool_scan import CallScanner
+    from loramux.server.intake.tool_scan import CallScanner
 
     text = call_text(20_000)
     scanner = CallScanner()
@@ -85,7 +85,7 @@ def view(scanned):
 
 
 def test_fed_in_pieces_the_scanner_answers_what_one_scan_of_the_text_so_far_answers():
-    from loramux.server.tool_scan import CallScanner, scan_calls
+    from loramux.server.intake.tool_scan import CallScanner, scan_calls
 
     rng = random.Random(5)
     alphabet = list('{}[]",:\\ nx1\n') + ['"name"', '"parameters"', '"arguments"']
@@ -103,7 +103,7 @@ def test_fed_in_pieces_the_scanner_answers_what_one_scan_of_the_text_so_far_answ
 
 
 def test_arguments_since_reads_only_the_new_end():
-    from loramux.server.tool_scan import CallScanner
+    from loramux.server.intake.tool_scan import CallScanner
 
     scanner = CallScanner()
     for piece in ('{"name": "w", "parameters": {"a"', ': "bc', 'd"', "}}"):

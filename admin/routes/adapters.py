@@ -18,8 +18,8 @@ from loramux.admin.routes.schemas import (
     WarmedAdapter,
 )
 from loramux.admin.uploads import receive_upload
-from loramux.server.bodies import RequestBody
 from loramux.server.deps import ServicesDep
+from loramux.server.http.bodies import RequestBody
 from loramux.services import adapters as ops
 
 router = APIRouter(prefix="/adapters")

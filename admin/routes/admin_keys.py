@@ -7,8 +7,8 @@ from pydantic import Field
 from loramux.admin.deps import AdminDep
 from loramux.admin.keys import AdminKeyInfo
 from loramux.admin.routes.schemas import AdminKeyList, NewKey, RevokedAdminKey
-from loramux.server.bodies import RequestBody
 from loramux.server.deps import ServicesDep
+from loramux.server.http.bodies import RequestBody
 from loramux.services import admin_keys as ops
 
 router = APIRouter(prefix="/keys")

@@ -9,7 +9,7 @@ from fastapi.responses import StreamingResponse
 from loramux.admin.billing import FORMATS, content_type
 from loramux.admin.routes.schemas import BillingSummary
 from loramux.server.deps import ServicesDep
-from loramux.server.downloads import download_response
+from loramux.server.http.downloads import download_response
 from loramux.services import billing as ops
 
 router = APIRouter(prefix="/billing")

@@ -9,8 +9,8 @@ from pydantic import Field
 
 from loramux.admin.pricing import PriceInfo
 from loramux.admin.routes.schemas import Price, PriceList
-from loramux.server.bodies import RequestBody
 from loramux.server.deps import ServerDep, ServicesDep
+from loramux.server.http.bodies import RequestBody
 from loramux.services import prices as ops
 
 router = APIRouter(prefix="/prices")

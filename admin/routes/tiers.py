@@ -5,8 +5,8 @@ from fastapi import APIRouter
 from pydantic import Field
 
 from loramux.admin.routes.schemas import Tier, TierList
-from loramux.server.bodies import RequestBody
 from loramux.server.deps import ServicesDep
+from loramux.server.http.bodies import RequestBody
 from loramux.services import tenants as ops
 from loramux.tenancy import TierInfo
 

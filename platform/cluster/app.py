@@ -71,8 +71,8 @@ def _ingress_deployment(settings: Settings):
 
     def build_asgi():
         from loramux.cluster.ingress_services import ingress_services
+        from loramux.cluster.shared_ratelimit import SharedRateLimiter
         from loramux.server.app import create_app
-        from loramux.server.shared_ratelimit import SharedRateLimiter
 
         handle = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=APP_NAME)
         own = replica_settings(public)

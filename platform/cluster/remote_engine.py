@@ -1,6 +1,6 @@
 """The AsyncEngine interface, served by engine replicas behind a Ray Serve deployment handle.
 
-The ingress's routes, limits and ledger run unchanged on top of it (see `loramux.server.serving`): what
+The ingress's routes, limits and ledger run unchanged on top of it (see `loramux.server.serving.server`): what
 differs is where tokens come from. Tokenizing happens here, with the model's own tokenizer (no weights are
 loaded on the ingress); generation is a streaming call to a replica chosen by Ray Serve's model
 multiplexing, keyed by the adapter version's digest; engine-wide state (stats, residency, queue wait) comes
@@ -101,7 +101,7 @@ class RemoteEngine:
     @property
     def max_chars_per_token(self) -> int | None:
         if not hasattr(self, "_max_chars_per_token"):
-            from loramux.server.prompts import max_chars_per_token
+            from loramux.server.intake.prompts import max_chars_per_token
 
             self._max_chars_per_token = max_chars_per_token(self.tokenizer)
         return self._max_chars_per_token
@@ -110,7 +110,7 @@ class RemoteEngine:
         return self.tokenizer.encode(text)
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        from loramux.server.prompts import chat_template_ids
+        from loramux.server.intake.prompts import chat_template_ids
 
         return chat_template_ids(self.tokenizer, messages)
 

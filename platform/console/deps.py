@@ -20,7 +20,7 @@ from loramux.console.session import (
     secure_cookies,
 )
 from loramux.server.deps import ServicesDep
-from loramux.server.forwarded import request_scheme
+from loramux.server.http.forwarded import request_scheme
 
 TEMPLATES = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
 

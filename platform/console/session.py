@@ -58,7 +58,7 @@ def csrf_matches(session: ConsoleSession, presented: str | None) -> bool:
 
 def secure_cookies(setting: str, scheme: str) -> bool:
     """Whether cookies get `Secure`: `console_secure_cookies` ("auto", "always", "never") and the scheme the
-    client used (`loramux.server.forwarded.request_scheme`)."""
+    client used (`loramux.server.http.forwarded.request_scheme`)."""
     return setting == "always" or (setting == "auto" and scheme == "https")
 
 

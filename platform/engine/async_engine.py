@@ -217,9 +217,9 @@ class AsyncEngine:
     def max_chars_per_token(self) -> int | None:
         """The most characters of text one token can stand for (None: this tokenizer has no such bound),
         so that a prompt too long for the context is refused before it is tokenized. Computed once; see
-        `loramux.server.prompts.max_chars_per_token`."""
+        `loramux.server.intake.prompts.max_chars_per_token`."""
         if not hasattr(self, "_max_chars_per_token"):
-            from loramux.server.prompts import max_chars_per_token
+            from loramux.server.intake.prompts import max_chars_per_token
 
             self._max_chars_per_token = max_chars_per_token(self.engine.tokenizer)
         return self._max_chars_per_token

@@ -2,7 +2,7 @@
 metrics (engine-wide stats are an admin route).
 
 Every route except /health, /ready, /metrics (behind `metrics_key` when one is set) and the API docs needs
-a key (a tenant key; an admin key under /admin), checked by `loramux.server.ingress:Ingress` before any
+a key (a tenant key; an admin key under /admin), checked by `loramux.server.http.ingress:Ingress` before any
 body is read, which also caps bodies (`max_request_bytes`, 413) and their JSON nesting. Errors have OpenAI's shape,
 `{"error": {"message", "type", "param", "code"}}`, with the right status (400/401/403/404/413/422/429/503)
 and a Retry-After header where waiting helps.
@@ -20,16 +20,17 @@ from loramux.console.revocations import SessionRevocations
 from loramux.console.routes import install_console
 from loramux.console.session import SessionSigner
 from loramux.names import base_model_id
-from loramux.server import native, openai_api
-from loramux.server.auth_failures import AuthFailureLimiter
+from loramux.rate_limits import RateLimiter
 from loramux.server.deps import ServicesDep
-from loramux.server.errors import error_response, install_error_handlers
-from loramux.server.forwarded import parse_trusted_proxies
-from loramux.server.ingress import OPEN_PATHS, Ingress
-from loramux.server.metrics import ServerMetrics
-from loramux.server.metrics_auth import scrape_allowed
-from loramux.server.ratelimit import RateLimiter
-from loramux.server.serving import Server
+from loramux.server.error_handlers import install_error_handlers
+from loramux.server.http.auth_failures import AuthFailureLimiter
+from loramux.server.http.errors import error_response
+from loramux.server.http.forwarded import parse_trusted_proxies
+from loramux.server.http.ingress import OPEN_PATHS, Ingress
+from loramux.server.http.metrics_auth import scrape_allowed
+from loramux.server.routes import native, openai_api
+from loramux.server.serving.metrics import ServerMetrics
+from loramux.server.serving.server import Server
 
 
 def create_app(services_factory, ledger_hooks: list | None = None, limiter_factory=RateLimiter) -> FastAPI:

@@ -6,8 +6,8 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from loramux.server.ingress import Refusal, resolve_tenant
-from loramux.server.serving import Server
+from loramux.server.http.ingress import Refusal, resolve_tenant
+from loramux.server.serving.server import Server
 from loramux.services.container import Services
 from loramux.tenancy import TenantContext
 
@@ -24,7 +24,7 @@ def get_server(request: Request) -> Server:
 
 async def get_tenant(request: Request,
                      credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> TenantContext:
-    """The tenant `loramux.server.ingress:Ingress` resolved before the body was read; without that
+    """The tenant `loramux.server.http.ingress:Ingress` resolved before the body was read; without that
     middleware (an app assembled differently), the same checks here."""
     tenant = request.scope.get("state", {}).get("tenant")
     if tenant is None:

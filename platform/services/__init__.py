@@ -10,6 +10,6 @@ share (plain arguments in, domain records or small DTOs out, no HTTP types), ove
     engine_state the engine's and the replicas' live state, latency per minute
 
 Errors are the domain's own exceptions (tenancy, registry, prices, billing, admin keys) plus the few
-defined here; `loramux.server.errors` maps each family to an HTTP status.
+defined here; `loramux.server.http.errors` maps each family to an HTTP status.
 """
 from __future__ import annotations

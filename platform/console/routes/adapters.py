@@ -17,7 +17,7 @@ from loramux.admin.uploads import receive_upload
 from loramux.console.deps import CheckedForm, CsrfRejected, Operator, render
 from loramux.console.session import CSRF_FIELD, csrf_matches
 from loramux.server.deps import ServicesDep
-from loramux.server.errors import ApiError
+from loramux.server.http.errors import ApiError
 from loramux.services import adapters as ops
 from loramux.services import tenants
 

@@ -11,7 +11,7 @@ from loramux.console.deps import Operator, RevocationsDep, SecureCookieDep, Sign
 from loramux.console.session import COOKIE, cookie_options, csrf_matches
 from loramux.constant_time import same_secret
 from loramux.server.deps import ServicesDep
-from loramux.server.ingress import FAILED_KEYS, Refusal, failure_limit, resolve_admin, retry_after_header
+from loramux.server.http.ingress import FAILED_KEYS, Refusal, failure_limit, resolve_admin, retry_after_header
 
 router = APIRouter()
 

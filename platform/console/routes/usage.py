@@ -11,7 +11,7 @@ from loramux.admin.billing import FORMATS, BillingQueryError
 from loramux.console.deps import Operator, render
 from loramux.db.models import utcnow
 from loramux.server.deps import ServicesDep
-from loramux.server.downloads import download_response
+from loramux.server.http.downloads import download_response
 from loramux.services import adapters, billing, tenants
 
 router = APIRouter(prefix="/usage")

@@ -6,7 +6,7 @@ import json
 import logging
 from collections.abc import AsyncIterator
 
-from loramux.server.errors import ApiError, error_body
+from loramux.server.http.errors import ApiError, error_body
 
 log = logging.getLogger(__name__)
 

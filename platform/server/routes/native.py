@@ -11,14 +11,15 @@ from fastapi.responses import JSONResponse
 from pydantic import AliasChoices, Field, model_validator
 
 from loramux.engine.engine import RequestOutput
-from loramux.server.body_prechecks import PrecheckedRoute
 from loramux.server.deps import ServerDep, ServicesDep, TenantDep
-from loramux.server.params import ChatMessage, GenerationParams
-from loramux.server.prompts import Prompt
-from loramux.server.response_format import MAX_CHOICES, ResponseFormat, from_native
-from loramux.server.serving import Running, respond
-from loramux.server.sse import DONE, STREAMED, sse_event
-from loramux.server.tool_calls import template_messages
+from loramux.server.http.sse import DONE, STREAMED, sse_event
+from loramux.server.intake.body_prechecks import PrecheckedRoute
+from loramux.server.intake.params import ChatMessage, GenerationParams
+from loramux.server.intake.prompts import Prompt
+from loramux.server.intake.response_format import MAX_CHOICES, ResponseFormat, from_native
+from loramux.server.intake.tool_calls import template_messages
+from loramux.server.routes.responses import respond
+from loramux.server.serving.running import Running
 
 router = APIRouter(tags=["native"], route_class=PrecheckedRoute)
 
@@ -33,7 +34,7 @@ class GenerateRequest(GenerationParams):
     prompt: str | None = None
     adapter_id: str | None = Field(default=None, validation_alias=AliasChoices("adapter_id", "adapter"))
     messages: list[ChatMessage] | None = None
-    # At most one output constraint (400 for two); see loramux.server.response_format.
+    # At most one output constraint (400 for two); see loramux.server.intake.response_format.
     response_format: ResponseFormat | None = None
     regex: str | None = Field(default=None, max_length=10_000, description="the output matches this regular "
                               "expression in full")

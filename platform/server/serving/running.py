@@ -14,10 +14,10 @@ from loramux.adapters.tiers import Acquired
 from loramux.admin.ledger import durable
 from loramux.engine.async_engine import EngineDeadError
 from loramux.engine.engine import RequestOutput
-from loramux.server.errors import ApiError
+from loramux.server.http.errors import ApiError
 from loramux.tenancy import TenantContext
 
-log = logging.getLogger("loramux.server.serving")
+log = logging.getLogger(__name__)
 
 BILLING_WAIT_S = 5.0  # longest an answer waits for its ledger row to be durable (a stuck disk)
 # How a request with several choices ends: the first of these that one of its choices ended with.

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from fastapi.concurrency import run_in_threadpool
 
-from loramux.server.errors import ApiError
+from loramux.server.http.errors import ApiError
 
 # Tokenizer parts (HF `tokenizers` JSON types) that never make text shorter: with only these, every
 # character of the input is covered by some token. Others (whitespace splitting, stripping, regex

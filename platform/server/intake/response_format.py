@@ -20,8 +20,8 @@ from pydantic import ConfigDict, Field
 from loramux.engine.compile_pool import CompileBusy
 from loramux.engine.grammar import StructuredOutputTooComplex
 from loramux.engine.sampling_params import StructuredOutput
-from loramux.server.bodies import RequestBody
-from loramux.server.errors import ApiError
+from loramux.server.http.bodies import RequestBody
+from loramux.server.http.errors import ApiError
 
 FORMAT_TYPES = ("text", "json_object", "json_schema")
 MAX_CHOICES = 1024  # strings in a native `choice` list

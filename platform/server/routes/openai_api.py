@@ -1,11 +1,11 @@
-"""OpenAI-compatible routes: /v1/models, /v1/chat/completions (`loramux.server.openai_chat`),
-/v1/completions (`loramux.server.openai_completions`).
+"""OpenAI-compatible routes: /v1/models, /v1/chat/completions (`loramux.server.routes.openai_chat`),
+/v1/completions (`loramux.server.routes.openai_completions`).
 
 `model` is the base model's id (or "base") or an adapter the tenant may use: its name, `ad_<id>`, or
 `owner/name` for another tenant's public adapter, optionally `@<version>`. Responses follow OpenAI's
 shapes; loramux's extras (queue_ms, ttft_ms, tokens_per_s, adapter version and cache tier, fallback)
 are in the `loramux` field and in `X-Loramux-*` headers. Extra request parameters: see
-`loramux.server.params.GenerationParams`. What OpenAI has and this server does not (legacy functions,
+`loramux.server.intake.params.GenerationParams`. What OpenAI has and this server does not (legacy functions,
 audio, images, suffix, batched prompts, best_of) is refused with 400, never silently ignored.
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.concurrency import run_in_threadpool
 
-from loramux.server import openai_chat, openai_completions
 from loramux.server.deps import ServerDep, ServicesDep, TenantDep
+from loramux.server.routes import openai_chat, openai_completions
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 

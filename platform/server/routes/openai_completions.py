@@ -1,5 +1,5 @@
 """`POST /v1/completions`: OpenAI's legacy text completions, with `n` choices, top logprobs, `echo` and
-structured output (`response_format`, an extension here). See `loramux.server.openai_api`."""
+structured output (`response_format`, an extension here). See `loramux.server.routes.openai_api`."""
 from __future__ import annotations
 
 import time
@@ -10,10 +10,13 @@ from pydantic import Field
 
 from loramux.engine.engine import RequestOutput
 from loramux.engine.sampling_params import MAX_TOP_LOGPROBS
-from loramux.server.body_prechecks import PrecheckedRoute
 from loramux.server.deps import ServerDep, ServicesDep, TenantDep
-from loramux.server.errors import ApiError
-from loramux.server.openai_common import (
+from loramux.server.http.errors import ApiError
+from loramux.server.http.sse import DONE, STREAMED, sse_event
+from loramux.server.intake.body_prechecks import PrecheckedRoute
+from loramux.server.intake.prompts import Prompt, decode
+from loramux.server.intake.response_format import ResponseFormat, from_response_format
+from loramux.server.routes.openai_common import (
     DEFAULT_TEMPERATURE,
     OpenAIParams,
     check_n,
@@ -25,11 +28,8 @@ from loramux.server.openai_common import (
     unsupported,
     usage,
 )
-from loramux.server.prompts import Prompt, decode
-from loramux.server.response_format import ResponseFormat, from_response_format
-from loramux.server.running import Running
-from loramux.server.serving import respond
-from loramux.server.sse import DONE, STREAMED, sse_event
+from loramux.server.routes.responses import respond
+from loramux.server.serving.running import Running
 
 router = APIRouter(route_class=PrecheckedRoute)
 

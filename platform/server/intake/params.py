@@ -13,8 +13,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from loramux.engine.sampling_params import LOGIT_BIAS_LIMIT, SamplingParams
-from loramux.server.bodies import RequestBody
-from loramux.server.errors import ApiError
+from loramux.server.http.bodies import RequestBody
+from loramux.server.http.errors import ApiError
 
 MAX_USER_CHARS = 256
 MAX_LOGIT_BIAS_ENTRIES = 300  # the engine's limit (SamplingParams.validate)
@@ -81,7 +81,7 @@ class ChatMessage(RequestBody):
 
     def as_template_message(self) -> dict[str, str]:
         """The message as the chat template takes it ("developer" is OpenAI's newer name for "system");
-        tool calls and tool results are rendered by `loramux.server.tool_calls.template_messages`."""
+        tool calls and tool results are rendered by `loramux.server.intake.tool_calls.template_messages`."""
         return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
 
 
@@ -163,7 +163,7 @@ class GenerationParams(RequestBody):
 def check_prompt_bound(at_least: int, max_model_len: int, exact: bool = False) -> None:
     """Refuse (400 context_length_exceeded) a prompt of at least `at_least` tokens (exactly, with `exact`)
     that leaves no room in the context: before tokenizing with the bound from
-    `loramux.server.prompts:Prompt.min_tokens`, after it with the real count."""
+    `loramux.server.intake.prompts:Prompt.min_tokens`, after it with the real count."""
     if at_least >= max_model_len:
         raise ApiError(400, f"the prompt has {'' if exact else 'at least '}{at_least} tokens; this model accepts "
                             f"at most {max_model_len - 1} prompt tokens", code="context_length_exceeded")

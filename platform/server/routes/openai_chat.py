@@ -1,5 +1,5 @@
 """`POST /v1/chat/completions`: OpenAI's chat completions, with structured output (`response_format`),
-tool calls, `n` choices and top logprobs. See `loramux.server.openai_api` for models and extras."""
+tool calls, `n` choices and top logprobs. See `loramux.server.routes.openai_api` for models and extras."""
 from __future__ import annotations
 
 import time
@@ -10,11 +10,25 @@ from fastapi.responses import JSONResponse
 from pydantic import Field
 
 from loramux.engine.engine import RequestOutput
-from loramux.server.body_prechecks import PrecheckedRoute
-from loramux.server.chat_stream import ChoiceStream
 from loramux.server.deps import ServerDep, ServicesDep, TenantDep
-from loramux.server.errors import ApiError
-from loramux.server.openai_common import (
+from loramux.server.http.errors import ApiError
+from loramux.server.http.sse import DONE, STREAMED, sse_event
+from loramux.server.intake.body_prechecks import PrecheckedRoute
+from loramux.server.intake.params import ChatMessage
+from loramux.server.intake.prompts import Prompt, template_takes_tools
+from loramux.server.intake.response_format import ResponseFormat, from_response_format
+from loramux.server.intake.tool_calls import (
+    MAX_TOOLS,
+    Tool,
+    ToolChoice,
+    ToolPlan,
+    parse_calls,
+    plan_tools,
+    template_messages,
+    with_tool_prompt,
+)
+from loramux.server.routes.chat_stream import ChoiceStream
+from loramux.server.routes.openai_common import (
     DEFAULT_TEMPERATURE,
     OpenAIParams,
     chat_logprobs,
@@ -25,21 +39,7 @@ from loramux.server.openai_common import (
     refuse_given,
     usage,
 )
-from loramux.server.params import ChatMessage
-from loramux.server.prompts import Prompt, template_takes_tools
-from loramux.server.response_format import ResponseFormat, from_response_format
-from loramux.server.serving import respond
-from loramux.server.sse import DONE, STREAMED, sse_event
-from loramux.server.tool_calls import (
-    MAX_TOOLS,
-    Tool,
-    ToolChoice,
-    ToolPlan,
-    parse_calls,
-    plan_tools,
-    template_messages,
-    with_tool_prompt,
-)
+from loramux.server.routes.responses import respond
 from loramux.tenancy import TierInfo
 
 router = APIRouter(route_class=PrecheckedRoute)

@@ -6,7 +6,7 @@ text of its arguments so far, so a stream can forward argument text as it is gen
 characters costs O(n) in all, whatever the number or size of its deltas (rescanning the whole text per
 delta made long calls quadratic). `scan_calls(text)` scans a whole text at once.
 
-Only the shape is checked here; `loramux.server.tool_calls.parse_calls` checks a finished answer (known
+Only the shape is checked here; `loramux.server.intake.tool_calls.parse_calls` checks a finished answer (known
 names, arguments that parse as an object).
 """
 from __future__ import annotations

@@ -19,10 +19,10 @@ from typing import Any, Literal
 from pydantic import Field
 
 from loramux.engine.sampling_params import StructuredOutput
-from loramux.server.bodies import RequestBody
-from loramux.server.params import ChatMessage, MessageToolCall
-from loramux.server.response_format import schema_output
-from loramux.server.tool_scan import scan_calls
+from loramux.server.http.bodies import RequestBody
+from loramux.server.intake.params import ChatMessage, MessageToolCall
+from loramux.server.intake.response_format import schema_output
+from loramux.server.intake.tool_scan import scan_calls
 
 MAX_TOOLS = 128
 # Most calls in one answer with parallel calls: a model that loops (small ones do) cannot run on with calls.

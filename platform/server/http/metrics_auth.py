@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from loramux.constant_time import same_secret
-from loramux.server.ingress import bearer_token
+from loramux.server.http.ingress import bearer_token
 
 
 def scrape_allowed(metrics_key: str, authorization: str | None) -> bool:

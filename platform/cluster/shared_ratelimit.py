@@ -1,5 +1,5 @@
 """Rate limits and concurrency caps shared by every ingress replica, kept in Redis (torch-free, no HTTP
-types). Same interface and errors as `loramux.server.ratelimit.RateLimiter`, which single-process servers
+types). Same interface and errors as `loramux.rate_limits.RateLimiter`, which single-process servers
 keep using.
 
 * `requests_per_min`: a moving window (the `limits` library's, on Redis): at most that many admissions in
@@ -30,7 +30,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
-from loramux.server.ratelimit import RateLimited, RequestTooLarge, TierLimits
+from loramux.rate_limits import RateLimited, RequestTooLarge, TierLimits
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@
    `scope["state"]` ("tenant" / "admin"), where `loramux.server.deps:get_tenant` and
    `loramux.admin.deps:get_admin` find it instead of authenticating twice. Refusals (401, 403) are
    answered at once in OpenAI's error shape, the body unread. A client address (see
-   `loramux.server.forwarded`) past `Settings.auth_failures_per_min` unknown keys gets 429 with
-   Retry-After before its key is looked up (`loramux.server.auth_failures`).
+   `loramux.server.http.forwarded`) past `Settings.auth_failures_per_min` unknown keys gets 429 with
+   Retry-After before its key is looked up (`loramux.server.http.auth_failures`).
 2. **The size.** Bodies are capped at `Settings.max_request_bytes` (413): a declared Content-Length
    above it is refused at once, a chunked body as soon as the bytes streamed in pass it. Adapter uploads
    (`POST /admin/adapters`) are passed through unbuffered: `loramux.admin.uploads:receive_upload` caps
@@ -36,9 +36,9 @@ from fastapi.security.utils import get_authorization_scheme_param
 from starlette.datastructures import Headers
 
 from loramux.admin.keys import ADMIN_KEY_PREFIX, AdminKeyInfo
-from loramux.server.auth_failures import AuthFailureLimiter
-from loramux.server.errors import error_response
-from loramux.server.forwarded import client_address
+from loramux.server.http.auth_failures import AuthFailureLimiter
+from loramux.server.http.errors import error_response
+from loramux.server.http.forwarded import client_address
 from loramux.tenancy import KEY_PREFIX, TenantContext
 
 MAX_JSON_DEPTH = 64  # arrays and objects nested in each other; OpenAI's request shapes need fewer than 8

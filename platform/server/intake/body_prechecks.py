@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.routing import APIRoute
 
-from loramux.server.errors import ApiError
-from loramux.server.params import has_control_chars
+from loramux.server.http.errors import ApiError
+from loramux.server.intake.params import has_control_chars
 
 
 @dataclass(frozen=True)

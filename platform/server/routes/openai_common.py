@@ -9,10 +9,10 @@ from fastapi.responses import JSONResponse
 from pydantic import Field
 
 from loramux.engine.engine import RequestOutput
-from loramux.server.bodies import RequestBody
-from loramux.server.errors import ApiError
-from loramux.server.params import GenerationParams
-from loramux.server.running import Running
+from loramux.server.http.bodies import RequestBody
+from loramux.server.http.errors import ApiError
+from loramux.server.intake.params import GenerationParams
+from loramux.server.serving.running import Running
 from loramux.tenancy import TierInfo
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default

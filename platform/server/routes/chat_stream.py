@@ -11,8 +11,8 @@ beginning of the text decides whether it may be a call, and the text is joined o
 """
 from __future__ import annotations
 
-from loramux.server.tool_calls import ToolPlan, new_call_id, parse_calls
-from loramux.server.tool_scan import CallScanner, Scanned
+from loramux.server.intake.tool_calls import ToolPlan, new_call_id, parse_calls
+from loramux.server.intake.tool_scan import CallScanner, Scanned
 
 Delta = tuple[dict, list | None]  # (the chunk's `delta`, the chunk's logprobs `content` entries or None)
 

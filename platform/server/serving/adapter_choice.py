@@ -1,0 +1,48 @@
+"""Which adapter serves a request: the one it names, resolved for its tenant and brought into host RAM
+within the request's deadline, or, when that fails, the tenant's fallback (another adapter or the base
+model)."""
+from __future__ import annotations
+
+import logging
+
+from fastapi.concurrency import run_in_threadpool
+
+from loramux.adapters.registry import BASE_MODEL_ALIAS, AdapterNotFoundError, AdapterRegistry, AdapterVersionInfo
+from loramux.adapters.tiers import Acquired, AdapterCache, AdapterLoadError
+from loramux.server.http.errors import ApiError
+from loramux.tenancy import TenantContext
+
+log = logging.getLogger(__name__)
+
+
+async def acquire_adapter(registry: AdapterRegistry, cache: AdapterCache, tenant: TenantContext, model: str,
+                          time_left: float, base_model_id: str
+                          ) -> tuple[AdapterVersionInfo | None, Acquired | None, str | None]:
+    """(version, its host-RAM lease, why the fallback serves instead or None) for the adapter `model`
+    names: resolved in the registry for the tenant (404 when it cannot see it) and brought into host RAM
+    within `time_left`; when that fails, the tenant's fallback (the base model: no version) or a 503."""
+    try:
+        version = await run_in_threadpool(registry.resolve, tenant.tenant_id, model)
+    except AdapterNotFoundError:
+        raise ApiError(404, f"model {model!r} not found: use the base model ({base_model_id!r} or 'base') "
+                              "or an adapter listed by GET /v1/models", code="model_not_found") from None
+    try:
+        return version, await cache.acquire(version, max(0.001, time_left)), None
+    except (AdapterLoadError, TimeoutError) as exc:
+        # AdapterLoadError's message is written for tenants (no store URL, bucket or path); its detail is logged.
+        reason = (str(exc) if isinstance(exc, AdapterLoadError)
+                  else f"adapter {version.label} could not be loaded within the request's deadline")
+        if tenant.fallback in ("", "none"):
+            raise ApiError(503, reason, retry_after_s=5.0, code="adapter_unavailable") from None
+        log.warning("serving the fallback %r instead: %s", tenant.fallback, reason)
+        if tenant.fallback == BASE_MODEL_ALIAS:
+            return None, None, reason
+        try:  # the fallback adapter must itself be visible and loadable
+            fallback = await run_in_threadpool(registry.resolve, tenant.tenant_id, tenant.fallback)
+            return fallback, await cache.acquire(fallback, max(0.001, time_left)), reason
+        except Exception as fallback_exc:  # noqa: BLE001 - any failure of the fallback is a 503 too
+            log.warning("the fallback %r failed too: %r", tenant.fallback, fallback_exc)
+            shown = str(fallback_exc) if isinstance(fallback_exc, (AdapterLoadError, AdapterNotFoundError)) \
+                else "it could not be loaded"
+            raise ApiError(503, f"{reason}; the fallback {tenant.fallback!r} failed too: {shown}",
+                           retry_after_s=5.0, code="adapter_unavailable") from None

@@ -1,0 +1,178 @@
+"""One request from admission to its ledger record, shared by the OpenAI and native routes.
+
+Order of checks, cheapest first (the key and the body's size were checked before, by
+`loramux.server.http.ingress`): timeout within the tier's maximum -> rate limits (429), with the prompt's
+token count bounded from its length -> whether the queue can meet the deadline (503) -> a prompt whose
+bound cannot fit the context (400) -> tokenizing -> max_tokens against the context (400) -> compiling a
+structured-output constraint, off the event loop and bounded in time (400) -> the adapter: resolve in the
+registry (404), bring it into host RAM within the deadline (503, or the tenant's fallback) -> the engine
+(one request per choice: `n` siblings sharing the prompt's KV blocks). Everything taken on the way (rate
+limit admission, adapter lease) is given back exactly once, when a later check refuses the request or when
+it ends, however it ends, and the finished request goes to the ledger hooks and the metrics (one record).
+The steps live beside this module: `admission`, `adapter_choice`, `running` (outputs), `record` (the end).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+from loramux.adapters.registry import BASE_MODEL_ALIAS
+from loramux.engine.engine import RequestError, RequestOutput
+from loramux.engine.sampling_params import SamplingParams, StructuredOutput
+from loramux.rate_limits import RateLimiter
+from loramux.server.http.errors import ApiError
+from loramux.server.http.logs import request_id_var
+from loramux.server.intake.params import GenerationParams, check_logprob_volume, check_prompt_bound, resolve_max_tokens
+from loramux.server.intake.prompts import Prompt, tokens_per_message
+from loramux.server.intake.response_format import compile_structured
+from loramux.server.serving.adapter_choice import acquire_adapter
+from loramux.server.serving.admission import Admitted, admit
+from loramux.server.serving.record import finish
+from loramux.server.serving.running import Running
+from loramux.tenancy import TenantContext
+from loramux.usage import RequestRecord
+
+if TYPE_CHECKING:
+    from loramux.server.serving.metrics import ServerMetrics
+    from loramux.services.container import Services
+
+log = logging.getLogger(__name__)
+SEED_LIMIT = 2**63  # SamplingParams' seed range; sibling seeds wrap around within it
+
+
+class Server:
+    """Admission and bookkeeping around the engine for the HTTP routes."""
+
+    def __init__(self, services: Services, limiter: RateLimiter, metrics: ServerMetrics,
+                 ledger_hooks: list[Callable[[RequestRecord], None]], model_id: str):
+        self.services = services
+        self.limiter = limiter
+        self.metrics = metrics
+        self.ledger_hooks = ledger_hooks
+        self.model_id = model_id
+        self._admissions: dict[str, object] = {}
+
+    def is_base(self, model: str | None) -> bool:
+        return model in (None, "", BASE_MODEL_ALIAS, self.model_id)
+
+    async def admit(self, tenant: TenantContext, timeout_s: float | None, estimated_tokens: int,
+                    arrival: float, slots: int = 1) -> Admitted:
+        """`loramux.server.serving.admission.admit` with this server's limiter, metrics and engine."""
+        return await admit(self.limiter, self.metrics, self.services.engine, tenant, timeout_s, estimated_tokens,
+                           arrival, slots)
+
+    async def start_generation(self, tenant: TenantContext, model: str | None, prompt: Prompt,
+                               body: GenerationParams, arrival: float, *, id_prefix: str, max_tokens: int | None,
+                               default_max_tokens: int, default_temperature: float, n: int = 1,
+                               sampling: dict | None = None, logprobs_per_token: int = 0,
+                               constraints: Sequence[tuple[StructuredOutput | None, str | None]] = ()) -> Running:
+        """A route's request, cheapest checks first: `admit` with the prompt's token count bounded from its
+        length (`Prompt.min_tokens`), then refuse a prompt whose bound cannot fit the context, and only then
+        tokenize it (the threadpool), resolve max_tokens against the context, apply the route's defaults
+        (`sampling`: more `SamplingParams` fields, e.g. `structured`), compile the structured-output
+        `constraints` ((constraint, what it is called in messages) pairs: the one `sampling` sets, or one
+        compiled only to check it; see `compile_structured`) and `launch` it as `<id_prefix>-<hex>` with
+        `n` choices. The
+        tokens-per-minute bucket is charged the bound (prompt + n x max_tokens) at admission and settled
+        with the real prompt + completion tokens when the request ends. `logprobs_per_token`: the logprob
+        entries the answer holds per generated token (top_logprobs + 1 when logprobs are asked for, else 0),
+        bounded by `check_logprob_volume`. Raises ApiError with nothing held."""
+        request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        request_id_var.set(request_id)  # log lines of this request carry its id
+        engine = self.services.engine
+        context = engine.max_model_len
+        per_message = await tokens_per_message(engine) if prompt.messages else 0
+        at_least = prompt.min_tokens(engine.max_chars_per_token, per_message)
+        # Each choice generates at most max_tokens and at most the room the prompt leaves in the context; a
+        # prompt bound past the context is charged as the context (it is refused right after admission).
+        per_choice = min(max_tokens or default_max_tokens, max(0, context - at_least))
+        admitted = await self.admit(tenant, body.timeout_s, min(at_least, context) + n * per_choice, arrival,
+                                    slots=n)
+        try:
+            check_logprob_volume(n, per_choice, logprobs_per_token, self.services.settings.max_logprob_entries)
+            check_prompt_bound(at_least, context)  # exact for token ids; a bound from the length for text
+            prompt_ids = await prompt.tokenize(engine)
+            max_tokens = resolve_max_tokens(max_tokens, len(prompt_ids), context, default_max_tokens)
+            params = body.sampling_params(max_tokens, default_temperature, **(sampling or {}))
+            for structured, what in constraints:
+                await compile_structured(engine, structured, self.services.settings.structured_compile_timeout_s,
+                                         what)
+        except BaseException:
+            admitted.release()
+            raise
+        return await self.launch(admitted, model, prompt_ids, params, request_id, n=n, user=body.user)
+
+    async def launch(self, admitted: Admitted, model: str | None, prompt_ids: list[int], params: SamplingParams,
+                     request_id: str, n: int = 1, user: str | None = None) -> Running:
+        """Start an admitted request: its adapter (404, 503 or the tenant's fallback), then the engine.
+        From here the admission belongs to the request (given back once when it ends); on an error it is
+        given back at once and ApiError raised.
+
+        With `n` > 1 the choices are sibling engine requests `<request_id>`, `<request_id>.1`, ...: choice 0
+        starts first, and the others only once it has produced its first token, when its prompt's full KV
+        blocks are in the prefix cache, so they reuse them instead of computing the prompt again. With a
+        seed, choice i samples with seed + i: reproducible, and distinct from its siblings."""
+        tenant, arrival = admitted.tenant, admitted.arrival
+        params.timeout_s = admitted.timeout_s
+        lease = None
+        streams: list[AsyncIterator[RequestOutput]] = []
+        ids = [request_id] + [f"{request_id}.{i}" for i in range(1, n)]
+        started: list[Running] = []  # the Running, once it exists, for an abort of a stalled reader
+        try:
+            version, lease, fallback_reason = (None, None, None) if self.is_base(model) else await acquire_adapter(
+                self.services.registry, self.services.adapter_cache, tenant, model,
+                arrival + admitted.timeout_s - time.monotonic(), self.model_id)
+            if version is not None:
+                self.services.request_rates.record(version.adapter_id)
+            salt = tenant.tenant_id if self.services.settings.prefix_cache_per_tenant else None
+            engine = self.services.engine
+
+            def generate(i: int) -> AsyncIterator[RequestOutput]:
+                own = params if i == 0 or params.seed is None else \
+                    dataclasses.replace(params, seed=(params.seed + i) % SEED_LIMIT)
+                stream = engine.generate(ids[i], prompt_ids, own, priority=tenant.tier.priority,
+                                         adapter=lease.adapter if lease else None, arrival=arrival, cache_salt=salt,
+                                         on_abandoned=lambda out: started and self._abandon(started[0], i, out))
+                streams.append(stream)
+                return stream
+
+            try:
+                firsts = [await anext(generate(0))]
+                siblings = await asyncio.gather(*(anext(generate(i)) for i in range(1, n)), return_exceptions=True)
+                for result in siblings:
+                    if isinstance(result, BaseException):
+                        raise result
+                firsts += siblings
+            except RequestError as exc:
+                raise ApiError(400, str(exc)) from None
+        except BaseException:
+            for stream in streams:
+                await stream.aclose()  # aborts the siblings already in the engine
+            admitted.release()
+            if lease is not None:
+                self.services.adapter_cache.release(lease.adapter.digest)
+            raise
+        self._admissions[request_id] = admitted.admission
+        running = Running(request_id, tenant, model or BASE_MODEL_ALIAS, version, lease, fallback_reason,
+                          len(prompt_ids), arrival, ids, streams, firsts, self._finished, user=user,
+                          prompt_ids=prompt_ids)
+        started.append(running)
+        return running
+
+    def _abandon(self, running: Running, index: int, final: RequestOutput) -> None:
+        """Choice `index` was aborted for a stalled reader; its siblings share that reader: abort them too."""
+        for i, rid in enumerate(running.choice_ids):
+            if i != index:
+                self.services.engine.abort(rid)
+        running.abandon(index, final)
+
+    def _finished(self, running: Running, outcome: str) -> list[Future]:
+        """The request ended: see `loramux.server.serving.record.finish`."""
+        return finish(running, outcome, self._admissions.pop(running.request_id, None), self.services.adapter_cache,
+                      self.metrics, self.ledger_hooks, self.model_id)
