@@ -4,7 +4,7 @@
 from its digest, then commits the rows; a failure at any point leaves neither rows nor an orphaned blob.
 `resolve` answers "not found" identically for an adapter that does not exist and one the tenant may not
 see. Deleting is soft for rows (history and billing keep their references) and hard for blobs no live
-version still uses; listeners (the cache tiers) are told so they drop their copies.
+version still uses; listeners (the cache levels) are told so they drop their copies.
 
 Blob lifecycle. Blobs are shared by digest (two uploads of the same bytes are one object), so deleting
 one adapter must never remove bytes another upload is about to reference. Every decision about a blob's

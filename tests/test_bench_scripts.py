@@ -1,4 +1,4 @@
-"""Benchmark scripts stay runnable: gpu_check --tiny (Triton interpreter) and a one-round adapter_tiers."""
+"""Benchmark scripts stay runnable: gpu_check --tiny (Triton interpreter) and a one-round adapter_cache_levels."""
 from __future__ import annotations
 
 import json
@@ -25,9 +25,10 @@ def test_gpu_check_tiny_runs_and_passes():
 
 
 @pytest.mark.real_model
-def test_adapter_tiers_bench_runs_end_to_end():
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "adapter_tiers.py"), "--rounds", "1", "--tokens", "12"],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+def test_adapter_cache_levels_bench_runs_end_to_end():
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "adapter_cache_levels.py"), "--rounds", "1",
+                           "--tokens", "12"], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "FIGURE cold_load_itl_p99_ratio" in proc.stdout and "FIGURE cold_s3_ttft_ms" in proc.stdout
 

@@ -157,7 +157,7 @@ def test_a_replica_compiles_as_generate_starts_off_its_engine_thread(stack, monk
     from loramux.cluster.replica import EngineReplica
 
     server, _ = stack
-    replica = object.__new__(EngineReplica)  # its engine only: no Redis, no adapter tiers
+    replica = object.__new__(EngineReplica)  # its engine only: no Redis, no adapter cache levels
     replica.engine, replica.replica_id, replica._sent = server.services.engine, "r0", {}
     threads = ThreadsThatCompile(grammars_of(server), monkeypatch)
 

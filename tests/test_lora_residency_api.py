@@ -113,7 +113,7 @@ def _registered_version(tmp_path, tiny_cfg, seed: int):
 
 
 def test_adapter_cache_residency_and_load_seconds(tmp_path, tiny_cfg):
-    from loramux.adapters.tiers import AdapterCache, DiskCache, HostCache
+    from loramux.adapters.cache_levels import AdapterCache, DiskCache, HostCache
 
     db, store, version = _registered_version(tmp_path, tiny_cfg, seed=3)
     disk = DiskCache(tmp_path / "disk", 1 << 30)
@@ -125,12 +125,12 @@ def test_adapter_cache_residency_and_load_seconds(tmp_path, tiny_cfg):
         assert {t: s["count"] for t, s in stats["load_seconds"].items()} == {"disk": 0, "store": 0}
         assert not cache.has_in_ram(version.digest) and not cache.has_on_disk(version.digest)
 
-        assert cache.acquire_blocking(version, timeout=30).tier == "store"
+        assert cache.acquire_blocking(version, timeout=30).level == "store"
         cache.release(version.digest)
         assert cache.has_in_ram(version.digest) and cache.has_on_disk(version.digest)
-        assert other.acquire_blocking(version, timeout=30).tier == "disk"
+        assert other.acquire_blocking(version, timeout=30).level == "disk"
         other.release(version.digest)
-        assert cache.acquire_blocking(version, timeout=30).tier == "ram"  # RAM hits are not load timings
+        assert cache.acquire_blocking(version, timeout=30).level == "ram"  # RAM hits are not load timings
         cache.release(version.digest)
 
         stats, other_stats = cache.stats(), other.stats()
@@ -179,7 +179,7 @@ class DoneFirstPool:
 
 
 def test_a_load_done_before_its_callback_is_added_does_not_deadlock(tmp_path, tiny_cfg):
-    from loramux.adapters.tiers import AdapterCache, DiskCache, HostCache
+    from loramux.adapters.cache_levels import AdapterCache, DiskCache, HostCache
 
     db, store, version = _registered_version(tmp_path, tiny_cfg, seed=4)
     disk = DiskCache(tmp_path / "disk", 1 << 30)
@@ -188,7 +188,7 @@ def test_a_load_done_before_its_callback_is_added_does_not_deadlock(tmp_path, ti
     cache._pool.shutdown()
     cache._pool = DoneFirstPool()
     tiers = []
-    worker = threading.Thread(target=lambda: tiers.append(cache.acquire_blocking(version, timeout=5).tier),
+    worker = threading.Thread(target=lambda: tiers.append(cache.acquire_blocking(version, timeout=5).level),
                               daemon=True)
     try:
         worker.start()

@@ -1,5 +1,5 @@
 """The ingress's Services: registry, tenancy, prices, ledger and keys as in one process, with the engine and
-the adapter tiers on the engine replicas instead (`RemoteEngine`, `RemoteAdapterCache`).
+the adapter cache levels on the engine replicas instead (`RemoteEngine`, `RemoteAdapterCache`).
 
 Migrations are not run here: the driver (`loramux serve --ray`) runs them once before any replica starts.
 """
@@ -9,8 +9,8 @@ import logging
 import threading
 from pathlib import Path
 
+from loramux.adapters.cache_levels import Acquired
 from loramux.adapters.registry import AdapterRegistry, AdapterVersionInfo
-from loramux.adapters.tiers import Acquired
 from loramux.adapters.validation import UploadLimits
 from loramux.admin.keys import AdminKeys
 from loramux.admin.ledger import LedgerWriter
@@ -29,7 +29,7 @@ SPOOL_NAME = "ledger-spool.jsonl"
 
 
 class RemoteAdapterCache:
-    """The ingress side of the adapter tiers: nothing is loaded here; a lease names the version, which the
+    """The ingress side of the adapter cache levels: nothing is loaded here; a lease names the version, which the
     replica that serves the request loads through its own tiers."""
 
     async def acquire(self, version: AdapterVersionInfo, timeout: float | None = None) -> Acquired:

@@ -1,4 +1,4 @@
-"""One engine replica: an engine, its own adapter tiers (S3 -> disk -> host RAM -> device) and its snapshot
+"""One engine replica: an engine, its own adapter cache levels (S3 -> disk -> host RAM -> device) and its snapshot
 publisher. Ray Serve wraps it in a deployment (`loramux.cluster.app`); nothing here imports Ray.
 
 Adapters reach a replica by digest: the ingress resolves a request's adapter in the registry and sends the
@@ -12,8 +12,8 @@ import os
 import time
 from pathlib import Path
 
+from loramux.adapters.cache_levels import AdapterCache, DiskCache, HostCache
 from loramux.adapters.registry import AdapterVersionInfo
-from loramux.adapters.tiers import AdapterCache, DiskCache, HostCache
 from loramux.cluster.shared_state import ReplicaDirectory
 from loramux.cluster.wire import to_wire
 from loramux.settings import Settings

@@ -8,8 +8,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from loramux.adapters.cache_levels import AdapterLoadError
 from loramux.adapters.registry import AdapterNotFoundError, RegistryError
-from loramux.adapters.tiers import AdapterLoadError
 from loramux.adapters.validation import AdapterFormatError
 from loramux.admin.billing import BillingQueryError
 from loramux.admin.keys import AdminKeyError

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loramux.adapters.cache_levels import Acquired
 from loramux.adapters.registry import AdapterVersionInfo
-from loramux.adapters.tiers import Acquired
 from loramux.services.billing import usage_last_hour
 from loramux.services.container import Services
 from loramux.text import reject_lone_surrogates
@@ -139,7 +139,7 @@ async def warm_adapter(services: Services, version: AdapterVersionInfo) -> Warme
     """Bring `version` into host RAM now (it stays until the RAM cache needs the room)."""
     lease = await _acquire(services, version)
     services.adapter_cache.release(version.digest)
-    return Warmed(version.adapter_id, version.version, lease.tier, round(lease.load_ms, 1))
+    return Warmed(version.adapter_id, version.version, lease.level, round(lease.load_ms, 1))
 
 
 async def pin_adapter(services: Services, version: AdapterVersionInfo) -> None:

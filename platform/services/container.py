@@ -1,4 +1,4 @@
-"""Wiring: build the database, object store, registry, adapter cache tiers and engine from Settings.
+"""Wiring: build the database, object store, registry, adapter cache levels and engine from Settings.
 
 One `Services` object is what the server (and scripts) hold; its parts stay independent of each other
 and of HTTP.
@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from loramux.adapters.cache_levels import AdapterCache, DiskCache, HostCache
 from loramux.adapters.registry import AdapterRegistry
 from loramux.adapters.store import ObjectStore, open_store
-from loramux.adapters.tiers import AdapterCache, DiskCache, HostCache
 from loramux.adapters.validation import UploadLimits
 from loramux.admin.keys import AdminKeys
 from loramux.admin.ledger import LedgerWriter

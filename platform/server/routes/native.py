@@ -63,7 +63,7 @@ def _final_body(running: Running, out: RequestOutput) -> dict:
         "adapter": version.name if version else None,
         "adapter_id": version.adapter_id if version else None,
         "adapter_version": version.version if version else None,
-        "adapter_tier": running.adapter_tier,
+        "adapter_tier": running.adapter_level,  # the field keeps its published name
         "fallback": running.extension(out).get("fallback"),
     }
 

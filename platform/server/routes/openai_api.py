@@ -3,7 +3,7 @@
 
 `model` is the base model's id (or "base") or an adapter the tenant may use: its name, `ad_<id>`, or
 `owner/name` for another tenant's public adapter, optionally `@<version>`. Responses follow OpenAI's
-shapes; loramux's extras (queue_ms, ttft_ms, tokens_per_s, adapter version and cache tier, fallback)
+shapes; loramux's extras (queue_ms, ttft_ms, tokens_per_s, adapter version and cache level, fallback)
 are in the `loramux` field and in `X-Loramux-*` headers. Extra request parameters: see
 `loramux.server.intake.params.GenerationParams`. What OpenAI has and this server does not (legacy functions,
 audio, images, suffix, batched prompts, best_of) is refused with 400, never silently ignored.

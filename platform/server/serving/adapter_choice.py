@@ -7,8 +7,8 @@ import logging
 
 from fastapi.concurrency import run_in_threadpool
 
+from loramux.adapters.cache_levels import Acquired, AdapterCache, AdapterLoadError
 from loramux.adapters.registry import BASE_MODEL_ALIAS, AdapterNotFoundError, AdapterRegistry, AdapterVersionInfo
-from loramux.adapters.tiers import Acquired, AdapterCache, AdapterLoadError
 from loramux.server.http.errors import ApiError
 from loramux.tenancy import TenantContext
 

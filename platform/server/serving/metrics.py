@@ -2,8 +2,9 @@
 
 Label cardinality is bounded by construction: the only labels are `tier` (the fixed set given to
 `ServerMetrics`, anything else counted as "other"), `outcome` (`OUTCOMES`, else "other"), `kind`
-(`TOKEN_KINDS`) and `cache_tier` (`CACHE_TIERS`: device, ram, disk, store; "device" is the engine's
-adapter memory, the tier once labelled "slot"). Tenant ids, adapter names and request ids never become
+(`TOKEN_KINDS`) and `cache_tier` (`CACHE_TIERS`: the adapter cache levels device, ram, disk, store; "device"
+is the engine's adapter memory, once labelled "slot"; the label keeps its published name, `tier` means the
+tenant's tier). Tenant ids, adapter names and request ids never become
 labels: they belong in the logs and the cost ledger.
 
 The one exception, and the one place adapter references appear in a label value, is `vllm:lora_requests_info`:
@@ -167,12 +168,12 @@ class _StateCollector(Collector):
         kv = GaugeMetricFamily("loramux_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0..1).")
         pinned = GaugeMetricFamily("loramux_adapter_slots_pinned",
                                    "Device adapter slots pinned by scheduled requests.")
-        cache_bytes = GaugeMetricFamily("loramux_adapter_cache_bytes", "Bytes of adapter weights held per cache tier.",
+        cache_bytes = GaugeMetricFamily("loramux_adapter_cache_bytes", "Bytes of adapter weights held per cache level.",
                                         labels=["cache_tier"])
         budget = GaugeMetricFamily("loramux_adapter_cache_budget_bytes",
-                                   "Byte budget of each adapter cache tier (device: the device adapter pool).",
+                                   "Byte budget of each adapter cache level (device: the device adapter pool).",
                                    labels=["cache_tier"])
-        resident = GaugeMetricFamily("loramux_adapters_resident", "Adapter versions held per cache tier.",
+        resident = GaugeMetricFamily("loramux_adapters_resident", "Adapter versions held per cache level.",
                                      labels=["cache_tier"])
         loading = GaugeMetricFamily("loramux_adapter_device_loading", "Adapter copies to the device in flight.")
         device_loads = CounterMetricFamily("loramux_adapter_device_loads",
@@ -185,7 +186,7 @@ class _StateCollector(Collector):
         lora_info = GaugeMetricFamily(
             LORA_INFO, "Running stats on LoRA requests (vLLM's shape): adapters with running and waiting requests, "
             "max_lora; value: Unix time of the scrape.", labels=list(LORA_INFO_LABELS))
-        hits = CounterMetricFamily("loramux_adapter_cache_hits", "Adapter lookups served by each cache tier.",
+        hits = CounterMetricFamily("loramux_adapter_cache_hits", "Adapter lookups served by each cache level.",
                                    labels=["cache_tier"])
         misses = CounterMetricFamily("loramux_adapter_cache_misses",
                                      "Adapter lookups missing every local tier (downloads from the object store).")

@@ -9,7 +9,7 @@ from concurrent.futures import Future
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from loramux.adapters.tiers import AdapterCache
+from loramux.adapters.cache_levels import AdapterCache
 from loramux.db.models import utcnow
 from loramux.rate_limits import Admission
 from loramux.server.serving.running import LOST, Running

@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from loramux.adapters.cache_levels import Acquired
 from loramux.adapters.registry import AdapterVersionInfo
-from loramux.adapters.tiers import Acquired
 from loramux.admin.ledger import durable
 from loramux.engine.async_engine import EngineDeadError
 from loramux.engine.engine import RequestOutput
@@ -75,8 +75,9 @@ class Running:
         return last.replica if last is not None else None
 
     @property
-    def adapter_tier(self) -> str | None:
-        return self.lease.tier if self.lease else None
+    def adapter_level(self) -> str | None:
+        """Where the adapter came from into host RAM for this request: "ram", "disk" or "store"."""
+        return self.lease.level if self.lease else None
 
     def extension(self, out: RequestOutput | None = None) -> dict:
         """The `loramux` extension field of responses (timings of `out`, choice 0's final output)."""
@@ -86,7 +87,7 @@ class Running:
                "adapter": None, "tier": self.tenant.tier.name}
         if self.version is not None:
             ext["adapter"] = {"id": self.version.adapter_id, "name": self.version.name,
-                              "version": self.version.version, "cache_tier": self.adapter_tier}
+                              "version": self.version.version, "cache_tier": self.adapter_level}
         if self.fallback_reason is not None:
             ext["fallback"] = {"requested": self.requested, "reason": self.fallback_reason}
         if self.n > 1:  # how much of the shared prompt each choice found in the prefix cache
@@ -97,7 +98,7 @@ class Running:
         headers = {"X-Request-Id": self.request_id}
         if self.version is not None:
             headers["X-Loramux-Adapter-Version"] = f"{self.version.adapter_id}@{self.version.version}"
-            headers["X-Loramux-Adapter-Tier"] = self.adapter_tier or ""
+            headers["X-Loramux-Adapter-Tier"] = self.adapter_level or ""
         if self.fallback_reason is not None:
             headers["X-Loramux-Fallback"] = "base" if self.version is None else self.version.name
         return headers

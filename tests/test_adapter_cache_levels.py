@@ -1,4 +1,4 @@
-"""Adapter tiers (S3 -> disk -> host RAM) over a real moto S3 server, reached through a fault-injecting
+"""Adapter cache levels (S3 -> disk -> host RAM) over a real moto S3 server, reached through a fault-injecting
 proxy: single-flight loads, the RAM budget, digest checks, and failures that stay contained."""
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import torch
 
 from conftest import MOTO_CREDENTIALS, MOTO_REGION, adapter_files, moto_create_bucket, server_stats, write_peft_adapter
 from faults import FaultyProxy
+from loramux.adapters.cache_levels import AdapterCache, AdapterLoadError, DiskCache, HostCache
 from loramux.adapters.registry import AdapterRegistry
 from loramux.adapters.store import FileStore, S3Store, StoreUnavailableError
-from loramux.adapters.tiers import AdapterCache, AdapterLoadError, DiskCache, HostCache
 from loramux.db import Database
 
 
@@ -71,31 +71,31 @@ def test_fifty_concurrent_acquires_of_a_cold_adapter_download_once(setup):
 
     leases = asyncio.run(many())
     assert store.counters["get"] - gets_before == 1
-    assert len({id(lease.adapter) for lease in leases}) == 1 and {lease.tier for lease in leases} == {"store"}
+    assert len({id(lease.adapter) for lease in leases}) == 1 and {lease.level for lease in leases} == {"store"}
     for _ in leases:
         cache.release(version.digest)
     with pytest.raises(RuntimeError, match="released more often"):
         cache.release(version.digest)
 
 
-def test_each_tier_serves_in_turn(setup):
+def test_each_cache_level_serves_in_turn(setup):
     registry, store, upload, make_cache = setup
     version = upload("bot")
     cache = make_cache()
     first = cache.acquire_blocking(version)
-    assert first.tier == "store" and first.adapter.digest == version.digest
+    assert first.level == "store" and first.adapter.digest == version.digest
     again = cache.acquire_blocking(version)
-    assert again.tier == "ram" and again.adapter is first.adapter
+    assert again.level == "ram" and again.adapter is first.adapter
     cache.release(version.digest), cache.release(version.digest)
     cache.host.discard(version.digest)  # pushed out of RAM: the disk copy serves next
     gets = store.counters["get"]
-    assert cache.acquire_blocking(version).tier == "disk" and store.counters["get"] == gets
+    assert cache.acquire_blocking(version).level == "disk" and store.counters["get"] == gets
     cache.release(version.digest)
     # A corrupt disk copy is noticed, removed, and the store serves instead.
     cache.host.discard(version.digest)
     path = next(cache.disk.root.glob("*.blob"))
     path.write_bytes(b"garbage" + path.read_bytes()[7:])
-    assert cache.acquire_blocking(version).tier == "store"
+    assert cache.acquire_blocking(version).level == "store"
     assert cache.stats()["hits"] == {"store": 2, "ram": 1, "disk": 1}
 
 
@@ -137,7 +137,7 @@ def test_a_store_fault_fails_that_load_in_time_and_recovery_serves_again(setup, 
         return other, other_ms, time.monotonic() - start, info.value
 
     other, other_ms, elapsed, error = asyncio.run(scenario())
-    assert other.tier == "ram" and other_ms < 500
+    assert other.level == "ram" and other_ms < 500
     assert elapsed < 3.5, f"the failing load took {elapsed:.1f} s, past its 3 s deadline"
     assert "cold@1" in str(error)
     if isinstance(error, AdapterLoadError):  # tenants see the version only; the cause is for operators
@@ -152,7 +152,7 @@ def test_a_store_fault_fails_that_load_in_time_and_recovery_serves_again(setup, 
     else:
         proxy.set_mode("pass")
     lease = cache.acquire_blocking(cold, timeout=5)
-    assert lease.tier == "store" and lease.adapter.digest == cold.digest
+    assert lease.level == "store" and lease.adapter.digest == cold.digest
     assert cache.stats()["load_failures"] >= 1
 
 
@@ -165,7 +165,7 @@ def test_reupload_is_a_new_version_and_no_tier_returns_the_old_one(setup):
     current = registry.resolve(old.tenant_id, "bot")
     assert (current.version, current.digest) == (2, new.digest) and new.digest != old.digest
     new_lease = cache.acquire_blocking(current)
-    assert new_lease.adapter.rank == 8 and new_lease.tier == "store"
+    assert new_lease.adapter.rank == 8 and new_lease.level == "store"
     a_old, _ = old_lease.adapter.weights[(0, "q_proj")]
     a_new, _ = new_lease.adapter.weights[(0, "q_proj")]
     assert a_old.shape != a_new.shape or not torch.equal(a_old, a_new)
@@ -244,7 +244,7 @@ def test_tenant_facing_load_errors_name_no_server_path_or_bucket(base_cfg, tmp_p
     version = registry.register(registry.tenancy.create_tenant("acme").id, "bot", adapter_files(path))
     (store.root / version.storage_key).unlink()  # the weights vanished from the store
     cache = AdapterCache(store, DiskCache(tmp_path / "disk", 1 << 30), HostCache(1 << 30))
-    with caplog.at_level("WARNING", logger="loramux.adapters.tiers"), pytest.raises(AdapterLoadError) as info:
+    with caplog.at_level("WARNING", logger="loramux.adapters.cache_levels"), pytest.raises(AdapterLoadError) as info:
         cache.acquire_blocking(version, timeout=10)
     message = str(info.value)
     assert message == "adapter bot@1 could not be loaded from storage: its stored weights are missing"

@@ -5,7 +5,7 @@ small thread pool, never on the caller's event loop or the engine thread, and th
 version at a time however many requests wait for it ("single flight"). A failed load is not
 remembered: the next request tries again, so a store that recovers serves again at once. Every byte
 read from the store or the disk cache is checked against the version's digest before it is parsed.
-Device slots (the fourth tier) belong to the engine.
+Device slots (the fourth level) belong to the engine.
 """
 from __future__ import annotations
 
@@ -196,12 +196,12 @@ class HostCache:
 @dataclass(frozen=True)
 class Acquired:
     adapter: LoRAAdapter
-    tier: str  # where it came from: "ram", "disk" or "store"
+    level: str  # where it came from: "ram", "disk" or "store"
     load_ms: float
 
 
 class AdapterCache:
-    """The engine-facing side of the tiers: acquire / prefetch / release adapter versions."""
+    """The engine-facing side of the levels: acquire / prefetch / release adapter versions."""
 
     def __init__(self, store: ObjectStore, disk: DiskCache, host: HostCache, max_workers: int = 4):
         self.store = store
@@ -213,7 +213,7 @@ class AdapterCache:
         # that contend with the engine's for the cores (see DevicePool).
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="loramux-adapter-load",
                                                            initializer=_one_intra_op_thread)
-        self.hits: Counter[str] = Counter()  # by tier: ram, disk, store
+        self.hits: Counter[str] = Counter()  # by level: ram, disk, store
         self.failures = 0
         self.downloads = 0
         # Seconds each successful load into host RAM took, by where it came from (each has its own lock).
@@ -221,10 +221,10 @@ class AdapterCache:
 
     # -- loading (worker threads) ----------------------------------------------------------------
     def _load(self, version: AdapterVersionInfo) -> tuple[LoRAAdapter, str]:
-        tier = "disk"
+        level = "disk"
         data = self.disk.get(version.digest)
         if data is None:
-            tier = "store"
+            level = "store"
             try:
                 with self._lock:
                     self.downloads += 1
@@ -240,12 +240,12 @@ class AdapterCache:
             adapter = unpack(data, f"{version.adapter_id}@{version.version}", version.digest)
         except DigestMismatchError as exc:
             raise self._failed(version, str(exc)) from None
-        if tier == "store":
+        if level == "store":
             try:
                 self.disk.put(version.digest, data)
             except OSError as exc:  # a full disk slows later loads down but must not fail this one
                 log.warning("could not cache adapter %s on disk: %s", version.label, exc)
-        return adapter, tier
+        return adapter, level
 
     @staticmethod
     def _failed(version: AdapterVersionInfo, detail: str, retryable: bool = True) -> AdapterLoadError:
@@ -272,10 +272,10 @@ class AdapterCache:
 
     def _timed_load(self, version: AdapterVersionInfo):
         start = time.perf_counter()
-        adapter, tier = self._load(version)
+        adapter, level = self._load(version)
         seconds = time.perf_counter() - start
-        self.load_seconds[tier].observe(seconds)
-        return adapter, tier, seconds * 1000
+        self.load_seconds[level].observe(seconds)
+        return adapter, level, seconds * 1000
 
     def _done(self, digest: str, future: concurrent.futures.Future) -> None:
         with self._lock:
@@ -310,11 +310,11 @@ class AdapterCache:
         return self._watched(version.digest, future, started)
 
     def _pin_loaded(self, result) -> Acquired:
-        adapter, tier, load_ms = result
+        adapter, level, load_ms = result
         with self._lock:
             adapter = self.host.insert_pinned(adapter)  # re-inserted if evicted since the load ended
-            self.hits[tier] += 1
-        return Acquired(adapter, tier, load_ms)
+            self.hits[level] += 1
+        return Acquired(adapter, level, load_ms)
 
     async def acquire(self, version: AdapterVersionInfo, timeout: float | None = None) -> Acquired:
         """The adapter in host RAM, pinned; raise AdapterLoadError (or TimeoutError after `timeout`
@@ -368,7 +368,7 @@ class AdapterCache:
         """Sizes and counters; read under the locks of the threads that change them (loads, other requests).
         `load_seconds`: {"disk": ..., "store": ...}, `DurationHistogram.snapshot()` of successful loads."""
         disk_bytes, disk_adapters = self.disk.nbytes, len(self.disk)  # under the disk cache's own lock
-        load_seconds = {tier: hist.snapshot() for tier, hist in self.load_seconds.items()}  # their own locks
+        load_seconds = {level: hist.snapshot() for level, hist in self.load_seconds.items()}  # their own locks
         with self._lock:  # the host cache and the counters only change under this lock
             return {"host_bytes": self.host.nbytes, "host_budget_bytes": self.host.budget,
                     "host_adapters": len(self.host), "disk_bytes": disk_bytes, "disk_budget_bytes": self.disk.budget,

@@ -1,4 +1,4 @@
-"""Adapter tiers on the embedded SmolLM2: time to first token with the adapter cold in S3, on disk, in
+"""Adapter cache levels on the embedded SmolLM2: time to first token with the adapter cold in S3, on disk, in
 host RAM and already in a device slot; and how much a cold load disturbs the streams already running.
 
 Setup, all in this process except S3: a moto S3 server in a subprocess (a remote service does not
