@@ -24,7 +24,7 @@ never be written (invalid data) go to `<spool>.rejected`. `close()` writes what 
 the rest stays in the log for the next `start()`.
 
 Record checks and row pricing live in `ledger_records`, the line format and rejected file in
-`ledger_spool`, the log's files and its group commit in `ledger_wal`.
+`ledger_lines`, the log's files and its group commit in `ledger_wal`.
 """
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ from pathlib import Path
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
+from loramux.admin.ledger_lines import RejectedFile, encode
 from loramux.admin.ledger_records import (
     PRICE_RELOAD_S,
     LedgerRecordError,
@@ -53,7 +54,6 @@ from loramux.admin.ledger_records import (
     short_error,
     write_batch,
 )
-from loramux.admin.ledger_spool import RejectedFile, encode
 from loramux.admin.ledger_wal import SEGMENT_BYTES, Entry, GroupCommit, Position, WriteAheadLog, place
 from loramux.admin.pricing import PriceInfo, load_prices
 from loramux.db import Database
@@ -131,10 +131,10 @@ class _Batch:
 
 
 class LedgerWriter:
-    def __init__(self, db: Database, spool_path: Path, *, max_buffer: int = 10_000, batch_size: int = 500,
+    def __init__(self, db: Database, wal_path: Path, *, max_buffer: int = 10_000, batch_size: int = 500,
                  retry_initial_s: float = 0.2, retry_max_s: float = 5.0, segment_bytes: int = SEGMENT_BYTES,
                  linger_s: float = 0.05, max_pending: int = 10_000):
-        """`spool_path` is the log's active segment (sealed ones sit next to it); `max_buffer` records at
+        """`wal_path` is the log's active segment (sealed ones sit next to it); `max_buffer` records at
         most are kept in memory for SQL, the others are read back from the log; `segment_bytes`: the
         active segment is sealed past this size (and deleted once all of it is in SQL); `linger_s`: a
         batch smaller than `batch_size` waits up to this long for more rows (not while flushing);
@@ -145,9 +145,9 @@ class LedgerWriter:
         if not 0 < retry_initial_s <= retry_max_s:
             raise ValueError("need 0 < retry_initial_s <= retry_max_s")
         self.db = db
-        self.spool_path = Path(spool_path)
-        self.rejected_path = self.spool_path.with_name(self.spool_path.name + ".rejected")
-        self._wal = WriteAheadLog(self.spool_path, segment_bytes)
+        self.wal_path = Path(wal_path)
+        self.rejected_path = self.wal_path.with_name(self.wal_path.name + ".rejected")
+        self._wal = WriteAheadLog(self.wal_path, segment_bytes)
         self._rejected = RejectedFile(self.rejected_path)
         self.max_buffer, self.batch_size, self.max_pending = max_buffer, batch_size, max_pending
         self.retry_initial_s, self.retry_max_s, self.linger_s = retry_initial_s, retry_max_s, linger_s
@@ -202,7 +202,7 @@ class LedgerWriter:
                         self._counts["refused_backlog"] += 1
                         if self._counts["refused_backlog"] == 1 or self._counts["refused_backlog"] % 1000 == 0:
                             log.error("ledger: %d records wait for the log %s (is the disk full?); refusing new "
-                                      "ones (%d so far)", len(self._commit.pending), self.spool_path,
+                                      "ones (%d so far)", len(self._commit.pending), self.wal_path,
                                       self._counts["refused_backlog"])
                         future.set_exception(LedgerBacklogError(
                             f"{len(self._commit.pending)} records wait for the ledger log; refusing more"))
@@ -260,7 +260,7 @@ class LedgerWriter:
                 return
             running = self._state == "running"
         if running and not self.flush(timeout):
-            log.warning("ledger: database not reachable at shutdown; unwritten records stay in %s", self.spool_path)
+            log.warning("ledger: database not reachable at shutdown; unwritten records stay in %s", self.wal_path)
         with self._lock:
             self._stopping = True
             self._cond.notify_all()
@@ -286,7 +286,7 @@ class LedgerWriter:
                     done = leftovers
                 self._wal.close(self._cursor)
             except Exception as exc:  # noqa: BLE001
-                log.exception("ledger: could not close the log %s cleanly", self.spool_path)
+                log.exception("ledger: could not close the log %s cleanly", self.wal_path)
                 lost = [] if done else leftovers
                 self._counts["lost"] += len(lost)
                 for e in lost:
@@ -314,7 +314,7 @@ class LedgerWriter:
         self._durable = self._seq
         self._cursor = self._wal.start_position()
         if replayed:
-            log.warning("ledger: replaying %d records from %s", replayed, self.spool_path)
+            log.warning("ledger: replaying %d records from %s", replayed, self.wal_path)
 
     def _appended(self, seq: int) -> None:
         """Under the lock: every line up to `seq` is fsync'd (and placed)."""
@@ -407,7 +407,7 @@ class LedgerWriter:
                 log.error("ledger: unreadable log line (%s); kept in %s", short_error(exc), self.rejected_path)
                 bad.append({"error": short_error(exc), "line": line.decode("utf-8", "replace").rstrip("\n")})
         if len(lines) < batch.lines:  # cannot happen unless someone else changed the files
-            log.error("ledger: the log %s is shorter than written; %d records may be missing", self.spool_path,
+            log.error("ledger: the log %s is shorter than written; %d records may be missing", self.wal_path,
                       batch.lines - len(lines))
             with self._lock:
                 self._counts["lost"] += batch.lines - len(lines)

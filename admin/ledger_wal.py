@@ -1,7 +1,7 @@
 """The ledger's write-ahead log (WAL): JSON lines in segment files in the data dir, appended and fsync'd
 in groups, read back in order by the SQL writer, and deleted or emptied once their rows are in SQL.
 
-Files, for `path` = `<data dir>/ledger-spool.jsonl`: `path` is the active segment (appends go there);
+Files, for `path` = `<data dir>/ledger-wal.jsonl` (WAL_NAME): `path` is the active segment (appends go there);
 `path.<n>` (n = 8 digits, increasing) are sealed segments, renamed from `path` when it outgrew
 `segment_bytes`. Replay order is sealed segments by n, then `path`. A line's position is (segment
 number, offset just past the line); segment numbers only grow, so a position is never reused.
@@ -15,6 +15,9 @@ Neither needs an fsync: if a crash undoes an unlink or a truncation, the lines c
 as duplicates, which the ledger's ON CONFLICT (request_id) DO NOTHING skips. A line cut short by a crash
 (the process died inside `write`, before the fsync, so it was never acknowledged) is ended with a newline
 when the log is reopened and then refused as unreadable.
+
+A log an older version left under another name (LEGACY_WAL_NAMES: `ledger-spool.jsonl`) is adopted at
+`open`, under that name's lock too: its segments become sealed segments of this log, replayed like them.
 
 One process at a time: `open` takes an exclusive lock (flock) on `path.lock` and `close` gives it back, so
 two servers pointed at one data dir cannot truncate each other's log; the second one's `open` raises
@@ -40,6 +43,8 @@ from loramux.durable_files import fsync_dir
 
 log = logging.getLogger("loramux.admin.ledger")  # the writer's own logger: these are its messages
 
+WAL_NAME = "ledger-wal.jsonl"
+LEGACY_WAL_NAMES = ("ledger-spool.jsonl",)  # what the log was called before; such files are adopted at open
 Position = tuple[int, int]  # (segment number, byte offset in it)
 SEGMENT_BYTES = 16 << 20
 _READ_CHUNK = 1 << 20
@@ -112,8 +117,13 @@ class WriteAheadLog:
                     raise LogInUseError(f"the ledger log {self.path} is in use by another process: give each server "
                                         "its own data dir (LORAMUX_DATA_DIR)")
             self.path.with_name(self.path.name + ".tmp").unlink(missing_ok=True)  # a compaction cut short
-            sealed = sorted((int(m.group(1)), p) for p in self.path.parent.iterdir()
-                            if (m := self._sealed_name.fullmatch(p.name)))
+            try:
+                self._adopt_legacy_logs()
+            except BaseException:
+                unlock(self._lock_fd)
+                self._lock_fd = None
+                raise
+            sealed = self._sealed()
             segments = []
             try:
                 for no, p in sealed:
@@ -131,6 +141,46 @@ class WriteAheadLog:
             self._segments = segments
             self._next_no = max(self._next_no, segments[-1].no + 1)
             return sum(seg.lines for seg in segments)
+
+    def _sealed(self) -> list[tuple[int, Path]]:
+        return sorted((int(m.group(1)), p) for p in self.path.parent.iterdir()
+                      if (m := self._sealed_name.fullmatch(p.name)))
+
+    def _adopt_legacy_logs(self) -> None:
+        """Rename the files of a log an older version left next to `path` under a legacy name into sealed
+        segments of this one (after this log's own sealed ones, before its active one), and append its
+        rejected file to ours. Under the legacy log's lock: an older server still running there keeps it."""
+        for legacy in LEGACY_WAL_NAMES:
+            old = self.path.with_name(legacy)
+            if old.name == self.path.name:
+                continue
+            pattern = re.compile(re.escape(legacy) + r"(?:\.(\d{8}))?")
+            files = sorted((int(m.group(1) or 10**8), p) for p in self.path.parent.iterdir()
+                           if (m := pattern.fullmatch(p.name)))
+            rejected = old.with_name(legacy + ".rejected")
+            if not files and not rejected.exists():
+                continue
+            held = try_lock(old.with_name(legacy + ".lock"))
+            if held is None:
+                raise LogInUseError(f"the ledger log {old} is in use by another process (an older loramux?): stop "
+                                    "it, or give each server its own data dir (LORAMUX_DATA_DIR)")
+            try:
+                sealed = self._sealed()
+                no = sealed[-1][0] + 1 if sealed else 1
+                for _, path in files:  # sealed ones by number, then the old active one (sorted last)
+                    os.replace(path, self.path.with_name(f"{self.path.name}.{no:08d}"))
+                    no += 1
+                if rejected.exists():
+                    with open(self.path.with_name(self.path.name + ".rejected"), "ab") as ours:
+                        ours.write(rejected.read_bytes())
+                        ours.flush()
+                        os.fsync(ours.fileno())
+                    rejected.unlink()
+                fsync_dir(self.path.parent)
+                if files:
+                    log.warning("ledger: adopted %d file(s) of the log %s, to be replayed", len(files), old.name)
+            finally:
+                unlock(held)
 
     def _open_segment(self, no: int, path: Path) -> Segment:
         fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)

@@ -176,7 +176,7 @@ def main() -> int:
         db = Database(url)
         db.upgrade()
         print(f"database: {db.engine.dialect.name}; write-ahead log in {tmp_path}")
-        writer = LedgerWriter(db, tmp_path / "ledger-spool.jsonl")
+        writer = LedgerWriter(db, tmp_path / "ledger-wal.jsonl")
         writer.start()
         run = f"{time.time_ns():x}"
         submitted = 0

@@ -114,7 +114,7 @@ def run_and_kill(script: Path, url: str, spool: Path, prefix: str, acks: int) ->
 def test_kill_9_loses_no_acknowledged_record_and_bills_none_twice(database, database_url, tmp_path):
     script = tmp_path / "child.py"
     script.write_text(CHILD)
-    spool = tmp_path / "data" / "ledger-spool.jsonl"
+    spool = tmp_path / "data" / "ledger-wal.jsonl"
     acked = run_and_kill(script, database_url, spool, "first", 300)
     in_sql = set(request_ids(database))
     assert set(acked) - in_sql, "the kill should leave acknowledged records that are only in the log"
@@ -134,7 +134,7 @@ def test_kill_9_loses_no_acknowledged_record_and_bills_none_twice(database, data
         doubled = session.execute(select(LedgerEntry.request_id).group_by(LedgerEntry.request_id)
                                   .having(func.count() > 1)).all()
     assert doubled == []
-    assert [p.name for p in log_files(spool)] == ["ledger-spool.jsonl"] and spool.read_bytes() == b""
+    assert [p.name for p in log_files(spool)] == ["ledger-wal.jsonl"] and spool.read_bytes() == b""
 
 
 def test_a_group_of_records_shares_one_fsync_and_futures_wait_for_it(database, tmp_path, monkeypatch):

@@ -14,8 +14,8 @@ from test_ledger import record
 
 from loramux.admin import ledger_wal
 from loramux.admin.ledger import LedgerBacklogError, LedgerWriter
-from loramux.admin.ledger_wal import LogInUseError
-from loramux.cluster.ingress_services import SPOOL_NAME, adopt_orphans, claim_ledger
+from loramux.admin.ledger_wal import WAL_NAME, LogInUseError
+from loramux.cluster.ingress_services import adopt_orphans, claim_ledger
 from loramux.db import LedgerEntry
 
 
@@ -25,7 +25,7 @@ def rows(db) -> int:
 
 
 def test_a_second_writer_on_the_same_log_is_refused_until_the_first_closes(database, tmp_path):
-    spool = tmp_path / SPOOL_NAME
+    spool = tmp_path / WAL_NAME
     first = LedgerWriter(database, spool)
     first.start()
     second = LedgerWriter(database, spool)
@@ -41,7 +41,7 @@ def test_a_second_writer_on_the_same_log_is_refused_until_the_first_closes(datab
 
 
 def test_the_lock_of_a_killed_process_is_free_at_once(database, tmp_path):
-    spool = tmp_path / SPOOL_NAME
+    spool = tmp_path / WAL_NAME
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys
         from loramux.admin.ledger_wal import WriteAheadLog
@@ -64,7 +64,7 @@ def test_the_lock_of_a_killed_process_is_free_at_once(database, tmp_path):
 def test_ingress_slots_are_stable_and_orphaned_logs_are_written_to_sql(database, tmp_path, monkeypatch):
     root = tmp_path / "ingress"
     # A dead ingress left acknowledged records in a folder of the old naming (its Ray replica id).
-    orphan = LedgerWriter(database, root / "replica-abc123" / SPOOL_NAME)
+    orphan = LedgerWriter(database, root / "replica-abc123" / WAL_NAME)
     monkeypatch.setattr(orphan, "_write", lambda records: (_ for _ in ()).throw(ConnectionError("db down")))
     orphan.start()
     assert all(orphan.submit(record(i)).result(10) for i in range(5))
@@ -74,19 +74,19 @@ def test_ingress_slots_are_stable_and_orphaned_logs_are_written_to_sql(database,
     first = claim_ledger(database, root)
     second = claim_ledger(database, root)
     try:
-        assert first.spool_path.parent.name == "slot-0" and second.spool_path.parent.name == "slot-1"
+        assert first.wal_path.parent.name == "slot-0" and second.wal_path.parent.name == "slot-1"
         deadline = time.monotonic() + 30
         while rows(database) < 5:  # the claims drain the orphan on a background thread
             assert time.monotonic() < deadline, "the orphaned log was not replayed"
             time.sleep(0.05)
         assert rows(database) == 5
-        assert adopt_orphans(database, root, first.spool_path.parent) == 0  # drained: empty now; slot-1 is held
+        assert adopt_orphans(database, root, first.wal_path.parent) == 0  # drained: empty now; slot-1 is held
         assert rows(database) == 5
     finally:
         second.close()
     again = claim_ledger(database, root)  # a restarted ingress takes the freed slot back
     try:
-        assert again.spool_path.parent.name == "slot-1"
+        assert again.wal_path.parent.name == "slot-1"
     finally:
         again.close()
         first.close()
@@ -97,7 +97,7 @@ def test_a_full_disk_refuses_new_records_instead_of_growing_memory(database, tmp
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(ledger_wal.WriteAheadLog, "append", full)
-    writer = LedgerWriter(database, tmp_path / SPOOL_NAME, max_pending=3, retry_initial_s=0.05, retry_max_s=0.1)
+    writer = LedgerWriter(database, tmp_path / WAL_NAME, max_pending=3, retry_initial_s=0.05, retry_max_s=0.1)
     writer.start()
     try:
         waiting = [writer.submit(record(i)) for i in range(3)]
@@ -110,3 +110,48 @@ def test_a_full_disk_refuses_new_records_instead_of_growing_memory(database, tmp
         assert all(f.result(10) for f in waiting)
     finally:
         writer.close()
+
+
+# -- a log an older version left under its old name ----------------------------------------------------------
+def _legacy_log(folder, records) -> None:
+    """What an older loramux left in `folder`: a sealed segment, an active one and a rejected file."""
+    from loramux.admin.ledger_lines import encode
+
+    old = folder / ledger_wal.LEGACY_WAL_NAMES[0]
+    folder.mkdir(parents=True, exist_ok=True)
+    old.with_name(old.name + ".00000003").write_bytes(b"".join(encode(r) for r in records[:2]))
+    old.write_bytes(b"".join(encode(r) for r in records[2:]))
+    old.with_name(old.name + ".rejected").write_text('{"reason": "an old refusal"}\n')
+
+
+def test_a_log_left_under_the_old_name_is_adopted_and_replayed(database, tmp_path):
+    records = [record(i) for i in range(4)]
+    _legacy_log(tmp_path, records)
+    (tmp_path / (WAL_NAME + ".rejected")).write_text('{"reason": "a newer refusal"}\n')
+    writer = LedgerWriter(database, tmp_path / WAL_NAME)
+    writer.start()
+    try:
+        assert writer.flush(30) and rows(database) == 4
+    finally:
+        writer.close()
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(ledger_wal.LEGACY_WAL_NAMES[0]))
+    assert left in ([], [ledger_wal.LEGACY_WAL_NAMES[0] + ".lock"])  # nothing but its lock file stays behind
+    assert (tmp_path / (WAL_NAME + ".rejected")).read_text().splitlines() == [
+        '{"reason": "a newer refusal"}', '{"reason": "an old refusal"}']
+
+
+def test_an_old_log_still_held_by_its_server_stops_the_start(database, tmp_path):
+    _legacy_log(tmp_path, [record(i) for i in range(3)])
+    held = ledger_wal.try_lock(tmp_path / (ledger_wal.LEGACY_WAL_NAMES[0] + ".lock"))  # the older server
+    try:
+        with pytest.raises(LogInUseError, match="an older loramux"):
+            LedgerWriter(database, tmp_path / WAL_NAME).start()
+    finally:
+        ledger_wal.unlock(held)
+    assert rows(database) == 0 and (tmp_path / ledger_wal.LEGACY_WAL_NAMES[0]).exists()  # untouched
+
+
+def test_an_orphaned_slot_folder_with_an_old_log_is_drained(database, tmp_path):
+    root = tmp_path / "ingress"
+    _legacy_log(root / "replica-old", [record(i) for i in range(3)])
+    assert adopt_orphans(database, root, None) == 1 and rows(database) == 3  # one log drained, its 3 rows

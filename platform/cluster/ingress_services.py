@@ -14,7 +14,7 @@ from loramux.adapters.registry import AdapterRegistry, AdapterVersionInfo
 from loramux.adapters.validation import UploadLimits
 from loramux.admin.keys import AdminKeys
 from loramux.admin.ledger import LedgerWriter
-from loramux.admin.ledger_wal import LogInUseError
+from loramux.admin.ledger_wal import LEGACY_WAL_NAMES, WAL_NAME, LogInUseError
 from loramux.admin.pricing import PriceBook
 from loramux.cluster.remote_engine import RemoteAdapter, RemoteEngine
 from loramux.cluster.shared_state import ReplicaDirectory
@@ -25,7 +25,6 @@ from loramux.settings import Settings
 from loramux.tenancy import Tenancy
 
 log = logging.getLogger(__name__)
-SPOOL_NAME = "ledger-spool.jsonl"
 
 
 class RemoteAdapterCache:
@@ -63,12 +62,12 @@ def claim_ledger(db: Database, root: Path, max_slots: int = 1024) -> LedgerWrite
     predecessor left; the log folders no live ingress holds (a slot of a scaled-down ingress, or a folder of
     an older naming) are drained into SQL by `adopt_orphans`, on a background thread."""
     for n in range(max_slots):
-        ledger = LedgerWriter(db, root / f"slot-{n}" / SPOOL_NAME)
+        ledger = LedgerWriter(db, root / f"slot-{n}" / WAL_NAME)
         try:
             ledger.start()
         except LogInUseError:
             continue
-        threading.Thread(target=adopt_orphans, args=(db, root, ledger.spool_path.parent), daemon=True,
+        threading.Thread(target=adopt_orphans, args=(db, root, ledger.wal_path.parent), daemon=True,
                          name="ledger-orphans").start()
         return ledger
     raise RuntimeError(f"all {max_slots} ledger slots under {root} are in use")
@@ -79,10 +78,11 @@ def adopt_orphans(db: Database, root: Path, own: Path, timeout_s: float = 300.0)
     lock; returns how many logs were drained. A log whose database writes fail stays for the next start."""
     drained = 0
     for folder in sorted(p for p in root.iterdir() if p.is_dir() and p != own):
-        logs = [p for p in folder.glob(SPOOL_NAME + "*") if not p.name.endswith((".lock", ".rejected"))]
+        logs = [p for name in (WAL_NAME, *LEGACY_WAL_NAMES) for p in folder.glob(name + "*")
+                if not p.name.endswith((".lock", ".rejected"))]
         if not any(p.stat().st_size for p in logs):
             continue  # no log, or an empty one: nothing to replay
-        writer = LedgerWriter(db, folder / SPOOL_NAME)
+        writer = LedgerWriter(db, folder / WAL_NAME)
         try:
             writer.start()
         except LogInUseError:
@@ -120,7 +120,7 @@ def ingress_services(settings: Settings, engine_handle, ingress_id: str) -> Serv
     if settings.admin_key:
         admin_keys.ensure(settings.admin_key)
     ledger = claim_ledger(db, Path(settings.data_dir) / "ingress")
-    log.info("ingress %s writes its ledger log in %s", ingress_id, ledger.spool_path.parent)
+    log.info("ingress %s writes its ledger log in %s", ingress_id, ledger.wal_path.parent)
     services = Services(settings, db, store, registry, RemoteAdapterCache(), engine, tenancy, admin_keys,
                         PriceBook(db), ledger)
     services.register_local_adapters()

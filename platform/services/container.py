@@ -16,6 +16,7 @@ from loramux.adapters.store import ObjectStore, open_store
 from loramux.adapters.validation import UploadLimits
 from loramux.admin.keys import AdminKeys
 from loramux.admin.ledger import LedgerWriter
+from loramux.admin.ledger_wal import WAL_NAME
 from loramux.admin.pricing import PriceBook
 from loramux.db import Database
 from loramux.names import base_model_id
@@ -71,7 +72,7 @@ class Services:
         admin_keys = AdminKeys(db)
         if settings.admin_key:
             admin_keys.ensure(settings.admin_key)
-        ledger = LedgerWriter(db, Path(settings.data_dir) / "ledger-spool.jsonl")
+        ledger = LedgerWriter(db, Path(settings.data_dir) / WAL_NAME)
         ledger.start()
         services = cls(settings, db, store, registry, cache, async_engine, tenancy, admin_keys, PriceBook(db), ledger)
         services.register_local_adapters()

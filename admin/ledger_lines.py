@@ -1,7 +1,7 @@
 """The ledger writer's line format and its file of refused records.
 
 `encode` makes the JSON line of a record, as the write-ahead log (`ledger_wal`) stores it; the format is
-the one the earlier spool file used, so a spool left by an older version is replayed as it stands.
+the one the earlier spool file used, so a log left by an older version is replayed as it stands.
 `RejectedFile` appends JSON lines of what can never become a ledger row (with the reason), from any thread.
 """
 from __future__ import annotations
