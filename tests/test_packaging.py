@@ -10,6 +10,29 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def setuptools_config() -> dict:
+    """pyproject's [tool.setuptools], read by setuptools itself (tomllib is 3.11+)."""
+    from setuptools.config.pyprojecttoml import read_configuration
+
+    return read_configuration(ROOT / "pyproject.toml")["tool"]["setuptools"]
+
+
+def source_modules() -> set[str]:
+    """Every module of the source folders, named as the wheel holds it (package-dir maps the folders)."""
+    return {f"{package.replace('.', '/')}/{path.relative_to(ROOT / folder).as_posix()}"
+            for package, folder in setuptools_config()["package-dir"].items()
+            for path in (ROOT / folder).rglob("*.py")}
+
+
+def test_every_package_folder_is_listed_in_pyproject():
+    # An unlisted subpackage is missing from the strict editable install's link tree (ImportError in
+    # development) and setuptools warns that it will be left out of wheels.
+    config = setuptools_config()
+    folders = {".".join([package, *init.parent.relative_to(ROOT / folder).parts])
+               for package, folder in config["package-dir"].items() for init in (ROOT / folder).rglob("__init__.py")}
+    assert sorted(folders - set(config["packages"])) == []
+
+
 def test_stdlib_platform_wins_from_the_repo_root():
     code = "import platform, loramux.engine.engine; print(platform.__file__); print(platform.system())"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
@@ -27,6 +50,8 @@ def test_wheel_contains_every_package_and_runs_from_elsewhere(tmp_path):
                    "loramux/admin/__init__.py", "loramux/db/models.py", "loramux/migrations/env.py",
                    "loramux/migrations/script.py.mako", "loramux/migrations/versions/0006_tier_max_choices.py"):
         assert module in names, module
+    # A subpackage missing from pyproject's `packages` list would be missing here.
+    assert sorted(source_modules() - set(names)) == []
     assert not any(n.startswith(("platform/", "tests/")) for n in names)
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
