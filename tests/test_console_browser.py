@@ -4,7 +4,7 @@ the tenant sends requests with the `openai` client, the operator sees spend and 
 CSV and reconciles it with the API's summary, revokes the key, and the tenant's next request is refused.
 
 Screenshots of every page (1280x800, and the narrow layout) go to `test-artifacts/console/`
-(LORAMUX_TEST_ARTIFACTS overrides); docs/console-*.png are two of them, shown in the README.
+(LORAMUX_TEST_ARTIFACTS overrides); docs/console-*.png are two of them, shown in docs/admin-and-billing.md.
 """
 from __future__ import annotations
 
@@ -170,7 +170,7 @@ def test_an_operator_runs_a_tenant_from_sign_in_to_revocation(page, stack, tmp_p
     with pytest.raises(openai.AuthenticationError):
         client.chat.completions.create(model="base", messages=[{"role": "user", "content": "again"}], max_tokens=4)
 
-    # Two of the screenshots are the README's.
+    # Two of the screenshots are docs/admin-and-billing.md's.
     for name in ("adapters", "usage"):
         shutil.copyfile(ARTIFACTS / f"{name}.png", ROOT / "docs" / f"console-{name}.png")
 
