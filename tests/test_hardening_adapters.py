@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from conftest import serve_admin_stack, write_peft_adapter
+from conftest import admin_client, serve_admin_stack, write_peft_adapter
 from loramux.adapters import registry as registry_module
 from loramux.names import InvalidNameError, check_name
 from loramux.tenancy import Tenancy, TierInfo
@@ -22,6 +23,12 @@ ADMIN_KEY = "lmxa-test-admin-key-hardening-0123456789abcdefghij"
 @pytest.fixture(scope="module")
 def stack(tiny_dir, tokenizer, tmp_path_factory):
     yield from serve_admin_stack(tmp_path_factory.mktemp("hardening"), tiny_dir, tokenizer, ADMIN_KEY)
+
+
+@pytest.fixture(scope="module")
+def admin(stack) -> Iterator[httpx.Client]:
+    with admin_client(stack[0], ADMIN_KEY) as client:
+        yield client
 
 
 def adapter_dir(stack, name: str, seed: int, **config) -> Path:
@@ -83,9 +90,8 @@ def test_health_keeps_answering_while_a_redos_pattern_is_validated(stack, monkey
     assert "matched whole (fullmatch, as PEFT does)" in results[0].json()["error"]["message"]
 
 
-def test_an_adapter_trained_from_a_local_copy_uploads_and_shows_its_claimed_base(stack):
+def test_an_adapter_trained_from_a_local_copy_uploads_and_shows_its_claimed_base(stack, admin):
     server = stack[0]
-    admin = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=60)
     local = upload(stack, "local-base", adapter_dir(stack, "local", 2,
                                                     base_model_name_or_path="/home/alice/models/smol-copy"))
     assert local.status_code == 201, local.text
