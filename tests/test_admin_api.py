@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import csv
 import io
 import json
 import logging
@@ -17,6 +18,7 @@ import pytest
 from sqlalchemy import MetaData, select
 
 from conftest import admin_client, serve_admin_stack, write_peft_adapter
+from loramux.admin.billing import COLUMN_NAMES
 from loramux.db import Adapter, AdapterVersion
 
 ADMIN_KEY = "lmxa-test-admin-key-0123456789abcdefghijklmnop"
@@ -291,7 +293,8 @@ def test_admin_cli_mirrors_the_api(stack, tmp_path):
     assert cli("adapters", "warm", json.loads(up.stdout)["id"]).returncode == 0
     out = tmp_path / "bill.csv"
     assert cli("billing", "export", "--format", "csv", "--out", str(out)).returncode == 0
-    assert out.read_text().startswith("id,") or out.read_text().splitlines()[0].count(",") > 5
+    header, *rows = csv.reader(io.StringIO(out.read_text()))
+    assert tuple(header) == COLUMN_NAMES and all(len(row) == len(COLUMN_NAMES) for row in rows)
     denied = subprocess.run([sys.executable, "-m", "loramux.cli", "admin", "--url", server.url, "--key",
                              key["key"], "adapters", "list"], capture_output=True, text=True, timeout=120)
     assert denied.returncode == 1 and "403" in denied.stderr
