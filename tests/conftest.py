@@ -244,6 +244,14 @@ def serve_admin_stack(tmp: Path, tiny_dir: Path, tokenizer, admin_key: str):
         yield server, new_tenant_key(server.services, "acme", "standard"), read_model_config(tiny_dir)[0], tmp
 
 
+def admin_client(server, admin_key: str):
+    """An httpx client of a live `server`'s admin API, authenticated with `admin_key`. Use it in a `with`
+    (a fixture's), which closes its connections."""
+    import httpx
+
+    return httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {admin_key}"}, timeout=60)
+
+
 def server_stats(client) -> dict:
     """/admin/stats (engine-wide state, operators only) through a TestClient, with a fresh admin key."""
     key = client.app.state.services.admin_keys.create("test stats")[1]

@@ -12,12 +12,6 @@ from loramux.adapters.peft_format import AdapterFormatError, load_adapter_dir
 from loramux.engine.engine import RequestError
 from loramux.engine.sampling_params import SamplingParams
 from loramux.model.llama import LORA_MODULES, PROJECTION_SLICES
-from loramux.model.loader import read_model_config
-
-
-@pytest.fixture
-def tiny_cfg(tiny_dir):
-    return read_model_config(tiny_dir)[0]
 
 
 def lora_engine(tiny_dir, tokenizer, fit: int | None = None, rank: int = 8, targets=("q_proj",), **kw):

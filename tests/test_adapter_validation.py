@@ -317,16 +317,16 @@ def test_hundred_thousand_tiny_tensors_are_refused_fast_in_bounded_memory(adapte
     del header
     tracemalloc.start()
     try:
-        start = time.perf_counter()
+        start = time.thread_time()  # this thread's CPU: what the refusal costs, whatever else the machine runs
         with pytest.raises(AdapterValidationError) as info:
             validate_adapter_files(files, BASE)
-        elapsed = time.perf_counter() - start
+        cpu_s = time.thread_time() - start
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
     assert info.value.code == "too_many_tensors"
     assert "more than 4096 tensors" in str(info.value)
-    assert elapsed < 2.0, elapsed
+    assert cpu_s < 2.0, cpu_s
     assert peak < 64 * 1024**2, peak
 
 
@@ -411,10 +411,10 @@ def test_a_local_adapter_directory_follows_the_same_base_model_rule(adapter, tmp
 @pytest.mark.timeout(120)
 def test_a_catastrophic_backtracking_pattern_is_refused_in_well_under_a_second(adapter):
     files = edit_config(adapter, target_modules="(?:.*){60}z")
-    start = time.perf_counter()
+    start = time.thread_time()  # this thread's CPU (a backtracking matcher would burn minutes), not wall time
     with pytest.raises(AdapterValidationError) as info:
         validate_adapter_files(files, BASE)
-    assert time.perf_counter() - start < 1.0
+    assert time.thread_time() - start < 1.0
     assert info.value.code == "target_mismatch"
 
 

@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import concurrent.futures
+import csv
 import io
 import json
 import logging
 import pickle
 import re
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from sqlalchemy import MetaData, select
 
-from conftest import serve_admin_stack, write_peft_adapter
+from conftest import admin_client, serve_admin_stack, write_peft_adapter
+from loramux.admin.billing import COLUMN_NAMES
 from loramux.db import Adapter, AdapterVersion
 
 ADMIN_KEY = "lmxa-test-admin-key-0123456789abcdefghijklmnop"
@@ -26,9 +29,10 @@ def stack(tiny_dir, tokenizer, tmp_path_factory):
     yield from serve_admin_stack(tmp_path_factory.mktemp("admin-api"), tiny_dir, tokenizer, ADMIN_KEY)
 
 
-def admin(stack) -> httpx.Client:
-    server = stack[0]
-    return httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=60)
+@pytest.fixture(scope="module")
+def admin(stack) -> Iterator[httpx.Client]:
+    with admin_client(stack[0], ADMIN_KEY) as client:
+        yield client
 
 
 def adapter_dir(stack, name: str, seed: int, rank: int = 4) -> Path:
@@ -36,10 +40,10 @@ def adapter_dir(stack, name: str, seed: int, rank: int = 4) -> Path:
     return write_peft_adapter(tmp / f"{name}-{seed}", cfg, rank, ["q_proj", "v_proj"], seed=seed)
 
 
-def upload(stack, tenant_id: str, name: str, directory: Path, **fields):
+def upload(admin: httpx.Client, tenant_id: str, name: str, directory: Path, **fields):
     files = {"adapter_config": ("adapter_config.json", (directory / "adapter_config.json").read_bytes()),
              "adapter_model": ("adapter_model.safetensors", (directory / "adapter_model.safetensors").read_bytes())}
-    return admin(stack).post("/admin/adapters", data={"tenant_id": tenant_id, "name": name, **fields}, files=files)
+    return admin.post("/admin/adapters", data={"tenant_id": tenant_id, "name": name, **fields}, files=files)
 
 
 def fill(path: str) -> str:
@@ -79,77 +83,75 @@ def test_auth_matrix_over_every_route(stack):
     assert checked >= 25  # every admin and tenant route was exercised
 
 
-def test_tenants_and_keys_lifecycle(stack):
+def test_tenants_and_keys_lifecycle(stack, admin):
     server = stack[0]
-    c = admin(stack)
-    created = c.post("/admin/tenants", json={"name": "globex", "tier": "premium"})
+    created = admin.post("/admin/tenants", json={"name": "globex", "tier": "premium"})
     assert created.status_code == 201, created.text
     tenant = created.json()
-    assert c.post("/admin/tenants", json={"name": "globex"}).status_code == 409
-    bad_tier = c.post("/admin/tenants", json={"name": "initech", "tier": "gold"})
+    assert admin.post("/admin/tenants", json={"name": "globex"}).status_code == 409
+    bad_tier = admin.post("/admin/tenants", json={"name": "initech", "tier": "gold"})
     assert bad_tier.status_code == 400 and "unknown tier 'gold'" in bad_tier.text
-    assert any(t["name"] == "globex" for t in c.get("/admin/tenants").json()["tenants"])
+    assert any(t["name"] == "globex" for t in admin.get("/admin/tenants").json()["tenants"])
 
-    key = c.post(f"/admin/tenants/{tenant['id']}/keys").json()
+    key = admin.post(f"/admin/tenants/{tenant['id']}/keys").json()
     assert key["key"].startswith("lmx-") and key["prefix"] == key["key"][:12]
-    listed = c.get(f"/admin/tenants/{tenant['id']}/keys").json()["keys"]
+    listed = admin.get(f"/admin/tenants/{tenant['id']}/keys").json()["keys"]
     assert [k["id"] for k in listed] == [key["id"]] and "key" not in listed[0]
     models = httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {key['key']}"})
     assert models.status_code == 200
-    rotated = c.post(f"/admin/tenants/{tenant['id']}/keys/{key['id']}/rotate").json()
+    rotated = admin.post(f"/admin/tenants/{tenant['id']}/keys/{key['id']}/rotate").json()
     assert rotated["revoked"] == key["id"] and rotated["key"] != key["key"]
     old = httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {key['key']}"})
     assert old.status_code == 401
     new = httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {rotated['key']}"})
     assert new.status_code == 200
-    assert c.delete(f"/admin/tenants/{tenant['id']}/keys/{rotated['id']}").json()["revoked_at"]
+    assert admin.delete(f"/admin/tenants/{tenant['id']}/keys/{rotated['id']}").json()["revoked_at"]
     revoked = httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {rotated['key']}"})
     assert revoked.status_code == 401
 
-    suspended = c.patch(f"/admin/tenants/{tenant['id']}", json={"status": "suspended", "tier": "free"}).json()
+    suspended = admin.patch(f"/admin/tenants/{tenant['id']}", json={"status": "suspended", "tier": "free"}).json()
     assert (suspended["status"], suspended["tier"]) == ("suspended", "free")
-    assert c.patch(f"/admin/tenants/{tenant['id']}", json={"tier": "gold"}).status_code == 400
-    assert c.get("/admin/tenants/tn_missing").status_code == 404
+    assert admin.patch(f"/admin/tenants/{tenant['id']}", json={"tier": "gold"}).status_code == 400
+    assert admin.get("/admin/tenants/tn_missing").status_code == 404
 
 
-def test_adapter_upload_versions_visibility_warm_pin_delete(stack):
+def test_adapter_upload_versions_visibility_warm_pin_delete(stack, admin):
     server, tenant_key, _, _ = stack
-    c = admin(stack)
     acme = server.services.tenancy.tenant("acme")
-    first = upload(stack, acme.id, "bot", adapter_dir(stack, "bot", 1))
+    first = upload(admin, acme.id, "bot", adapter_dir(stack, "bot", 1))
     assert first.status_code == 201, first.text
     body = first.json()
     assert set(body) >= {"id", "name", "version", "digest"} and body["version"] == 1
-    second = upload(stack, acme.id, "bot", adapter_dir(stack, "bot", 2)).json()
+    second = upload(admin, acme.id, "bot", adapter_dir(stack, "bot", 2)).json()
     assert (second["id"], second["version"]) == (body["id"], 2) and second["digest"] != body["digest"]
-    versions = c.get(f"/admin/adapters/{body['id']}").json()["versions"]
+    versions = admin.get(f"/admin/adapters/{body['id']}").json()["versions"]
     assert [v["version"] for v in versions] == [1, 2]
-    listed = c.get("/admin/adapters", params={"tenant_id": acme.id}).json()["adapters"]
+    listed = admin.get("/admin/adapters", params={"tenant_id": acme.id}).json()["adapters"]
     assert any(a["id"] == body["id"] for a in listed)
-    assert c.patch(f"/admin/adapters/{body['id']}", json={"visibility": "public"}).json()["visibility"] == "public"
+    assert admin.patch(f"/admin/adapters/{body['id']}", json={"visibility": "public"}).json()["visibility"] == "public"
 
-    warm = c.post(f"/admin/adapters/{body['id']}/warm").json()
+    warm = admin.post(f"/admin/adapters/{body['id']}/warm").json()
     assert warm["version"] == 2 and warm["loaded_from"] in ("store", "disk", "ram")
-    assert c.post(f"/admin/adapters/{body['id']}/pin").json()["pinned"] is True
+    assert admin.post(f"/admin/adapters/{body['id']}/pin").json()["pinned"] is True
     assert second["digest"] in server.services.adapter_cache.host
-    assert c.delete(f"/admin/adapters/{body['id']}/pin").json()["pinned"] is False
+    assert admin.delete(f"/admin/adapters/{body['id']}/pin").json()["pinned"] is False
 
     # Concurrent pin calls record one pin holding exactly one cache pin (unpin gives it back).
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        pinned = list(pool.map(lambda _: admin(stack).post(f"/admin/adapters/{body['id']}/pin"), range(8)))
+        pinned = list(pool.map(lambda _: admin.post(f"/admin/adapters/{body['id']}/pin"), range(8)))
     assert all(r.status_code == 200 for r in pinned)
     host = server.services.adapter_cache.host
     assert host._entries[second["digest"]].pins == 1
-    assert c.delete(f"/admin/adapters/{body['id']}/pin").json()["pinned"] is False
+    assert admin.delete(f"/admin/adapters/{body['id']}/pin").json()["pinned"] is False
     assert host._entries[second["digest"]].pins == 0
 
     # The tenant uses it by name, then it is deleted: 404 afterwards, like any unknown model.
     headers = {"Authorization": f"Bearer {tenant_key}"}
     payload = {"model": "bot", "prompt": "hi", "max_tokens": 2}
     assert httpx.post(f"{server.url}/v1/completions", json=payload, headers=headers).status_code == 200
-    assert c.delete(f"/admin/adapters/{body['id']}").json()["deleted_versions"] == [1, 2]
+    assert admin.delete(f"/admin/adapters/{body['id']}").json()["deleted_versions"] == [1, 2]
     assert httpx.post(f"{server.url}/v1/completions", json=payload, headers=headers).status_code == 404
-    assert c.get(f"/admin/adapters/{body['id']}").status_code == 404
+    assert admin.get(f"/admin/adapters/{body['id']}").status_code == 404
 
 
 class Payload:
@@ -164,9 +166,8 @@ def upload_dirs_left() -> list[str]:
     return [p.name for p in Path(tempfile.gettempdir()).glob("loramux-upload-*")]
 
 
-def test_upload_abuse_is_refused_and_leaves_nothing(stack, tmp_path):
+def test_upload_abuse_is_refused_and_leaves_nothing(stack, admin, tmp_path):
     server = stack[0]
-    c = admin(stack)
     acme = server.services.tenancy.tenant("acme")
     good = adapter_dir(stack, "good", 5)
     config = (good / "adapter_config.json").read_bytes()
@@ -195,7 +196,7 @@ def test_upload_abuse_is_refused_and_leaves_nothing(stack, tmp_path):
                  "adapter_model": ("adapter_model.safetensors", weights)}
         files.update(overrides)
         files = {k: v for k, v in files.items() if v is not None}
-        resp = c.post("/admin/adapters", data={"tenant_id": acme.id, "name": "evil"}, files=files)
+        resp = admin.post("/admin/adapters", data={"tenant_id": acme.id, "name": "evil"}, files=files)
         assert resp.status_code == status, (label, resp.text)
         assert needle in resp.json()["error"]["message"], (label, resp.text)
         assert "/tmp" not in resp.text and str(tmp_path) not in resp.text, label
@@ -206,9 +207,9 @@ def test_upload_abuse_is_refused_and_leaves_nothing(stack, tmp_path):
         for _ in range(100):  # 1.6 MB, above the 1.25 MB body cap
             yield b"\x00" * 16384
 
-    resp = c.post("/admin/adapters", content=chunks(), headers={"Content-Type": "multipart/form-data; boundary=x"})
+    resp = admin.post("/admin/adapters", content=chunks(), headers={"Content-Type": "multipart/form-data; boundary=x"})
     assert resp.status_code == 413
-    not_multipart = c.post("/admin/adapters", json={"tenant_id": acme.id})
+    not_multipart = admin.post("/admin/adapters", json={"tenant_id": acme.id})
     assert not_multipart.status_code == 415 and "multipart/form-data" in not_multipart.text
     assert not marker.exists()  # the pickle never ran
     with server.services.db.session() as s:
@@ -217,37 +218,35 @@ def test_upload_abuse_is_refused_and_leaves_nothing(stack, tmp_path):
     assert upload_dirs_left() == []
 
 
-def test_tiers_and_prices(stack):
-    c = admin(stack)
-    tiers = {t["name"]: t for t in c.get("/admin/tiers").json()["tiers"]}
+def test_tiers_and_prices(admin):
+    tiers = {t["name"]: t for t in admin.get("/admin/tiers").json()["tiers"]}
     assert set(tiers) >= {"free", "standard", "premium"}
-    put = c.put("/admin/tiers/enterprise", json={"priority": 3, "requests_per_min": 0, "tokens_per_min": 0,
-                                                 "max_concurrent": 256, "default_timeout_s": 600,
-                                                 "max_timeout_s": 3600})
+    put = admin.put("/admin/tiers/enterprise", json={"priority": 3, "requests_per_min": 0, "tokens_per_min": 0,
+                                                     "max_concurrent": 256, "default_timeout_s": 600,
+                                                     "max_timeout_s": 3600})
     assert put.status_code == 200 and put.json()["priority"] == 3
-    bad = c.put("/admin/tiers/odd", json={"priority": 0, "default_timeout_s": 100, "max_timeout_s": 10})
+    bad = admin.put("/admin/tiers/odd", json={"priority": 0, "default_timeout_s": 100, "max_timeout_s": 10})
     assert bad.status_code == 400 and "default_timeout_s <= max_timeout_s" in bad.text
-    huge = c.put("/admin/tiers/odd", json={"priority": 0, "tokens_per_min": 2**40, "default_timeout_s": 1,
-                                           "max_timeout_s": 10})  # beyond the INTEGER column: a clear 422, no 500
+    huge = admin.put("/admin/tiers/odd", json={"priority": 0, "tokens_per_min": 2**40, "default_timeout_s": 1,
+                                               "max_timeout_s": 10})  # beyond the INTEGER column: a clear 422, no 500
     assert huge.status_code == 422 and "tokens_per_min" in huge.text
-    price = c.post("/admin/prices", json={"input_per_mtok": "0.10", "cached_input_per_mtok": "0.05",
-                                          "output_per_mtok": "0.40", "effective_from": "2026-01-01T00:00:00Z"})
+    price = admin.post("/admin/prices", json={"input_per_mtok": "0.10", "cached_input_per_mtok": "0.05",
+                                              "output_per_mtok": "0.40", "effective_from": "2026-01-01T00:00:00Z"})
     assert price.status_code == 201, price.text
     assert price.json()["output_per_mtok"].startswith("0.4")
-    assert c.post("/admin/prices", json={"input_per_mtok": "-1", "cached_input_per_mtok": "0",
-                                         "output_per_mtok": "0"}).status_code == 422
-    assert c.post("/admin/prices", json={"input_per_mtok": "1", "cached_input_per_mtok": "1", "output_per_mtok": "1",
-                                         "tier": "gold"}).status_code == 400
-    assert any(p["id"] == price.json()["id"] for p in c.get("/admin/prices").json()["prices"])
+    assert admin.post("/admin/prices", json={"input_per_mtok": "-1", "cached_input_per_mtok": "0",
+                                             "output_per_mtok": "0"}).status_code == 422
+    assert admin.post("/admin/prices", json={"input_per_mtok": "1", "cached_input_per_mtok": "1",
+                                             "output_per_mtok": "1", "tier": "gold"}).status_code == 400
+    assert any(p["id"] == price.json()["id"] for p in admin.get("/admin/prices").json()["prices"])
 
 
-def test_raw_keys_are_stored_and_logged_nowhere(stack, caplog):
+def test_raw_keys_are_stored_and_logged_nowhere(stack, admin, caplog):
     server, tenant_key, _, tmp = stack
-    c = admin(stack)
     caplog.set_level(logging.DEBUG)
-    tenant = c.post("/admin/tenants", json={"name": "secretive"}).json()
-    raw_tenant = c.post(f"/admin/tenants/{tenant['id']}/keys").json()["key"]
-    raw_admin = c.post("/admin/keys", json={"name": "second"}).json()["key"]
+    tenant = admin.post("/admin/tenants", json={"name": "secretive"}).json()
+    raw_tenant = admin.post(f"/admin/tenants/{tenant['id']}/keys").json()["key"]
+    raw_admin = admin.post("/admin/keys", json={"name": "second"}).json()["key"]
     for key in (raw_tenant, tenant_key):
         httpx.post(f"{server.url}/v1/completions", json={"model": "base", "prompt": "hi", "max_tokens": 2},
                    headers={"Authorization": f"Bearer {key}"})
@@ -294,7 +293,8 @@ def test_admin_cli_mirrors_the_api(stack, tmp_path):
     assert cli("adapters", "warm", json.loads(up.stdout)["id"]).returncode == 0
     out = tmp_path / "bill.csv"
     assert cli("billing", "export", "--format", "csv", "--out", str(out)).returncode == 0
-    assert out.read_text().startswith("id,") or out.read_text().splitlines()[0].count(",") > 5
+    header, *rows = csv.reader(io.StringIO(out.read_text()))
+    assert tuple(header) == COLUMN_NAMES and all(len(row) == len(COLUMN_NAMES) for row in rows)
     denied = subprocess.run([sys.executable, "-m", "loramux.cli", "admin", "--url", server.url, "--key",
                              key["key"], "adapters", "list"], capture_output=True, text=True, timeout=120)
     assert denied.returncode == 1 and "403" in denied.stderr

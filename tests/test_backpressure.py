@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import time
 
 import pytest
 
@@ -12,6 +11,7 @@ from conftest import make_engine, save_tiny_hf_model
 from loramux.engine.async_engine import AsyncEngine
 from loramux.engine.outputs import RequestOutput, SoFar
 from loramux.engine.sampling_params import SamplingParams
+from polling import wait_until, wait_until_async
 
 LONG = 4000
 
@@ -26,16 +26,6 @@ def long_dir(tmp_path_factory, tokenizer):
 
 def long_engine(path, tokenizer, **config):
     return make_engine(path, tokenizer, num_blocks=(LONG + 512) // 16 + 8, max_model_len=LONG + 512, **config)
-
-
-async def until(condition, timeout_s: float = 60.0, every=None):
-    """Poll `condition()` until it holds (calling `every()` at each poll); fail after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if every is not None:
-            every()
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.005)
 
 
 def test_stalled_reader_is_cancelled_with_bounded_buffer(long_dir, tokenizer):
@@ -54,7 +44,7 @@ def test_stalled_reader_is_cancelled_with_bounded_buffer(long_dir, tokenizer):
             s = engine.stats()
             return s["stalled_reader_aborts"] == 1 and s["running"] == 0 and s["kv_blocks_used"] == 0
 
-        await until(cancelled, every=sample)
+        await wait_until_async(cancelled, "the stalled reader's request to be cancelled", 60, every=sample)
         buffered = engine.stats()
         rest = [out async for out in stream]  # the reader comes back
         return first, peak["outputs"], buffered, rest, engine.stats()
@@ -93,8 +83,8 @@ def test_lagging_reader_gets_coalesced_outputs_with_everything(long_dir, tokeniz
 
         # Done while nobody read: the request has left the batch and its last output is buffered (the
         # engine thread finishes a request before it hands over that step's outputs).
-        await until(lambda: engine.stats()["running"] == 0 and engine.stats()["buffered_tokens"] == 119,
-                    every=sample)
+        await wait_until_async(lambda: engine.stats()["running"] == 0 and engine.stats()["buffered_tokens"] == 119,
+                               "the unread request to finish with its 119 tokens buffered", 60, every=sample)
         waiting = engine.stats()
         return first, peak["outputs"], waiting, [out async for out in stream]
 
@@ -242,10 +232,8 @@ def test_a_client_that_never_reads_a_4000_token_stream_is_cancelled_and_billed(l
 
         stuck = client.portal.start_task_soon(never_reading_client)
         try:
-            deadline = time.monotonic() + 30
-            while not records:  # the ledger row appears once the server has let the request go
-                assert time.monotonic() < deadline, services.engine.stats()
-                time.sleep(0.01)  # polling the server's state from the test thread
+            # The ledger row appears once the server has let the request go.
+            wait_until(lambda: records, "the stalled request's ledger record", 30, detail=services.engine.stats)
         except BaseException:
             stuck.cancel()
             raise

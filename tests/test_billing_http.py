@@ -7,6 +7,7 @@ import asyncio
 import csv
 import io
 import json
+from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 
@@ -15,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 from sqlalchemy import func, select
 
-from conftest import make_engine, make_services, new_tenant_key
+from conftest import admin_client, make_engine, make_services, new_tenant_key
 from live_server import LiveServer
 from loramux.db import LedgerEntry
 from loramux.server.app import create_app
@@ -34,12 +35,14 @@ def stack(database_url, tiny_dir, tokenizer, tmp_path):
         yield server, records, database_url
 
 
-def admin(server) -> httpx.Client:
-    return httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=60)
+@pytest.fixture
+def admin(stack) -> Iterator[httpx.Client]:
+    with admin_client(stack[0], ADMIN_KEY) as client:
+        yield client
 
 
-def set_price(server, effective_from: datetime, **price) -> dict:
-    resp = admin(server).post("/admin/prices", json={**PRICE, **price, "effective_from": effective_from.isoformat()})
+def set_price(admin: httpx.Client, effective_from: datetime, **price) -> dict:
+    resp = admin.post("/admin/prices", json={**PRICE, **price, "effective_from": effective_from.isoformat()})
     assert resp.status_code == 201, resp.text
     return resp.json()
 
@@ -53,9 +56,9 @@ def ledger_rows(server) -> list[LedgerEntry]:
         return list(s.scalars(select(LedgerEntry).order_by(LedgerEntry.id)))
 
 
-def test_500_concurrent_requests_leave_500_rows_billed_exactly(stack):
+def test_500_concurrent_requests_leave_500_rows_billed_exactly(stack, admin):
     server, records, _ = stack
-    set_price(server, datetime(2026, 1, 1, tzinfo=timezone.utc))
+    set_price(admin, datetime(2026, 1, 1, tzinfo=timezone.utc))
     keys = [new_tenant_key(server.services, f"tenant-{i}", "premium") for i in range(5)]
 
     async def one(i: int):
@@ -88,7 +91,7 @@ def test_500_concurrent_requests_leave_500_rows_billed_exactly(stack):
         assert (row.prompt_tokens, row.completion_tokens) == (usage["prompt_tokens"], usage["completion_tokens"])
         assert row.cost == expected_cost(usage["prompt_tokens"], usage["completion_tokens"], PRICE)
         total += expected_cost(usage["prompt_tokens"], usage["completion_tokens"], PRICE)
-    summary = admin(server).get("/admin/billing/summary").json()
+    summary = admin.get("/admin/billing/summary").json()
     assert Decimal(summary["total"]["cost"]) == total and summary["total"]["requests"] == 500
     assert {t["tenant_id"] for t in summary["tenants"]} == {server.services.tenancy.tenant(f"tenant-{i}").id
                                                             for i in range(5)}
@@ -99,11 +102,11 @@ def test_500_concurrent_requests_leave_500_rows_billed_exactly(stack):
     assert len(ledger_rows(server)) == 500
 
 
-def test_each_request_is_billed_at_the_price_in_force_when_it_ran(stack):
+def test_each_request_is_billed_at_the_price_in_force_when_it_ran(stack, admin):
     server, _, _ = stack
     key = new_tenant_key(server.services, "acme", "standard")
     headers = {"Authorization": f"Bearer {key}"}
-    old = set_price(server, datetime.now(timezone.utc) - timedelta(days=30))
+    old = set_price(admin, datetime.now(timezone.utc) - timedelta(days=30))
 
     def run(n):
         for i in range(n):
@@ -113,7 +116,7 @@ def test_each_request_is_billed_at_the_price_in_force_when_it_ran(stack):
 
     run(3)
     change = datetime.now(timezone.utc)
-    new = set_price(server, change, output_per_mtok="1.20", input_per_mtok="0.30")
+    new = set_price(admin, change, output_per_mtok="1.20", input_per_mtok="0.30")
     run(3)
     assert server.services.ledger.flush(30)
     rows = ledger_rows(server)
@@ -125,16 +128,15 @@ def test_each_request_is_billed_at_the_price_in_force_when_it_ran(stack):
     assert sum(1 for r in rows if r.created_at < change) == 3
 
 
-def test_exports_parse_back_to_the_summary(stack):
+def test_exports_parse_back_to_the_summary(stack, admin):
     server, _, _ = stack
-    set_price(server, datetime(2026, 1, 1, tzinfo=timezone.utc))
+    set_price(admin, datetime(2026, 1, 1, tzinfo=timezone.utc))
     for name in ("acme", "globex"):
         key = new_tenant_key(server.services, name, "standard")
         for i in range(3):
             httpx.post(f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {key}"}, timeout=60,
                        json={"model": "base", "prompt": f"{name} {i}", "max_tokens": 1 + i, "ignore_eos": True})
-    c = admin(server)
-    summary = c.get("/admin/billing/summary").json()
+    summary = admin.get("/admin/billing/summary").json()
     expected = {t["tenant_id"]: Decimal(t["cost"]) for t in summary["tenants"]}
     assert len(expected) == 2 and summary["total"]["requests"] == 6
 
@@ -144,19 +146,19 @@ def test_exports_parse_back_to_the_summary(stack):
             out[row["tenant_id"]] = out.get(row["tenant_id"], Decimal(0)) + Decimal(str(row["cost"]))
         return out
 
-    as_csv = c.get("/admin/billing/export", params={"format": "csv"})
+    as_csv = admin.get("/admin/billing/export", params={"format": "csv"})
     assert as_csv.headers["content-type"].startswith("text/csv")
     assert totals(csv.DictReader(io.StringIO(as_csv.text))) == expected
-    as_jsonl = c.get("/admin/billing/export", params={"format": "jsonl"}).text
+    as_jsonl = admin.get("/admin/billing/export", params={"format": "jsonl"}).text
     assert totals(json.loads(line) for line in as_jsonl.splitlines()) == expected
-    table = pq.read_table(io.BytesIO(c.get("/admin/billing/export", params={"format": "parquet"}).content))
+    table = pq.read_table(io.BytesIO(admin.get("/admin/billing/export", params={"format": "parquet"}).content))
     assert totals(table.to_pylist()) == expected and table.num_rows == 6
     one = list(expected)[0]
-    filtered = c.get("/admin/billing/export", params={"format": "jsonl", "tenant_id": one}).text.splitlines()
+    filtered = admin.get("/admin/billing/export", params={"format": "jsonl", "tenant_id": one}).text.splitlines()
     assert len(filtered) == 3
-    bad = c.get("/admin/billing/summary", params={"start": "2026-13-45"})
+    bad = admin.get("/admin/billing/summary", params={"start": "2026-13-45"})
     assert bad.status_code == 400
-    assert c.get("/admin/billing/export", params={"format": "xlsx"}).status_code == 422
+    assert admin.get("/admin/billing/export", params={"format": "xlsx"}).status_code == 422
 
 
 def test_rows_buffered_at_shutdown_are_written(database_url, tiny_dir, tokenizer, tmp_path):

@@ -258,18 +258,20 @@ def test_100k_empty_messages_in_a_4mb_body_get_their_400_within_milliseconds(lim
     body = {"model": MODEL, "messages": [{"role": "user", "content": ""}] * 100_000}
     raw = json.dumps(body).encode()
     assert 2_000_000 < len(raw) <= 4 * 1024**2
-    started = time.perf_counter()
+    # CPU time, not wall time: the client and the app both run in this process (the app on the test client's
+    # thread), and what other processes on a busy machine do does not count.
+    started = time.process_time()
     answer = client.post("/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"})
-    elapsed = time.perf_counter() - started
+    cpu_s = time.process_time() - started
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "messages", answer.text
     # Measured 0.25-0.55 s end to end on a loaded 2-core VM, nearly all of it scanning and parsing 3.3 MB
     # (json.loads alone: 0.1 s); before, 2.6 s and more.
-    assert elapsed < 1.5, elapsed
+    assert cpu_s < 1.5, cpu_s
     parsed = json.loads(raw)
-    started = time.perf_counter()
+    started = time.thread_time()
     with pytest.raises(ApiError, match="messages has 100000 messages"):
         check_counts(parsed, CountLimits())
-    assert time.perf_counter() - started < 0.005  # the check itself: measured 0.14 ms
+    assert time.thread_time() - started < 0.005  # the check itself, on this thread's CPU: measured 0.14 ms
 
 
 def test_the_prompt_bound_counts_each_messages_template_tokens(limited_context, monkeypatch):

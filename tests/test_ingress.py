@@ -43,26 +43,29 @@ def rss_bytes() -> int:
     raise RuntimeError("no VmRSS in /proc/self/status")
 
 
-def huge_body(total: int = HUGE, chunk: int = MiB):
-    """`total` bytes of a JSON-looking body, from one reused chunk (the client itself holds 1 MiB)."""
+def huge_body(sent: list[int], total: int = HUGE, chunk: int = MiB):
+    """`total` bytes of a JSON-looking body, from one reused chunk (the client itself holds 1 MiB); counts
+    into `sent[0]` the bytes handed to the connection."""
     piece = b"[" * chunk
     for _ in range(total // chunk):
+        sent[0] += chunk
         yield piece
 
 
-def post_huge(url: str, headers: dict[str, str], declare_length: bool) -> tuple[int | None, float]:
+def post_huge(url: str, headers: dict[str, str], declare_length: bool) -> tuple[int | None, int]:
     """POST a 200 MB body; the status (None when the server cut the connection before any answer could be
-    read) and the seconds until the answer."""
+    read) and how many of its bytes the client had handed over by then (a server that does not read the
+    body stops it after the socket buffers fill)."""
     if declare_length:
         headers = {**headers, "Content-Length": str(HUGE)}
-    start = time.monotonic()
+    sent = [0]
     try:
         with httpx.Client(timeout=30) as c:
-            status = c.post(url, content=huge_body(), headers={"Content-Type": "application/json", **headers}
+            status = c.post(url, content=huge_body(sent), headers={"Content-Type": "application/json", **headers}
                             ).status_code
     except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
         status = None
-    return status, time.monotonic() - start
+    return status, sent[0]
 
 
 @pytest.mark.parametrize("declare_length", [False, True], ids=["chunked", "content-length"])
@@ -81,12 +84,12 @@ def test_a_huge_body_is_refused_fast_without_being_read(stack, path, who, expect
         headers["Authorization"] = f"Bearer {ADMIN_KEY if who == 'admin' else keys[who]}"
     assert httpx.get(f"{server.url}/health").status_code == 200  # warm: connections, threads
     before = rss_bytes()
-    status, elapsed = post_huge(f"{server.url}{path}", headers, declare_length)
+    status, sent = post_huge(f"{server.url}{path}", headers, declare_length)
     grown = rss_bytes() - before
-    print(f"{path} as {who}, {'Content-Length' if declare_length else 'chunked'}: {status} in {elapsed:.3f} s, "
-          f"RSS +{grown / MiB:.1f} MB")
+    print(f"{path} as {who}, {'Content-Length' if declare_length else 'chunked'}: {status} after "
+          f"{sent / MiB:.0f} MB sent, RSS +{grown / MiB:.1f} MB")
     assert status == expected
-    assert elapsed < 1.0
+    assert sent <= 32 * MiB, sent  # of 200: refused before the rest was sent, never read to the end
     assert grown < 50 * MiB
     health = httpx.get(f"{server.url}/health", timeout=5)
     assert health.status_code == 200
@@ -247,9 +250,7 @@ def test_deep_nesting_is_refused_cleanly(stack, body):
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert error["code"] == "json_too_deep" and "64 levels" in error["message"]
-    start = time.monotonic()
-    assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
-    assert time.monotonic() - start < 1.0
+    assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200  # the refusal left nothing running
 
 
 def test_brackets_inside_strings_are_not_nesting(stack):
@@ -277,10 +278,11 @@ def test_json_depth_scan(body, deep):
 @pytest.mark.parametrize("pathological", [b'"\\"' * 1_400_000, b'"\\' * 2_000_000, b"\\" * 4_000_000,
                                           b'[""' * 1_400_000, b"[" * 4_000_000])
 def test_json_depth_scan_is_linear(pathological):
-    """Inputs that make naive string regexes backtrack quadratically take well under a second."""
-    start = time.monotonic()
+    """Inputs that make naive string regexes backtrack quadratically take well under a second of CPU (this
+    thread's, so a busy machine does not count)."""
+    start = time.thread_time()
     json_depth_exceeds(pathological, 64)
-    assert time.monotonic() - start < 1.0
+    assert time.thread_time() - start < 1.0
 
 
 def test_max_chars_per_token_is_the_longest_token_where_every_character_is_covered(tokenizer):

@@ -5,6 +5,7 @@ what the clients were told. On SQLite and PostgreSQL."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -12,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -23,6 +23,7 @@ from conftest import write_peft_adapter
 from loramux.db import Database, LedgerEntry
 from loramux.model.loader import read_model_config
 from loramux.tenancy import Tenancy
+from polling import wait_until
 
 CLIENTS = 64
 KILL_AFTER = 96  # completed (billed) requests before the kill
@@ -39,18 +40,21 @@ def free_port() -> int:
 def start_server(env: dict, port: int) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "loramux.cli", "serve", "--port", str(port)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
+
+    def ready() -> bool:
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited: {proc.stderr.read().decode()[-2000:]}")
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
-                return proc
+            return httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200
         except httpx.HTTPError:
-            pass
-        time.sleep(0.1)  # polling the server's readiness, not synchronising with it
-    proc.kill()
-    raise RuntimeError("the server did not become ready")
+            return False
+
+    try:
+        wait_until(ready, "the server to become ready", 120, poll_s=0.1)
+    except BaseException:
+        proc.kill()
+        raise
+    return proc
 
 
 @pytest.fixture
@@ -86,7 +90,9 @@ async def run_clients(url: str, keys: list[str], done: list[dict], stop: asyncio
                 except (httpx.HTTPError, json.JSONDecodeError):
                     if stop.is_set():
                         return
-                    await asyncio.sleep(0.05)  # the server is gone: retry until told to stop
+                    # The server is gone: retry shortly, until told to stop.
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(stop.wait(), 0.05)
 
     await asyncio.gather(*(client(k) for k in range(CLIENTS)))
 

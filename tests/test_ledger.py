@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 
@@ -20,6 +19,7 @@ from loramux.admin.pricing import PriceBook, PriceError, PriceInfo, cost_of, pri
 from loramux.db import Adapter, Database, LedgerEntry, Tenant
 from loramux.db.money import sum_money
 from loramux.usage import RequestRecord
+from polling import wait_until
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 MODEL = "smol"
@@ -48,13 +48,6 @@ def ledger_rows(db: Database) -> list[LedgerEntry]:
 def row_count(db: Database) -> int:
     with db.session() as session:
         return session.execute(select(func.count()).select_from(LedgerEntry)).scalar_one()
-
-
-def wait_until(condition, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
 
 
 # --- pure: cost and the price in force -----------------------------------------------------------------
@@ -345,7 +338,7 @@ def test_writer_keeps_records_while_the_database_is_down(pg, tmp_path, fault, ca
         proxy.set_mode(fault)
         for i in range(10, 30):
             writer.submit(record(i))
-        wait_until(lambda: writer.stats()["failures"] >= 2)
+        wait_until(lambda: writer.stats()["failures"] >= 2, "two failed SQL writes", 15)
         assert not writer.flush(0.2)
         stats = writer.stats()
         assert (stats["buffered"], stats["spooled"], stats["written"]) == (20, 0, 10)
@@ -378,7 +371,7 @@ def test_buffer_overflow_goes_to_the_spool_and_is_written_after_recovery(pg, tmp
         assert all(f.result(10) for f in futures)  # each one fsync'd in the write-ahead log, which holds
         assert [json.loads(line)["request_id"] for line in spool.read_text().splitlines()] == [
             f"req-{i}" for i in range(20)]  # every record (the old spool held only the 15 past the buffer)
-        wait_until(lambda: writer.stats()["failures"] >= 1)
+        wait_until(lambda: writer.stats()["failures"] >= 1, "a failed SQL write", 15)
         assert row_count(direct) == 0
         proxy.set_mode("pass")
         assert writer.flush(20)
@@ -411,7 +404,7 @@ def test_close_with_the_database_down_spools_and_the_next_start_writes(pg, tmp_p
     second.start()
     try:
         second.submit(record(0))  # already written: a duplicate, not a second row
-        wait_until(lambda: second.stats()["failures"] >= 1)
+        wait_until(lambda: second.stats()["failures"] >= 1, "a failed SQL write", 15)
         assert row_count(direct) == 1 and second.stats()["spooled"] == 11
         proxy.set_mode("pass")
         assert second.flush(20)

@@ -23,6 +23,7 @@ from loramux.admin import ledger_wal
 from loramux.admin.ledger import LedgerWriter, durable, write_records
 from loramux.db import LedgerEntry
 from loramux.usage import RequestRecord
+from polling import wait_until
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
@@ -153,8 +154,7 @@ def test_a_group_of_records_shares_one_fsync_and_futures_wait_for_it(database, t
     writer.start()
     try:
         first = writer.submit(record("first"))
-        while not calls:  # the WAL thread is inside the first fsync ...
-            time.sleep(0.001)
+        wait_until(lambda: calls, "the WAL thread to enter the first fsync")  # it is inside the first fsync ...
         futures = []
         threads = [threading.Thread(target=lambda k=k: futures.extend(
             writer.submit(record(f"{k}-{i}")) for i in range(50))) for k in range(8)]
@@ -313,11 +313,8 @@ def test_rows_reach_sql_without_a_flush_in_lingered_batches(database, tmp_path):
     try:
         futures = [writer.submit(record(i)) for i in range(30)]
         assert all(f.result(10) for f in futures)
-        deadline = time.monotonic() + 10
         # No flush: the SQL thread writes on its own. The counter moves just after the commit, so wait on it.
-        while writer.stats()["written"] < 30:
-            assert time.monotonic() < deadline, "rows not written without a flush"
-            time.sleep(0.02)
+        wait_until(lambda: writer.stats()["written"] >= 30, "the 30 rows to be written without a flush", 10)
         assert len(request_ids(database)) == 30 and writer.stats()["written"] == 30
     finally:
         writer.close()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 from sqlalchemy import func, select
@@ -17,6 +16,7 @@ from loramux.admin.ledger import LedgerBacklogError, LedgerWriter
 from loramux.admin.ledger_wal import WAL_NAME, LogInUseError
 from loramux.cluster.ingress_services import adopt_orphans, claim_ledger
 from loramux.db import LedgerEntry
+from polling import wait_until
 
 
 def rows(db) -> int:
@@ -75,10 +75,8 @@ def test_ingress_slots_are_stable_and_orphaned_logs_are_written_to_sql(database,
     second = claim_ledger(database, root)
     try:
         assert first.wal_path.parent.name == "slot-0" and second.wal_path.parent.name == "slot-1"
-        deadline = time.monotonic() + 30
-        while rows(database) < 5:  # the claims drain the orphan on a background thread
-            assert time.monotonic() < deadline, "the orphaned log was not replayed"
-            time.sleep(0.05)
+        # The claims drain the orphan on a background thread.
+        wait_until(lambda: rows(database) >= 5, "the orphaned log to be replayed", 30, poll_s=0.05)
         assert rows(database) == 5
         assert adopt_orphans(database, root, first.wal_path.parent) == 0  # drained: empty now; slot-1 is held
         assert rows(database) == 5

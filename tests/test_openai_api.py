@@ -15,6 +15,7 @@ from live_server import LiveServer
 from loramux.model.loader import read_model_config
 from loramux.server.app import create_app
 from loramux.tenancy import TierInfo
+from polling import wait_until
 
 ADAPTERS = ("alpha", "beta", "gamma", "delta")
 
@@ -223,10 +224,22 @@ def test_every_finished_request_reaches_the_ledger_hook(stack):
     assert record.key_id.startswith("key_") and record.total_ms > 0
 
 
+def requests_counted(server, outcome: str, tier: str) -> float:
+    """The value of `loramux_requests_total{outcome=..., tier=...}` on /metrics, fetched without a key."""
+    resp = httpx.get(f"{server.url}/metrics")
+    assert resp.status_code == 200
+    series = f'loramux_requests_total{{outcome="{outcome}",tier="{tier}"}} '
+    return float(next(line for line in resp.text.splitlines() if line.startswith(series))[len(series):])
+
+
 def test_metrics_are_exposed_without_a_key_and_without_tenant_labels(stack):
     server, _, _ = stack
+    before = requests_counted(server, "length", "standard")
+    client(stack).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, temperature=0,
+                                          extra_body={"ignore_eos": True})  # acme is on the standard tier
+    wait_until(lambda: requests_counted(server, "length", "standard") > before, "the request to be counted", 10)
+    assert requests_counted(server, "length", "standard") == before + 1
     text = httpx.get(f"{server.url}/metrics").text
-    assert 'loramux_requests_total{outcome="stop",tier="standard"}' in text or "loramux_requests_total" in text
     assert "loramux_ttft_seconds_bucket" in text and "loramux_kv_cache_usage_ratio" in text
     assert "acme" not in text and "tenant" not in text
 
@@ -249,16 +262,6 @@ def small(tiny_dir, tokenizer, tmp_path):
 def engine_is_idle(server) -> bool:
     stats = server.services.engine.stats()
     return stats["running"] == 0 and stats["waiting"] == 0 and stats["kv_blocks_used"] == 0
-
-
-def wait_until(condition, timeout: float = 10.0) -> bool:
-    """Poll `condition` (a state check, not a sleep-and-hope) until it holds or `timeout` passes."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.01)
-    return condition()
 
 
 def test_under_saturation_premium_waits_less_and_nobody_starves(small):
@@ -290,7 +293,7 @@ def test_timeout_returns_partial_output_streamed_or_not(small):
     chunks = list(c.completions.create(stream=True, **kwargs))
     assert chunks[-1].choices[0].finish_reason == "timeout"
     assert "".join(ch.choices[0].text for ch in chunks)
-    assert wait_until(lambda: engine_is_idle(server))
+    wait_until(lambda: engine_is_idle(server), "the engine to go idle", 10, detail=server.services.engine.stats)
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -308,7 +311,7 @@ def test_a_client_that_disconnects_frees_its_blocks(small, stream):
     else:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=0.2)
-    assert wait_until(lambda: engine_is_idle(server), timeout=5), server.services.engine.stats()
+    wait_until(lambda: engine_is_idle(server), "the engine to go idle", 5, detail=server.services.engine.stats)
     assert server.services.engine.stats()["adapter_slots_pinned"] == 0
 
 
@@ -336,7 +339,7 @@ def test_a_queue_that_cannot_meet_the_deadline_answers_503(small):
         with httpx.stream("POST", f"{server.url}/v1/completions", json=long, headers=headers, timeout=30) as a, \
                 httpx.stream("POST", f"{server.url}/v1/completions", json=long, headers=headers, timeout=30) as b:
             next(a.iter_lines()), next(b.iter_lines())
-            assert wait_until(lambda: engine.stats()["running"] == 2), engine.stats()  # the batch (2) is full
+            wait_until(lambda: engine.stats()["running"] == 2, "the batch (2) to be full", 10, detail=engine.stats)
             assert engine.estimated_queue_wait_s() > 0.001, (engine.stats(), llm._service_s_ewma)
             with pytest.raises(openai.InternalServerError) as info:
                 c.completions.create(model="base", prompt="urgent", max_tokens=4, extra_body={"timeout_s": 0.001})
@@ -346,7 +349,7 @@ def test_a_queue_that_cannot_meet_the_deadline_answers_503(small):
     finally:
         resume.set()
         llm.step = real_step
-    assert wait_until(lambda: engine_is_idle(server))
+    wait_until(lambda: engine_is_idle(server), "the engine to go idle", 10, detail=server.services.engine.stats)
 
 
 def test_adapter_fallback_serves_the_base_model_when_opted_in(small, tmp_path, tiny_dir):
@@ -405,5 +408,5 @@ def test_a_request_whose_stream_never_starts_is_still_cleaned_up(small):
 
     running = asyncio.run(scenario())
     assert running._ended and front.limiter.in_flight(tenant.tenant_id) == 0
-    assert wait_until(lambda: engine_is_idle(server)), services.engine.stats()
+    wait_until(lambda: engine_is_idle(server), "the engine to go idle", 10, detail=services.engine.stats)
     assert services.engine.stats()["adapter_slots_pinned"] == 0

@@ -29,11 +29,13 @@ from sqlalchemy import create_engine, text  # noqa: E402
 
 from conftest import MOTO_CREDENTIALS, MOTO_REGION, moto_create_bucket, save_tiny_hf_model, write_peft_adapter  # noqa: E402
 from loramux.settings import Settings  # noqa: E402
+from polling import wait_until  # noqa: E402
 
 ADMIN_KEY = "lmxa-ray-admin-key-0123456789abcdefghijklmnop"
 NUM_ADAPTERS = 6
 LIMITED_RPM = 30
 MAX_TOKENS = 8
+POLL_S = 0.2  # the cluster is polled over HTTP and Ray's state API: not every 10 ms
 PROMPTS = ["Tell me about the sea.", "List three colours.", "What is a LoRA adapter?", "Count to five.",
            "Name a famous bridge.", "Why is the sky blue?", "Write a haiku about rain.", "Say hello."]
 RESULTS: dict = {}  # what one test hands the next (file order): the load's answers, the outputs to compare
@@ -43,18 +45,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_until(condition, timeout_s: float, what: str, poll_s: float = 0.2):
-    """Poll `condition()` until it returns something truthy (returned) or fail after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}")
-        time.sleep(poll_s)
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +166,7 @@ def _ledger_rows(stack, count: int, since_ids: set | None = None) -> list[tuple]
     def enough():
         rows = _ledger(stack, since_ids)
         return rows if len(rows) >= count else None
-    return wait_until(enough, 60, f"{count} ledger rows")
+    return wait_until(enough, f"{count} ledger rows", 60, POLL_S)
 
 
 def test_mixed_load_is_routed_by_adapter_billed_once_and_limited_across_replicas(stack):
@@ -187,7 +177,7 @@ def test_mixed_load_is_routed_by_adapter_billed_once_and_limited_across_replicas
     for item in warm:
         assert _send(stack, item)["status"] == 200
     wait_until(lambda: sum(len(r["adapters"]) for r in stack["admin"].get("/admin/replicas").json()["replicas"])
-               >= NUM_ADAPTERS, 30, "every adapter to show on a replica")
+               >= NUM_ADAPTERS, "every adapter to show on a replica", 30, POLL_S)
     for item in warm:
         assert _send(stack, item)["status"] == 200
     warm_ids = {row[0] for row in _ledger_rows(stack, 2 * NUM_ADAPTERS)}
@@ -255,7 +245,7 @@ def test_a_killed_replica_fails_its_requests_retriably_and_comes_back(stack):
     def both_listed():
         listed = {r["replica"]: r["pid"] for r in admin.get("/admin/replicas").json()["replicas"]}
         return listed if len(listed) == 2 else None
-    before = wait_until(both_listed, 30, "both replicas' snapshots")
+    before = wait_until(both_listed, "both replicas' snapshots", 30, POLL_S)
     seen = {row[0] for row in _ledger(stack)}
     # Non-streaming at the ingress: a failed request has sent the client nothing, so its status is the answer.
     # ignore_eos: each request runs all its max_tokens (a random model can hit EOS early and be done at once).
@@ -278,7 +268,7 @@ def test_a_killed_replica_fails_its_requests_retriably_and_comes_back(stack):
     started = time.monotonic()
     with ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(_send, stack, item) for item in items]
-        victim, midway = wait_until(replica_holding_requests_midway, 60, "a replica midway through 2 requests",
+        victim, midway = wait_until(replica_holding_requests_midway, "a replica midway through 2 requests", 60,
                                     poll_s=0.01)
         os.kill(victim["pid"], signal.SIGKILL)
         answers = [f.result() for f in futures]
@@ -302,14 +292,14 @@ def test_a_killed_replica_fails_its_requests_retriably_and_comes_back(stack):
     def replaced():
         live = {x["replica"]: x["pid"] for x in admin.get("/admin/replicas").json()["replicas"]}
         return live if len(live) == 2 and victim_id not in live else None
-    after = wait_until(replaced, 120, "a replacement replica")
+    after = wait_until(replaced, "a replacement replica", 120, POLL_S)
     assert victim["pid"] not in after.values()
     # Billing: each answered request once. A failed one is not billed, or (a rule for requests that die after
     # streaming to their client) billed as an error on the replica that died: never as a success.
     def billed():
         rows = _ledger(stack, seen)
         return rows if ok_ids <= {r[0] for r in rows} else None
-    rows = wait_until(billed, 60, "a ledger row for every answered request")
+    rows = wait_until(billed, "a ledger row for every answered request", 60, POLL_S)
     assert len({r[0] for r in rows}) == len(rows), "one row per request"
     extra = [r for r in rows if r[0] not in ok_ids]
     assert len(extra) <= statuses[503] and all(r[4] == "error" and r[2] == victim_id for r in extra), extra
@@ -344,14 +334,14 @@ def test_structured_output_tools_and_admin_changes_work_through_the_cluster(stac
     # replacement starts empty. One request places it; the replicas' snapshots show it within a second.
     client.chat.completions.create(model=doomed, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     wait_until(lambda: any(digest in [a["digest"] for a in r["adapters"]]
-                           for r in admin.get("/admin/replicas").json()["replicas"]), 10,
-               "the doomed adapter to show on a replica")
+                           for r in admin.get("/admin/replicas").json()["replicas"]),
+               "the doomed adapter to show on a replica", 10, POLL_S)
     assert admin.delete(f"/admin/adapters/{doomed}").status_code == 200
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model=doomed, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     wait_until(lambda: not any(digest in [a["digest"] for a in r["adapters"]]
-                               for r in admin.get("/admin/replicas").json()["replicas"]), 10,
-               "the deleted adapter to leave every replica")
+                               for r in admin.get("/admin/replicas").json()["replicas"]),
+               "the deleted adapter to leave every replica", 10, POLL_S)
     RESULTS["deleted"] = doomed
 
     tenant_id = next(t["id"] for t in admin.get("/admin/tenants").json()["tenants"] if t["name"] == "acme")

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import func, select, update
+from sqlalchemy import event, func, select, text, update
 
 from conftest import ADAPTER_FILES as FILES
 from conftest import adapter_files as files_of
@@ -20,6 +19,7 @@ from loramux.adapters.validation import AdapterValidationError
 from loramux.db import Adapter, AdapterVersion
 from loramux.db.models import AdapterBlob, utcnow
 from loramux.tenancy import Tenancy, TenantExistsError
+from polling import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -271,14 +271,34 @@ def test_a_delete_that_runs_first_makes_a_racing_upload_wait_and_write_the_blob_
             errors.append(exc)
 
     racer = threading.Thread(target=upload)
+    reserving = threading.Event()
+    backend = {}
+
+    def see_the_upload_reserve(conn, cursor, statement, *_):
+        if threading.current_thread() is racer and statement.lstrip().upper().startswith("UPDATE ADAPTER_BLOBS"):
+            if conn.dialect.name == "postgresql":
+                backend["pid"] = conn.connection.dbapi_connection.info.backend_pid
+            reserving.set()
+
+    def blocked_on_the_row_lock() -> bool:
+        with registry.db.engine.connect() as conn:
+            waiting_for = text("SELECT cardinality(pg_blocking_pids(:pid)) > 0")
+            return conn.execute(waiting_for, {"pid": backend["pid"]}).scalar()
 
     def delete_while_an_upload_starts(key):
         racer.start()
-        time.sleep(0.5)  # the upload validates, then (with the fix) waits for the lock
+        # The upload has validated and reached its reservation, which waits for the lock this delete holds.
+        wait_until(reserving.is_set, "the upload to reach its blob reservation", 60)
+        if "pid" in backend:  # PostgreSQL shows the wait; SQLite's busy wait cannot be seen, only reached
+            wait_until(blocked_on_the_row_lock, "the upload to wait for the blob's row lock", 60)
         real_delete(key)
 
+    event.listen(registry.db.engine, "before_cursor_execute", see_the_upload_reserve)
     monkeypatch.setattr(registry.store, "delete", delete_while_an_upload_starts)
-    registry.delete(acme.id, "bot")
+    try:
+        registry.delete(acme.id, "bot")
+    finally:
+        event.remove(registry.db.engine, "before_cursor_execute", see_the_upload_reserve)
     racer.join(timeout=60)
     monkeypatch.undo()
     assert errors == [] and len(results) == 1

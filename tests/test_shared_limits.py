@@ -67,7 +67,13 @@ def test_a_replica_that_dies_holding_slots_loses_them_when_their_lease_ends(redi
     survivor = SharedRateLimiter(redis_url, prefix=prefix)
     limits, who = TierLimits(max_concurrent=1), tenant()
     dying.admit(who, "t", limits, 1)  # never released: its process "died"
-    survivor.admit(who, "t", limits, 1).release()
+    held = survivor.admit(who, "t", limits, 1)  # not refused: the dead replica's slot lapsed with its lease
+    assert survivor.in_flight(who) == 1 and dying.in_flight(who) == 1  # the survivor's slot, seen by both
+    with pytest.raises(RateLimited) as refused:
+        dying.admit(who, "t", limits, 1)
+    assert refused.value.limit == "max_concurrent"
+    held.release()
+    assert survivor.in_flight(who) == 0
 
 
 def test_tokens_per_minute_are_charged_their_estimate_and_settled_with_what_was_used(pair):
