@@ -1,5 +1,6 @@
-"""One Settings: every LORAMUX_* variable is read there, documented in the README, and a setting that
-cannot work stops `loramux serve` with one line that names it."""
+"""One Settings: every LORAMUX_* variable is read there, documented in the README, taken by the engine's
+configuration under the same name, and a setting that cannot work stops `loramux serve` with one line that
+names it."""
 from __future__ import annotations
 
 import re
@@ -74,3 +75,23 @@ def test_readme_maps_name_functions_that_exist(title):
         if target is None:
             missing.append(f"{module_name}:{qualname}")
     assert missing == [], f"README names functions that do not exist: {missing}"
+
+
+def test_every_engine_config_field_named_like_a_setting_takes_its_value_from_it():
+    import dataclasses
+
+    from loramux.engine.config import EngineConfig
+
+    shared = [f for f in dataclasses.fields(EngineConfig) if f.name in Settings.model_fields]
+    # Only the engine's own knobs lack a setting: a knob renamed on one side only shows up here.
+    assert {f.name for f in dataclasses.fields(EngineConfig)} - {f.name for f in shared} == {"num_blocks",
+                                                                                          "async_adapter_loads"}
+    unlike = {}  # a value for each shared field that differs from the engine's default, so a copy shows
+    for f in shared:
+        default = f.default
+        unlike[f.name] = {bool: lambda v: not v, int: lambda v: v + 3, float: lambda v: v + 0.5,
+                          str: lambda v: "torch" if v != "torch" else "triton"}[type(default)](default)
+    config = EngineConfig.from_settings(Settings(**unlike))
+    assert {name: getattr(config, name) for name in unlike} == unlike
+    # The engine's own knobs keep their defaults.
+    assert config.num_blocks is None and config.async_adapter_loads is True

@@ -10,11 +10,12 @@ import torch
 from loramux.adapters.peft_format import LoRAAdapter
 from loramux.adapters.residency import LOADING, RESIDENT, AdapterResidency
 from loramux.engine.block_manager import BlockManager
+from loramux.engine.config import EngineConfig
 from loramux.engine.constrained import Constraint, batch_masker
 from loramux.engine.detokenizer import IncrementalDetokenizer
 from loramux.engine.grammar import GrammarCache, StructuredOutputError
 from loramux.engine.model_runner import ModelRunner, StepLogits
-from loramux.engine.outputs import EngineConfig, RequestError, RequestOutput, SoFar
+from loramux.engine.outputs import RequestError, RequestOutput, SoFar
 from loramux.engine.sampler import Sampler, SamplingRow, top_logprobs
 from loramux.engine.sampling_params import SamplingParams, StructuredOutput
 from loramux.engine.scheduler import ScheduledBatch, Scheduler
@@ -24,7 +25,7 @@ from loramux.engine.step_budget import step_budget_for
 from loramux.histogram import DurationHistogram
 from loramux.names import base_model_id
 
-__all__ = ["LLMEngine", "EngineConfig", "RequestOutput", "RequestError"]
+__all__ = ["LLMEngine", "RequestOutput", "RequestError"]
 
 
 @dataclass
@@ -64,7 +65,7 @@ class LLMEngine:
             num_blocks = max(1, config.kv_cache_bytes // per_block)
         # A sequence must fit the whole KV pool on its own, or it could be preempted forever.
         self.max_model_len = min(config.max_model_len, mcfg.max_position_embeddings, num_blocks * config.block_size)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_caching)
         self._load_histogram = DurationHistogram()  # host RAM -> device copies
         self.pool = self.adapters = None  # the device adapter pool and the one owner of what is in it
         if config.max_lora_rank > 0:
@@ -278,7 +279,7 @@ class LLMEngine:
         """Draft tokens for the decoding sequences from n-gram matches in their own context. Off when
         the batch is too large for verification to pay, for seeded sampling (whose reproducibility must
         not depend on the batch), and for a while after drafts keep missing."""
-        k = self.config.num_speculative_tokens
+        k = self.config.speculative_tokens
         if k <= 0:
             return
         decoding = [s for s in self.scheduler.running if not s.is_prefill]
