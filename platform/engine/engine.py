@@ -22,6 +22,7 @@ from loramux.engine.scheduler import ScheduledBatch, Scheduler
 from loramux.engine.sequence import FinishReason, Sequence
 from loramux.engine.spec_decode import build_verdict, propose_ngram, verify
 from loramux.engine.step_budget import step_budget_for
+from loramux.engine.tokens import chat_template_ids
 from loramux.histogram import DurationHistogram
 from loramux.names import base_model_id
 
@@ -138,12 +139,10 @@ class LLMEngine:
         (any thread; raises StructuredOutputError, whose message is fit for the user)."""
         self.grammars.compile(spec)
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of `messages` under the model's chat template, ready for the assistant's turn."""
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of `messages` (and `tools`) under the model's chat template, ready for the assistant's
+        turn (`loramux.engine.tokens.chat_template_ids`)."""
+        return chat_template_ids(self.tokenizer, messages, tools)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     priority: int = 0, arrival: float | None = None,

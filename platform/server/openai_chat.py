@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 from pydantic import Field
 
 from loramux.engine.engine import RequestOutput
+from loramux.engine.tokens import template_takes_tools
 from loramux.server.body_prechecks import PrecheckedRoute
 from loramux.server.chat_stream import ChoiceStream
 from loramux.server.deps import ServerDep, ServicesDep, TenantDep
@@ -26,7 +27,7 @@ from loramux.server.openai_common import (
     usage,
 )
 from loramux.server.params import ChatMessage
-from loramux.server.prompts import Prompt, template_takes_tools
+from loramux.server.prompts import Prompt
 from loramux.server.response_format import ResponseFormat, from_response_format
 from loramux.server.serving import respond
 from loramux.server.sse import DONE, STREAMED, sse_event
@@ -84,7 +85,7 @@ def _check(body: ChatCompletionRequest, tier: TierInfo, max_n: int) -> None:
 
 def _prompt(body: ChatCompletionRequest, plan: ToolPlan | None, engine) -> Prompt:
     """The messages (and tools) as the chat template takes them; tokenized once admitted."""
-    native = plan is not None and template_takes_tools(engine)
+    native = plan is not None and template_takes_tools(engine.tokenizer)
     messages = template_messages(body.messages, native)
     if plan is None:
         return Prompt(messages=messages)
