@@ -6,15 +6,17 @@ rank (`LoRALayerWeights`). So an adapter occupies, and each of its rows costs, i
 projections: a rank-8 adapter next to a rank-64 one never does rank-64 work, and one on q/v only never
 touches the MLP. (Within a merged projection every slice is held: a q/v adapter also holds zeros for k.)
 The buckets share one byte budget; which adapter sits where, and when buckets grow or shrink, is decided by
-`loramux.adapters.residency` (torch-free), which calls the operations here:
+`loramux.adapters.residency` (torch-free), which calls the operations here, each on the bucket named by
+its `key` (`BucketKey`: the rank and the projections targeted); `then`, where taken, runs under the pool
+lock right after the change:
 
-* `resize(rank, capacity, keep)`: a bucket's new capacity, keeping the listed slots (in that order at
+* `resize(key, capacity, keep, then)`: a bucket's new capacity, keeping the listed slots (in that order at
   the front). Done rarely (the mix of ranks changed); costs one copy of what is kept.
-* `load(rank, slot_of, adapter)`: copy an adapter from host RAM into a slot. With `async_loads` the copy
+* `load(key, slot_of, adapter)`: copy an adapter from host RAM into a slot. With `async_loads` the copy
   runs on a helper thread (and a side CUDA stream on GPU) while the engine keeps stepping; the returned
   future completes when the weights are in place. `slot_of()` is read at copy time, under the pool lock,
   because the slot may move (swap, resize) while the load is queued.
-* `swap(rank, i, j)`: exchange two slots. On CPU the LoRA ops read a contiguous range of slots as a view
+* `swap(key, i, j, then)`: exchange two slots. On CPU the LoRA ops read a contiguous range of slots as a view
   of the stacks and copy any other set first (kernels/torch_ops.py), so the residency keeps a bucket's
   active adapters in its lowest slots (`needs_active_prefix`); on GPU the kernels read any slot and nothing
   is swapped.

@@ -380,7 +380,7 @@ class AdapterResidency:
 
     # -- what is where ---------------------------------------------------------------------------------
     def stats(self) -> dict:
-        """See LLMEngine.lora_stats. Reads a snapshot of the entries, so other threads may call it."""
+        """See loramux.engine.stats.lora_stats. Reads a snapshot of the entries, so other threads may call it."""
         entries = list(self.entries.values())  # one C-level copy: atomic under the GIL
         running = sorted({e.name for e in entries if e.running})
         waiting = sorted({e.name for e in entries if e.waiting})

@@ -9,7 +9,7 @@ sides produce the same tokens (checked), so both count the same tokens.
 
 loramux: one engine (float32, prefix caching off so every request pays its own prefill, as HF's
 `generate` does). "Without" = `SamplingParams(speculative=False)`; "with, K" = the engine's
-`num_speculative_tokens` set to K (the config is read at every step). tokens/s = generated tokens /
+`speculative_tokens` set to K (the config is read at every step). tokens/s = generated tokens /
 wall time from `add_request` to the finished output, over all prompts. Acceptance
 rate = accepted / proposed draft tokens (`engine.stats()`); tokens per step = generated tokens /
 engine steps after the prefill step; ms/step = the median wall time of those steps (a plain decode
@@ -247,7 +247,7 @@ def main() -> None:
         """One configuration over one prompt -> (token ids, seconds, seconds of each engine step, proposed,
         accepted)."""
         def run(ids: list[int]):
-            engine.config.num_speculative_tokens = k
+            engine.config.speculative_tokens = k
             params = SamplingParams(max_tokens=args.new_tokens, speculative=k > 0)
             before = engine.stats()
             rid = f"spec-{time.monotonic_ns()}"

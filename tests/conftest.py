@@ -11,7 +11,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on CPU tensors (set before import)
 
-from loramux.engine.engine import EngineConfig, LLMEngine
+from loramux.engine.config import EngineConfig
+from loramux.engine.engine import LLMEngine
 from loramux.model.loader import build_model, end_of_turn_ids, resolve_model_dir
 from loramux.settings import DEFAULT_MODEL, Settings
 

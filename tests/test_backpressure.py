@@ -106,7 +106,7 @@ def _footprint(out: RequestOutput) -> int:
 
 @pytest.mark.parametrize("speculative", [0, 3])
 def test_step_outputs_do_not_grow_with_the_output(tiny_engine, tiny_dir, tokenizer, speculative):
-    engine = make_engine(tiny_dir, tokenizer, num_speculative_tokens=speculative) if speculative else tiny_engine
+    engine = make_engine(tiny_dir, tokenizer, speculative_tokens=speculative) if speculative else tiny_engine
     engine.add_request("r", "the cat sat on the mat, the cat sat on the", SamplingParams(max_tokens=200,
                                                                                         ignore_eos=True))
     outs: list[RequestOutput] = []

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from conftest import make_engine, write_peft_adapter
+from loramux.engine.config import EngineConfig
 from loramux.engine.cuda_graphs import LoRABuckets, batch_buckets, block_buckets
-from loramux.engine.engine import EngineConfig
 from loramux.engine.sampling_params import SamplingParams
 from loramux.kernels.bgmv import StaticLoRA, bgmv_shrink_expand
 from loramux.kernels.torch_ops import lora_expand_reference, lora_shrink_reference

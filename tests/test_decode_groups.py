@@ -63,7 +63,7 @@ def test_grouped_decode_attention_gives_the_same_outputs(tiny_dir, tokenizer, mo
     params = SamplingParams(max_tokens=10, ignore_eos=True)
 
     def run():
-        engine = make_engine(tiny_dir, tokenizer, enable_prefix_caching=False)
+        engine = make_engine(tiny_dir, tokenizer, prefix_caching=False)
         return [(o.token_ids, o.logprobs) for o in engine.generate(prompts, params)]
 
     monkeypatch.setattr(model_runner, "plan_decode_groups", lambda blocks: [list(range(len(blocks)))])

@@ -298,7 +298,8 @@ def limited_context(tiny_dir, tokenizer, tmp_path):
                           st.text(alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=8)),
                 min_size=1, max_size=6))
 def test_the_prompt_bound_never_exceeds_the_real_token_count(tokenizer_once, messages):
-    from loramux.server.intake.prompts import Prompt, chat_template_ids
+    from loramux.engine.tokens import chat_template_ids
+    from loramux.server.intake.prompts import Prompt
 
     tokenizer, per_message, longest = tokenizer_once
     rendered = [{"role": role, "content": content} for role, content in messages]
@@ -310,7 +311,7 @@ def test_the_prompt_bound_never_exceeds_the_real_token_count(tokenizer_once, mes
 def tokenizer_once(smol_dir):
     from transformers import AutoTokenizer
 
-    from loramux.server.intake.prompts import max_chars_per_token, template_tokens_per_message
+    from loramux.engine.tokens import max_chars_per_token, template_tokens_per_message
 
     tokenizer = AutoTokenizer.from_pretrained(smol_dir)
     return tokenizer, template_tokens_per_message(tokenizer), max_chars_per_token(tokenizer)

@@ -222,7 +222,7 @@ def test_a_failed_tokenization_gives_its_admission_back(stack, monkeypatch):
     server, keys, _ = stack
     services = server.services
 
-    def broken(messages):
+    def broken(messages, tools=None):
         raise ValueError("template exploded")
 
     monkeypatch.setattr(services.engine, "encode_chat", broken)
@@ -289,7 +289,8 @@ def test_max_chars_per_token_is_the_longest_token_where_every_character_is_cover
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from loramux.server.intake.prompts import Prompt, max_chars_per_token
+    from loramux.engine.tokens import max_chars_per_token
+    from loramux.server.intake.prompts import Prompt
 
     longest = max(map(len, tokenizer.get_vocab()))
     assert max_chars_per_token(tokenizer) == longest  # byte-level BPE (SmolLM2)

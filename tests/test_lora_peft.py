@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from conftest import write_peft_adapter
-from loramux.engine.engine import EngineConfig, LLMEngine
+from loramux.engine.config import EngineConfig
+from loramux.engine.engine import LLMEngine
 from loramux.engine.sampling_params import SamplingParams
 from loramux.model.loader import build_model, end_of_turn_ids
 

@@ -340,7 +340,7 @@ def test_a_queue_that_cannot_meet_the_deadline_answers_503(small):
                 httpx.stream("POST", f"{server.url}/v1/completions", json=long, headers=headers, timeout=30) as b:
             next(a.iter_lines()), next(b.iter_lines())
             wait_until(lambda: engine.stats()["running"] == 2, "the batch (2) to be full", 10, detail=engine.stats)
-            assert engine.estimated_queue_wait_s() > 0.001, (engine.stats(), llm._service_s_ewma)
+            assert engine.estimated_queue_wait_s() > 0.001, (engine.stats(), llm.counters.service_s_ewma)
             with pytest.raises(openai.InternalServerError) as info:
                 c.completions.create(model="base", prompt="urgent", max_tokens=4, extra_body={"timeout_s": 0.001})
             assert info.value.status_code == 503 and "estimated queue wait" in str(info.value)

@@ -127,7 +127,7 @@ def test_200_requests_sharing_a_512_token_prefix_match_caching_off(long_model, t
     for caching in (False, True):
         # Inline adapter loads: with a helper thread, when an adapter lands decides how many of its requests
         # share its first prefill (and so miss the cache), which made the count below depend on timing.
-        engine = make_engine(path, tokenizer, enable_prefix_caching=caching, max_loras=3, max_lora_rank=8,
+        engine = make_engine(path, tokenizer, prefix_caching=caching, max_loras=3, max_lora_rank=8,
                              num_blocks=512, max_model_len=1024, max_num_batched_tokens=1024,
                              async_adapter_loads=False)
         results[caching] = run_interleaved(engine, adapters, prompts)

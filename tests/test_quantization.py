@@ -17,7 +17,8 @@ from pydantic import ValidationError
 from conftest import save_tiny_hf_model, write_peft_adapter
 from loramux.cli import main
 from loramux.engine.block_manager import BlockManager
-from loramux.engine.engine import EngineConfig, LLMEngine
+from loramux.engine.config import EngineConfig
+from loramux.engine.engine import LLMEngine
 from loramux.engine.model_runner import ModelRunner
 from loramux.engine.sampling_params import SamplingParams
 from loramux.engine.scheduler import Scheduler

@@ -1,5 +1,6 @@
-"""One Settings: every LORAMUX_* variable is read there, and a setting that cannot work stops `loramux serve`
-with one line that names it. (That docs/configuration.md lists every setting: tests/test_docs.py.)"""
+"""One Settings: every LORAMUX_* variable is read there, taken by the engine's configuration under the same
+name, and a setting that cannot work stops `loramux serve` with one line that names it. (That
+docs/configuration.md lists every setting: tests/test_docs.py.)"""
 from __future__ import annotations
 
 import re
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from loramux.cli import main
+from loramux.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("platform", "adapters", "admin", "kernels")
@@ -42,3 +44,23 @@ def test_bad_configuration_stops_serve_with_one_line(monkeypatch, capsys, variab
     assert main(["serve"]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1, err
+
+
+def test_every_engine_config_field_named_like_a_setting_takes_its_value_from_it():
+    import dataclasses
+
+    from loramux.engine.config import EngineConfig
+
+    shared = [f for f in dataclasses.fields(EngineConfig) if f.name in Settings.model_fields]
+    # Only the engine's own knobs lack a setting: a knob renamed on one side only shows up here.
+    assert {f.name for f in dataclasses.fields(EngineConfig)} - {f.name for f in shared} == {"num_blocks",
+                                                                                          "async_adapter_loads"}
+    unlike = {}  # a value for each shared field that differs from the engine's default, so a copy shows
+    for f in shared:
+        default = f.default
+        unlike[f.name] = {bool: lambda v: not v, int: lambda v: v + 3, float: lambda v: v + 0.5,
+                          str: lambda v: "torch" if v != "torch" else "triton"}[type(default)](default)
+    config = EngineConfig.from_settings(Settings(**unlike))
+    assert {name: getattr(config, name) for name in unlike} == unlike
+    # The engine's own knobs keep their defaults.
+    assert config.num_blocks is None and config.async_adapter_loads is True

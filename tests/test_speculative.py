@@ -26,7 +26,7 @@ def test_greedy_outputs_are_identical_with_and_without_speculation(tiny_dir, tok
                 for i, p in enumerate(prompts)]
     outputs = {}
     for k in (0, 4):
-        engine = make_engine(tiny_dir, tokenizer, num_speculative_tokens=k, speculative_max_batch=8, max_loras=2,
+        engine = make_engine(tiny_dir, tokenizer, speculative_tokens=k, speculative_max_batch=8, max_loras=2,
                              max_lora_rank=8)
         # alone (batch 1) and all together (a mixed-adapter batch)
         outputs[k] = ([run_to_completion(engine, [r])[0].token_ids for r in requests],
@@ -43,7 +43,7 @@ def test_per_request_switch_and_automatic_off_for_large_batches(tiny_dir, tokeni
     prompts = varied_prompts(tokenizer)[:4]
 
     def proposed(max_batch: int, speculative: bool) -> int:
-        engine = make_engine(tiny_dir, tokenizer, num_speculative_tokens=4, speculative_max_batch=max_batch)
+        engine = make_engine(tiny_dir, tokenizer, speculative_tokens=4, speculative_max_batch=max_batch)
         run_to_completion(engine, [(p, SamplingParams(max_tokens=40, ignore_eos=True, speculative=speculative), None)
                      for p in prompts])
         return engine.stats()["spec_proposed_tokens"]
@@ -96,7 +96,7 @@ def test_sampling_keeps_the_model_distribution(tmp_path, tokenizer):
     joint = joint_at(temperature)
 
     n = 2000
-    engine = make_engine(path, tokenizer, num_speculative_tokens=3, speculative_max_batch=64, max_num_seqs=64,
+    engine = make_engine(path, tokenizer, speculative_tokens=3, speculative_max_batch=64, max_num_seqs=64,
                          num_blocks=512)
     params = SamplingParams(max_tokens=2, temperature=temperature, ignore_eos=True)
     outs = run_to_completion(engine, [(prompt, params, None) for _ in range(n)])

@@ -163,7 +163,7 @@ def test_engine_steps_are_measured_and_exported(tiny_dir, tokenizer):
     from conftest import make_engine
     from loramux.server.serving.metrics import ServerMetrics
 
-    tiny_engine = make_engine(tiny_dir, tokenizer, enable_prefix_caching=False)  # every prompt token computed
+    tiny_engine = make_engine(tiny_dir, tokenizer, prefix_caching=False)  # every prompt token computed
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     for i in range(6):
         tiny_engine.add_request(f"r{i}", list(range(5, 5 + 30 * (i + 1))), params)

@@ -192,7 +192,7 @@ def test_speculation_gives_the_same_constrained_outputs(tiny_dir, tokenizer):
     requests += [("x " * 20, SamplingParams(max_tokens=100, structured=StructuredOutput("regex", "(x ){3,40}")), None)]
     outputs = {}
     for k in (0, 4):
-        engine = make_engine(tiny_dir, tokenizer, num_speculative_tokens=k, speculative_max_batch=32)
+        engine = make_engine(tiny_dir, tokenizer, speculative_tokens=k, speculative_max_batch=32)
         outputs[k] = [o.token_ids for o in run_to_completion(engine, requests)]
         if k:
             stats = engine.stats()
@@ -380,7 +380,7 @@ def test_top_logprobs_are_the_raw_distributions_top_k(tiny_dir, tokenizer, struc
 def test_top_logprobs_with_speculation_match_plain_decoding(tiny_dir, tokenizer):
     params = SamplingParams(max_tokens=30, ignore_eos=True, top_logprobs=3)
     prompt = "one two three four one two three four one two"
-    outs = [run_to_completion(make_engine(tiny_dir, tokenizer, num_speculative_tokens=k), [(prompt, params, None)])[0]
+    outs = [run_to_completion(make_engine(tiny_dir, tokenizer, speculative_tokens=k), [(prompt, params, None)])[0]
             for k in (0, 4)]
     assert outs[0].token_ids == outs[1].token_ids
     for a, b in zip(outs[0].top_logprobs, outs[1].top_logprobs):

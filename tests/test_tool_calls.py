@@ -186,27 +186,33 @@ def test_auto_holds_back_json_until_it_knows_and_streams_prose_at_once():
 
 
 class _Engine:
-    """What the prompt and compile helpers need of an AsyncEngine."""
+    """What the prompt and compile helpers need of an EngineClient."""
 
     def __init__(self, tokenizer=None, compile_structured=None):
         self.tokenizer = tokenizer
         if compile_structured is not None:
             self.compile_structured = compile_structured
 
+    def encode_chat(self, messages, tools=None):
+        from loramux.engine.tokens import chat_template_ids
+
+        return chat_template_ids(self.tokenizer, messages, tools)
+
 
 def test_a_template_that_takes_tools_renders_them_itself(tokenizer):
     import asyncio
     import copy
 
-    from loramux.server.intake.prompts import template_takes_tools, tokenize_chat
+    from loramux.engine.tokens import template_takes_tools
+    from loramux.server.intake.prompts import tokenize_chat
 
-    assert not template_takes_tools(_Engine(tokenizer))  # SmolLM2's template knows no tools
+    assert not template_takes_tools(tokenizer)  # SmolLM2's template knows no tools
     tooled = copy.deepcopy(tokenizer)
     tooled.chat_template = ("{% if tools %}TOOLS {{ tools | tojson }}\n{% endif %}{% for m in messages %}"
                             "{{ m.role }}: {{ m.content }}{% for c in m.tool_calls or [] %} CALL {{ c.function.name }}"
                             "{% endfor %}\n{% endfor %}assistant:")
     engine = _Engine(tooled)
-    assert template_takes_tools(engine)
+    assert template_takes_tools(tooled)
     messages = template_messages([ChatMessage(role="user", content="Weather?"), ChatMessage.model_validate(
         {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
                                               "function": {"name": "get_weather", "arguments": "{}"}}]}),

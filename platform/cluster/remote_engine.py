@@ -1,4 +1,5 @@
-"""The AsyncEngine interface, served by engine replicas behind a Ray Serve deployment handle.
+"""The `EngineClient` interface (`loramux.engine.client`), served by engine replicas behind a Ray Serve
+deployment handle.
 
 The ingress's routes, limits and ledger run unchanged on top of it (see `loramux.server.serving.server`): what
 differs is where tokens come from. Tokenizing happens here, with the model's own tokenizer (no weights are
@@ -26,6 +27,7 @@ from loramux.engine.compile_pool import CompileLimits
 from loramux.engine.engine import RequestError, RequestOutput
 from loramux.engine.sampling_params import SamplingParams, StructuredOutput
 from loramux.engine.spec_checks import check_spec
+from loramux.engine.tokens import TokenizerMethods
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +47,9 @@ class RemoteAdapter:
         return self.version.label
 
 
-class RemoteEngine:
+class RemoteEngine(TokenizerMethods):
+    """The `EngineClient` of engine replicas behind a Ray Serve deployment handle."""
+
     def __init__(self, handle, tokenizer, max_model_len: int, directory: ReplicaDirectory,
                  max_repetition: int = CompileLimits.max_repetition):
         """`handle`: the engine deployment's DeploymentHandle; `tokenizer`: the model's HF tokenizer;
@@ -97,26 +101,6 @@ class RemoteEngine:
         if call is not None:
             call.cancel()
 
-    # -- what routes ask of the model --------------------------------------------------------------------------
-    @property
-    def max_chars_per_token(self) -> int | None:
-        if not hasattr(self, "_max_chars_per_token"):
-            from loramux.server.intake.prompts import max_chars_per_token
-
-            self._max_chars_per_token = max_chars_per_token(self.tokenizer)
-        return self._max_chars_per_token
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
-
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        from loramux.server.intake.prompts import chat_template_ids
-
-        return chat_template_ids(self.tokenizer, messages)
-
-    def token_texts(self, ids: list[int]) -> list[str]:
-        return [self.tokenizer.decode([i]) for i in ids]
-
     def compile_structured(self, spec: StructuredOutput) -> None:
         """Check `spec` here, without compiling it (size, unsupported keywords, repetition bounds): raise
         StructuredOutputError. The replica that serves the request compiles it, off its engine thread and
@@ -151,6 +135,7 @@ class RemoteEngine:
         self.directory.broadcast_eviction(digest)
 
     def shutdown(self) -> None:
+        """Cancel the calls in flight (each aborts its request on its replica); the replicas live on."""
         for call in list(self._calls.values()):
             call.cancel()
 

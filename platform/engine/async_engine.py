@@ -30,6 +30,7 @@ from loramux.engine.compile_pool import CompileBusy, CompileLimits
 from loramux.engine.engine import LLMEngine, RequestError, RequestOutput
 from loramux.engine.grammar import StructuredOutputError
 from loramux.engine.sampling_params import SamplingParams, StructuredOutput
+from loramux.engine.tokens import TokenizerMethods
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,9 @@ class _Stream:
         self.closed = False  # the reader is gone: drop whatever comes
 
 
-class AsyncEngine:
+class AsyncEngine(TokenizerMethods):
+    """The `EngineClient` of an LLMEngine in this process, run on its own thread."""
+
     def __init__(self, engine: LLMEngine, stalled_reader_timeout_s: float = 30.0, max_buffered_outputs: int = 64,
                  compile_limits: CompileLimits | None = None):
         """`stalled_reader_timeout_s`: abort a request whose reader has taken nothing for this long while
@@ -202,8 +205,8 @@ class AsyncEngine:
         """See LLMEngine.adapter_residency: "device", "loading" or None."""
         return self.engine.adapter_residency(digest)
 
-    # What the HTTP layer needs of the model, so routes never reach inside the engine. Tokenizing is
-    # thread-safe and is called from the threadpool, off the event loop.
+    # What the HTTP layer needs of the model, so routes never reach inside the engine (the tokenizer's
+    # part: TokenizerMethods).
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
@@ -213,35 +216,16 @@ class AsyncEngine:
         """The model's Hugging Face tokenizer (thread-safe for encoding and decoding)."""
         return self.engine.tokenizer
 
-    @property
-    def max_chars_per_token(self) -> int | None:
-        """The most characters of text one token can stand for (None: this tokenizer has no such bound),
-        so that a prompt too long for the context is refused before it is tokenized. Computed once; see
-        `loramux.server.intake.prompts.max_chars_per_token`."""
-        if not hasattr(self, "_max_chars_per_token"):
-            from loramux.server.intake.prompts import max_chars_per_token
-
-            self._max_chars_per_token = max_chars_per_token(self.engine.tokenizer)
-        return self._max_chars_per_token
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of raw text (no template)."""
-        return self.engine.tokenizer.encode(text)
-
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of chat messages rendered with the model's chat template (generation prompt added)."""
-        return self.engine.encode_chat(messages)
-
-    def token_texts(self, ids: list[int]) -> list[str]:
-        """Each token's own text (for logprobs)."""
-        tokenizer = self.engine.tokenizer
-        return [tokenizer.decode([i]) for i in ids]
-
     def estimated_queue_wait_s(self) -> float:
         """See LLMEngine.estimated_queue_wait_s; requests still in the inbox count as waiting."""
         return self.engine.estimated_queue_wait_s(extra_waiting=len(self._inbox))
 
+    async def connect(self) -> None:
+        """Nothing to learn: the engine is in this process."""
+
     def shutdown(self) -> None:
+        """Stop the engine thread (requests in flight end with EngineDeadError), the compile workers and
+        the adapter pool's copy thread."""
         with self._wake:
             self._stopped = True
             self._wake.notify()

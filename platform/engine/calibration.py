@@ -8,6 +8,7 @@ counters are left as they were, so /metrics starts at zero.
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 
@@ -25,7 +26,7 @@ def calibrate_step_cost(engine, rounds: int = 2, seed: int = 0) -> float:
     vocab = engine.model.config.vocab_size
     long_len = max(1, min(256, engine.max_model_len - 8))
     params = SamplingParams(max_tokens=6, ignore_eos=True, speculative=False)
-    counters = (engine.num_preemptions, engine.spec_proposed, engine.spec_accepted, engine._service_s_ewma)
+    counters = dataclasses.replace(engine.counters)
     for r in range(rounds):
         lengths = [min(24, long_len)] * 8 + [long_len]
         for i, n in enumerate(lengths):
@@ -37,5 +38,5 @@ def calibrate_step_cost(engine, rounds: int = 2, seed: int = 0) -> float:
             budget.model.forget()
     budget.model.fit()
     budget.reset_stats()
-    engine.num_preemptions, engine.spec_proposed, engine.spec_accepted, engine._service_s_ewma = counters
+    engine.counters = counters
     return time.monotonic() - t0

@@ -1,7 +1,6 @@
 """The engine: add requests, then `step()` = schedule -> run -> postprocess, until all are done."""
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -10,21 +9,25 @@ import torch
 from loramux.adapters.peft_format import LoRAAdapter
 from loramux.adapters.residency import LOADING, RESIDENT, AdapterResidency
 from loramux.engine.block_manager import BlockManager
+from loramux.engine.config import EngineConfig
 from loramux.engine.constrained import Constraint, batch_masker
 from loramux.engine.detokenizer import IncrementalDetokenizer
 from loramux.engine.grammar import GrammarCache, StructuredOutputError
 from loramux.engine.model_runner import ModelRunner, StepLogits
-from loramux.engine.outputs import EngineConfig, RequestError, RequestOutput, SoFar
-from loramux.engine.sampler import Sampler, SamplingRow, top_logprobs
+from loramux.engine.outputs import RequestError, RequestOutput, SoFar
+from loramux.engine.request_checks import check_prompt, check_servable, resolve_adapter
+from loramux.engine.sampler import Sampler, SamplingRow
 from loramux.engine.sampling_params import SamplingParams, StructuredOutput
 from loramux.engine.scheduler import ScheduledBatch, Scheduler
 from loramux.engine.sequence import FinishReason, Sequence
-from loramux.engine.spec_decode import build_verdict, propose_ngram, verify
+from loramux.engine.spec_decode import propose_drafts, verify_draft
+from loramux.engine.stats import EngineCounters, engine_stats
 from loramux.engine.step_budget import step_budget_for
+from loramux.engine.tokens import chat_template_ids
 from loramux.histogram import DurationHistogram
 from loramux.names import base_model_id
 
-__all__ = ["LLMEngine", "EngineConfig", "RequestOutput", "RequestError"]
+__all__ = ["LLMEngine", "RequestOutput", "RequestError"]
 
 
 @dataclass
@@ -64,8 +67,8 @@ class LLMEngine:
             num_blocks = max(1, config.kv_cache_bytes // per_block)
         # A sequence must fit the whole KV pool on its own, or it could be preempted forever.
         self.max_model_len = min(config.max_model_len, mcfg.max_position_embeddings, num_blocks * config.block_size)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self._load_histogram = DurationHistogram()  # host RAM -> device copies
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_caching)
+        self.load_histogram = DurationHistogram()  # host RAM -> device copies
         self.pool = self.adapters = None  # the device adapter pool and the one owner of what is in it
         if config.max_lora_rank > 0:
             from loramux.adapters.device_pool import DevicePool
@@ -73,7 +76,7 @@ class LLMEngine:
             self.pool = DevicePool(model, config.adapter_pool_bytes or config.kv_cache_bytes, dtype, device,
                                    config.lora_impl, config.async_adapter_loads)
             self.adapters = AdapterResidency(self.pool, config.max_loras, config.adapter_min_residency_s,
-                                             config.adapter_drain_after_s, on_load=self._load_histogram.observe)
+                                             config.adapter_drain_after_s, on_load=self.load_histogram.observe)
         self.step_budget = step_budget_for(config.step_target_ms, device.type, min_chunk=config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.adapters, aging_s=config.priority_aging_s, step_budget=self.step_budget)
@@ -84,9 +87,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.grammars = GrammarCache(tokenizer, mcfg.vocab_size, self.eos_token_ids)  # built on first use
         self.requests: dict[str, _Request] = {}
-        self.num_preemptions = 0
-        self.spec_proposed = self.spec_accepted = 0  # draft tokens proposed / accepted so far
-        self._service_s_ewma: float | None = None  # how long a request runs once scheduled
+        self.counters = EngineCounters()
 
     # -- construction from settings --------------------------------------------------------------
     @classmethod
@@ -101,19 +102,7 @@ class LLMEngine:
     def register_adapter(self, adapter: LoRAAdapter) -> None:
         """Make `adapter` servable under `adapter.name`; a new version under the same name replaces it
         for later requests (running ones finish on the version they started with)."""
-        self.adapters.register(self._check_servable(adapter))
-
-    def _check_servable(self, adapter: LoRAAdapter) -> LoRAAdapter:
-        if self.adapters is None:
-            raise RequestError("LoRA is disabled on this engine (max_lora_rank = 0)")
-        if adapter.rank > self.config.max_lora_rank:
-            raise RequestError(f"adapter {adapter.name!r} has rank {adapter.rank}; this server's maximum LoRA rank "
-                               f"is {self.config.max_lora_rank} (LORAMUX_MAX_LORA_RANK)")
-        try:
-            self.adapters.check_servable(adapter)
-        except ValueError as exc:
-            raise RequestError(str(exc)) from None
-        return adapter
+        self.adapters.register(check_servable(adapter, self.adapters, self.config.max_lora_rank))
 
     def evict_adapter(self, digest: str) -> None:
         """A version was replaced or deleted: its device slot is freed once no request uses it."""
@@ -137,12 +126,10 @@ class LLMEngine:
         (any thread; raises StructuredOutputError, whose message is fit for the user)."""
         self.grammars.compile(spec)
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of `messages` under the model's chat template, ready for the assistant's turn."""
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of `messages` (and `tools`) under the model's chat template, ready for the assistant's
+        turn (`loramux.engine.tokens.chat_template_ids`)."""
+        return chat_template_ids(self.tokenizer, messages, tools)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     priority: int = 0, arrival: float | None = None,
@@ -157,29 +144,12 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
-        lora = None
+        lora = resolve_adapter(adapter, self.adapters, self.config.max_lora_rank)
         if isinstance(adapter, LoRAAdapter):
-            lora = self._check_servable(adapter)
             adapter = adapter.name
-        elif adapter is not None:
-            lora = self.adapters.lookup(adapter) if self.adapters is not None else None
-            if lora is None:
-                raise RequestError(f"unknown adapter {adapter!r}")
         # Raw text gets the tokenizer's own special tokens (e.g. BOS for Llama), as HF's tokenizer(text) does.
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise RequestError("the prompt is empty")
-        vocab = self.model.config.vocab_size
-        if any(not 0 <= t < vocab for t in ids) or any(t >= vocab for t in params.stop_token_ids):
-            raise RequestError(f"token ids must be in [0, {vocab})")
-        if bad := [t for t in params.logit_bias if t >= vocab]:
-            raise RequestError(f"logit_bias names token id {bad[0]}, outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise RequestError(f"the prompt has {len(ids)} tokens; this model accepts at most "
-                               f"{self.max_model_len - 1} prompt tokens")
-        blocks = self.block_manager.blocks_for_tokens(len(ids) + 1)
-        if blocks > self.block_manager.num_blocks:
-            raise RequestError(f"the prompt needs {blocks} KV blocks but the cache has {self.block_manager.num_blocks}")
+        check_prompt(ids, params, self.model.config.vocab_size, self.max_model_len, self.block_manager)
         seq = Sequence(request_id, ids, params, priority=priority, adapter=lora.digest if lora else None,
                        cache_salt=f"{lora.digest if lora else 'base'}|{cache_salt or ''}",
                        **({"arrival": arrival} if arrival is not None else {}))
@@ -219,7 +189,7 @@ class LLMEngine:
             self.adapters.poll()  # device copies finished since the last step
         self._propose_drafts()
         batch = self.scheduler.schedule(now)
-        self.num_preemptions += len(batch.preempted)
+        self.counters.preemptions += len(batch.preempted)
         if not batch:
             self._idle()
             return outputs
@@ -273,51 +243,22 @@ class LLMEngine:
                 logits[i, ids] = float("-inf")  # too early to stop
         return logits
 
-    # -- speculative decoding by prompt lookup ----------------------------------------------------
+    # -- speculative decoding by prompt lookup (loramux.engine.spec_decode) -----------------------
     def _propose_drafts(self) -> None:
-        """Draft tokens for the decoding sequences from n-gram matches in their own context. Off when
-        the batch is too large for verification to pay, for seeded sampling (whose reproducibility must
-        not depend on the batch), and for a while after drafts keep missing."""
-        k = self.config.num_speculative_tokens
-        if k <= 0:
-            return
-        decoding = [s for s in self.scheduler.running if not s.is_prefill]
-        enabled = len(decoding) <= self.config.speculative_max_batch
-        for seq in decoding:
-            seq.draft_token_ids = []
-            p = seq.params
-            if not enabled or not p.speculative or (p.seed is not None and p.temperature > 0):
-                continue
-            if seq.spec_misses >= 3 and len(seq.output_token_ids) % 8:
-                continue  # back off: try again every 8 tokens
-            # Drafts count as output: no more than the tokens still to produce (a bonus token past
-            # max_tokens is dropped by the length stop).
-            room = min(k, p.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens - 1)
-            if room > 0:
-                seq.draft_token_ids = propose_ngram(seq.token_ids, room)
-            if seq.draft_token_ids and (constraint := self.requests[seq.request_id].constraint) is not None:
-                seq.draft_token_ids = constraint.cut_draft(seq.draft_token_ids)  # what the grammar allows
+        """Drafts for the decoding sequences, when speculation is on (LORAMUX_SPECULATIVE_TOKENS)."""
+        if self.config.speculative_tokens > 0:
+            decoding = [s for s in self.scheduler.running if not s.is_prefill]
+            propose_drafts(decoding, self.config.speculative_tokens, self.config.speculative_max_batch,
+                           self.max_model_len, lambda seq: self.requests[seq.request_id].constraint)
 
     def _verify(self, req: _Request, logits: torch.Tensor) -> _Sampled:
-        """Accept the longest valid prefix of the draft (rejection sampling keeps the distribution),
-        plus one more token from the target model."""
+        """The verified prefix of the request's draft plus one token from the target model."""
         seq = req.seq
-        draft = seq.draft_token_ids
-        base = self._sampling_row(seq)
-        rows = [dataclasses.replace(base, output_token_ids=seq.output_token_ids + draft[:j])
-                for j in range(len(draft) + 1)]
-        logits = self._suppress_early_stops(logits, [req] * len(rows), list(range(len(rows))))
-        mask = req.constraint.draft_masker(draft) if req.constraint is not None else None
-        probs, raw_logprobs = self.sampler.probs(logits, rows, mask)
-        greedy = seq.params.temperature < 1e-5
-        accepted, next_token = verify(probs, draft, req.generator, greedy)
-        verdict = build_verdict(draft, accepted, next_token, raw_logprobs)
-        top = top_logprobs(raw_logprobs[:accepted + 1], [seq.params.top_logprobs] * (accepted + 1))
-        self.spec_proposed += len(draft)
-        self.spec_accepted += accepted
-        seq.spec_misses = seq.spec_misses + 1 if accepted == 0 else 0
-        seq.draft_token_ids = []
-        return _Sampled(req, verdict.tokens, verdict.logprobs, top, accepted)
+        logits = self._suppress_early_stops(logits, [req] * logits.shape[0], list(range(logits.shape[0])))
+        self.counters.spec_proposed += len(seq.draft_token_ids)
+        verdict, top = verify_draft(seq, logits, self._sampling_row(seq), self.sampler, req.generator, req.constraint)
+        self.counters.spec_accepted += verdict.accepted
+        return _Sampled(req, verdict.tokens, verdict.logprobs, top, verdict.accepted)
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         p = seq.params
@@ -355,11 +296,7 @@ class LLMEngine:
     def _forget(self, req: _Request) -> None:
         """Drop a finished request (the scheduler has released its blocks and its adapter)."""
         del self.requests[req.seq.request_id]
-        t = req.seq.timings
-        if req.seq.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and t.first_scheduled and t.finished:
-            service = t.finished - t.first_scheduled
-            ewma = self._service_s_ewma
-            self._service_s_ewma = service if ewma is None else 0.8 * ewma + 0.2 * service
+        self.counters.record_finished(req.seq)
 
     def _expire(self, now: float) -> list[RequestOutput]:
         outputs = []
@@ -410,42 +347,14 @@ class LLMEngine:
         return [final[rid] for rid in ids]
 
     def estimated_queue_wait_s(self, extra_waiting: int = 0) -> float:
-        """A rough estimate of how long a request arriving now waits before it is scheduled: zero while
-        the batch has room, else one average service time per full batch of requests ahead of it."""
-        waiting = self.scheduler.num_waiting + extra_waiting
-        if len(self.scheduler.running) + waiting < self.config.max_num_seqs or self._service_s_ewma is None:
-            return 0.0
-        batches_ahead = (waiting + self.config.max_num_seqs) // self.config.max_num_seqs
-        return batches_ahead * self._service_s_ewma
+        """Roughly how long a request arriving now waits before it is scheduled, with `extra_waiting` more
+        requests ahead of it than the scheduler holds (see EngineCounters.queue_wait_s)."""
+        return self.counters.queue_wait_s(len(self.scheduler.running), self.scheduler.num_waiting + extra_waiting,
+                                          self.config.max_num_seqs)
 
     def stats(self) -> dict:
-        lora = self.lora_stats()
-        return {
-            "running": len(self.scheduler.running),
-            "waiting": self.scheduler.num_waiting,
-            "kv_blocks_used": self.block_manager.num_used_blocks,
-            "kv_blocks_free": self.block_manager.num_free_blocks,
-            "kv_blocks_total": self.block_manager.num_blocks,
-            "prefix_cache_blocks": self.block_manager.num_cached_blocks,
-            "prefix_cache_hit_blocks": self.block_manager.hits,
-            "spec_proposed_tokens": self.spec_proposed,
-            "spec_accepted_tokens": self.spec_accepted,
-            "preemptions": self.num_preemptions,
-            "adapter_slots_pinned": len(lora["running"]) if lora else 0,  # adapters pinned by running requests
-            "adapter_slot_loads": lora["loads"] if lora else 0,
-            "lora": lora,
-            "steps": self.step_budget.stats() if self.step_budget is not None else {},
-        }
-
-    def lora_stats(self) -> dict:
-        """Adapter residency: running / waiting: sorted names of adapters with running / waiting requests;
-        max_lora: the most distinct adapters one batch may hold (LORAMUX_MAX_LORAS, or an estimate of what
-        the pool holds when uncapped); device_adapters / device_bytes / device_budget_bytes; loading:
-        copies in flight; loads / evictions / load_failures so far; load_seconds: copy times
-        (DurationHistogram.snapshot()). Empty when LoRA is off. Safe to call from any thread."""
-        if self.adapters is None:
-            return {}
-        return {**self.adapters.stats(), "load_seconds": self._load_histogram.snapshot()}
+        """See loramux.engine.stats.engine_stats."""
+        return engine_stats(self)
 
     def adapter_residency(self, digest: str) -> str | None:
         """Where an adapter version is on this engine: "device", "loading" (being copied there) or None.

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from loramux.engine.calibration import calibrate_step_cost
-from loramux.engine.outputs import EngineConfig
+from loramux.engine.config import EngineConfig
 
 
 def engine_from_settings(cls, settings, load_adapters: bool = True):
@@ -22,19 +22,7 @@ def engine_from_settings(cls, settings, load_adapters: bool = True):
     model_dir = resolve_model_dir(settings.model, Path(settings.cache_dir))
     model, mcfg = build_model(model_dir, dtype, device, settings.max_model_len, settings.quantization)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    config = EngineConfig(block_size=settings.block_size, kv_cache_bytes=settings.kv_cache_bytes,
-                          max_num_seqs=settings.max_num_seqs,
-                          max_num_batched_tokens=settings.max_num_batched_tokens,
-                          step_target_ms=settings.step_target_ms,
-                          max_model_len=settings.max_model_len, max_loras=settings.max_loras,
-                          max_lora_rank=settings.max_lora_rank, lora_impl=settings.lora_impl,
-                          adapter_pool_bytes=settings.adapter_pool_bytes,
-                          adapter_min_residency_s=settings.adapter_min_residency_s,
-                          adapter_drain_after_s=settings.adapter_drain_after_s,
-                          priority_aging_s=settings.priority_aging_s, cuda_graphs=settings.cuda_graphs,
-                          enable_prefix_caching=settings.prefix_caching,
-                          num_speculative_tokens=settings.speculative_tokens,
-                          speculative_max_batch=settings.speculative_max_batch)
+    config = EngineConfig.from_settings(settings)
     engine = cls(model, tokenizer, config, end_of_turn_ids(tokenizer, mcfg, model_dir), dtype, device)
     engine.model_name = settings.model
     for name, path in (settings.adapter_dirs() if load_adapters else {}).items():

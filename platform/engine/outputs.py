@@ -1,5 +1,5 @@
-"""What the engine takes and gives: its configuration, each step's output per request, and the error
-raised for a request it cannot take. `loramux.engine.engine` re-exports all three."""
+"""What the engine gives: each step's output per request, and the error raised for a request it cannot
+take. `loramux.engine.engine` re-exports both."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
@@ -7,35 +7,10 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
 
-__all__ = ["EngineConfig", "RequestOutput", "RequestError", "SoFar"]
+__all__ = ["RequestOutput", "RequestError", "SoFar"]
 
 _LATEST = ("text", "token_ids", "logprobs", "finished", "finish_reason", "timings", "num_cached_tokens",
            "top_logprobs")
-
-
-@dataclass
-class EngineConfig:
-    block_size: int = 16
-    num_blocks: int | None = None  # None: derived from kv_cache_bytes
-    kv_cache_bytes: int = 512 * 1024**2
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512  # token cap of one step
-    # Time target of a step that carries prefill work while streams decode (see loramux.engine.step_budget):
-    # 0 = auto (twice the decodes' own cost), None = no time target, the token cap alone (tests that count).
-    step_target_ms: float | None = 0.0
-    max_model_len: int = 4096
-    max_loras: int = 0  # most distinct adapters with running requests (one batch); 0 = no cap
-    max_lora_rank: int = 128  # largest adapter rank served; 0 disables LoRA
-    adapter_pool_bytes: int = 0  # device memory for adapters at their own ranks; 0 = as much as kv_cache_bytes
-    adapter_min_residency_s: float = 2.0  # a loaded adapter stays at least this long (unless deleted)
-    adapter_drain_after_s: float = 2.0  # a request blocked this long on a full pool reserves room (a drain)
-    async_adapter_loads: bool = True  # host -> device copies on a helper thread (False: inline, for tests)
-    lora_impl: str = "auto"  # LoRA kernels: auto (Triton on CUDA, torch on CPU), triton or torch
-    cuda_graphs: bool = True  # plain decode steps replay CUDA graphs (CUDA only; loramux.engine.cuda_graphs)
-    priority_aging_s: float = 10.0  # waiting this long is worth one priority level
-    enable_prefix_caching: bool = True  # reuse the KV of shared prompt prefixes (per adapter version)
-    num_speculative_tokens: int = 0  # prompt-lookup draft length; 0 = no speculation
-    speculative_max_batch: int = 4  # speculate only while at most this many sequences decode
 
 
 class SoFar(Sequence):

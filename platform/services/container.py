@@ -25,7 +25,7 @@ from loramux.settings import Settings
 from loramux.tenancy import Tenancy
 
 if TYPE_CHECKING:  # importing the engine imports torch: only for type checkers
-    from loramux.engine.async_engine import AsyncEngine
+    from loramux.engine.client import EngineClient
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class Services:
     store: ObjectStore
     registry: AdapterRegistry
     adapter_cache: AdapterCache
-    engine: AsyncEngine
+    engine: EngineClient
     tenancy: Tenancy
     admin_keys: AdminKeys
     prices: PriceBook

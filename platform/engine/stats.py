@@ -1,0 +1,76 @@
+"""What the engine reports of itself: counters kept as it steps, the snapshot behind `LLMEngine.stats()`
+(/metrics, /admin/stats, the console), and the queue-wait estimate that admission control reads."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from loramux.engine.sequence import FinishReason, Sequence
+
+if TYPE_CHECKING:
+    from loramux.engine.engine import LLMEngine
+
+__all__ = ["EngineCounters", "engine_stats", "lora_stats"]
+
+@dataclass
+class EngineCounters:
+    """Counts since the engine started (calibration's synthetic work excluded), and the running average
+    of how long a request runs once scheduled."""
+
+    preemptions: int = 0
+    spec_proposed: int = 0  # draft tokens proposed
+    spec_accepted: int = 0  # ... and accepted
+    service_s_ewma: float | None = None  # None until a request has completed
+
+    def record_finished(self, seq: Sequence) -> None:
+        """Fold a finished request's service time (first scheduled -> finished) into the average; only
+        requests that completed (stop or length) count, not cancelled, failed or timed-out ones."""
+        t = seq.timings
+        if seq.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and t.first_scheduled and t.finished:
+            service = t.finished - t.first_scheduled
+            ewma = self.service_s_ewma
+            self.service_s_ewma = service if ewma is None else 0.8 * ewma + 0.2 * service
+
+    def queue_wait_s(self, running: int, waiting: int, max_num_seqs: int) -> float:
+        """A rough estimate of how long a request arriving now waits before it is scheduled, with `running`
+        and `waiting` requests ahead of it: zero while the batch has room (or before any request has
+        completed), else one average service time per full batch of requests ahead of it."""
+        if running + waiting < max_num_seqs or self.service_s_ewma is None:
+            return 0.0
+        batches_ahead = (waiting + max_num_seqs) // max_num_seqs
+        return batches_ahead * self.service_s_ewma
+
+
+def engine_stats(engine: LLMEngine) -> dict:
+    """The engine's counters and gauges: running / waiting requests, KV blocks used / free / total,
+    prefix-cache blocks and hits, speculative tokens proposed / accepted, preemptions, adapter slots pinned
+    and loads, `lora` (see `lora_stats`) and `steps` (`StepBudget.stats()`)."""
+    lora = lora_stats(engine)
+    scheduler, blocks, counters = engine.scheduler, engine.block_manager, engine.counters
+    return {
+        "running": len(scheduler.running),
+        "waiting": scheduler.num_waiting,
+        "kv_blocks_used": blocks.num_used_blocks,
+        "kv_blocks_free": blocks.num_free_blocks,
+        "kv_blocks_total": blocks.num_blocks,
+        "prefix_cache_blocks": blocks.num_cached_blocks,
+        "prefix_cache_hit_blocks": blocks.hits,
+        "spec_proposed_tokens": counters.spec_proposed,
+        "spec_accepted_tokens": counters.spec_accepted,
+        "preemptions": counters.preemptions,
+        "adapter_slots_pinned": len(lora["running"]) if lora else 0,  # adapters pinned by running requests
+        "adapter_slot_loads": lora["loads"] if lora else 0,
+        "lora": lora,
+        "steps": engine.step_budget.stats() if engine.step_budget is not None else {},
+    }
+
+
+def lora_stats(engine: LLMEngine) -> dict:
+    """Adapter residency: running / waiting: sorted names of adapters with running / waiting requests;
+    max_lora: the most distinct adapters one batch may hold (LORAMUX_MAX_LORAS, or an estimate of what
+    the pool holds when uncapped); device_adapters / device_bytes / device_budget_bytes; loading:
+    copies in flight; loads / evictions / load_failures so far; load_seconds: copy times
+    (DurationHistogram.snapshot()). Empty when LoRA is off. Safe to call from any thread."""
+    if engine.adapters is None:
+        return {}
+    return {**engine.adapters.stats(), "load_seconds": engine.load_histogram.snapshot()}
