@@ -7,12 +7,13 @@ import json
 import pytest
 import torch
 
-from conftest import make_engine, write_peft_adapter
+from conftest import make_engine
 from loramux.adapters.peft_format import AdapterFormatError, load_adapter_dir
 from loramux.engine.engine import RequestError
 from loramux.engine.sampling_params import SamplingParams
 from loramux.model.llama import LORA_MODULES, PROJECTION_SLICES
 from loramux.model.loader import read_model_config
+from loramux.testing import write_peft_adapter
 
 
 @pytest.fixture

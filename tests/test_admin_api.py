@@ -15,8 +15,9 @@ import httpx
 import pytest
 from sqlalchemy import MetaData, select
 
-from conftest import serve_admin_stack, write_peft_adapter
+from conftest import serve_admin_stack
 from loramux.db import Adapter, AdapterVersion
+from loramux.testing import write_peft_adapter
 
 ADMIN_KEY = "lmxa-test-admin-key-0123456789abcdefghijklmnop"
 

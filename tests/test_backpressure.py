@@ -8,10 +8,11 @@ import time
 
 import pytest
 
-from conftest import make_engine, save_tiny_hf_model
+from conftest import make_engine
 from loramux.engine.async_engine import AsyncEngine
 from loramux.engine.outputs import RequestOutput, SoFar
 from loramux.engine.sampling_params import SamplingParams
+from loramux.testing import save_tiny_hf_model
 
 LONG = 4000
 

@@ -11,9 +11,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import serve_admin_stack, write_peft_adapter
+from conftest import serve_admin_stack
 from loramux.names import InvalidNameError, check_name
 from loramux.tenancy import Tenancy, TierInfo
+from loramux.testing import write_peft_adapter
 
 ADMIN_KEY = "lmxa-test-admin-key-hardening-0123456789abcdefghij"
 

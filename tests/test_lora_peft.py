@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import write_peft_adapter
 from loramux.engine.engine import EngineConfig, LLMEngine
 from loramux.engine.sampling_params import SamplingParams
 from loramux.model.loader import build_model, end_of_turn_ids
+from loramux.testing import write_peft_adapter
 
 pytestmark = pytest.mark.real_model
 
