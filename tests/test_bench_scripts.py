@@ -86,7 +86,7 @@ def test_ledger_durability_bench_quick_run_reports_figure():
                           capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    assert "CPU: " in out and "CPU flags: " in out and "durable submit, open loop" in out, out
+    assert "machine: " in out and "lscpu flags: " in out and "durable submit, open loop" in out, out
     assert "lost 0" in out and "LEDGER BUG" not in proc.stderr, out
     last = out.strip().splitlines()[-1]
     assert last.startswith("FIGURE ledger_final_chunk_p99_ms "), out
