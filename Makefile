@@ -56,8 +56,14 @@ typecheck: install
 test: lint typecheck browser
 	cd $(ROOT) && $(PY) -m pytest -q
 
-bench: install
-	cd $(ROOT) && $(PY) bench/engine_throughput.py
+# `make bench`: the bench scripts, one line each (bench/README.md says more); `make bench BENCH=structured
+# ARGS=--tiny` runs bench/structured.py --tiny.
+bench: $(if $(BENCH),install)
+ifeq ($(BENCH),)
+	@cd $(ROOT) && $(PYTHON) -c 'import ast, pathlib; [print(f"{p.stem:<20} {(ast.get_docstring(ast.parse(p.read_text())) or str()).splitlines()[0]}") for p in sorted(pathlib.Path("bench").glob("*.py"))]'
+else
+	cd $(ROOT) && $(PY) bench/$(BENCH).py $(ARGS)
+endif
 
 clean:
 	rm -rf $(VENV) $(ROOT)/build $(ROOT)/*.egg-info

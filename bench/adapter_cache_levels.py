@@ -24,16 +24,12 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from loramux.testing import LiveServer, describe_cpu, percentile, start_moto_process, write_peft_adapter
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPT = "Summarise in one sentence why the sky looks blue during the day and red at sunset."
@@ -41,40 +37,9 @@ CREDS = {"s3_access_key_id": "bench", "s3_secret_access_key": "bench"}
 T_START = time.perf_counter()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for_port(port: int, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"nothing listens on port {port} after {timeout} s")
-
-
-def start_moto() -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_for_port(port)
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def p99(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
-
-
 class Bench:
     def __init__(self, args, tmp: Path, endpoint: str):
         import boto3
-        import uvicorn
 
         from loramux.server.app import create_app
         from loramux.services.container import LOCAL_TENANT, Services
@@ -90,20 +55,13 @@ class Bench:
         self.services.tenancy.create_tenant("bench", tier="premium")
         self.key = self.services.tenancy.create_key("bench")[1]
         self.cfg = self.services.engine.engine.model.config
-        self.port = free_port()
-        server = uvicorn.Server(uvicorn.Config(create_app(lambda: self.services), host="127.0.0.1", port=self.port,
-                                               log_level="warning", lifespan="on"))
-        self.server = server
-        threading.Thread(target=server.run, daemon=True).start()
-        wait_for_port(self.port)
+        self.server = LiveServer(create_app(lambda: self.services)).__enter__()
         self.seed = 0
 
     def progress(self, what: str) -> None:
         print(f"  {what} [{time.perf_counter() - T_START:.0f} s]", flush=True)
 
     def new_adapter(self, name: str):
-        from conftest import write_peft_adapter
-
         self.seed += 1
         path = write_peft_adapter(self.tmp / f"src-{self.seed}", self.cfg, self.args.rank, ALL, seed=self.seed)
         files = {f: path / f for f in ("adapter_config.json", "adapter_model.safetensors")}
@@ -118,7 +76,7 @@ class Bench:
             body["adapter"] = adapter
         start = time.perf_counter()
         first, final = None, {}
-        with httpx.stream("POST", f"http://127.0.0.1:{self.port}/generate", json=body, timeout=120,
+        with httpx.stream("POST", f"{self.server.url}/generate", json=body, timeout=120,
                           headers={"Authorization": f"Bearer {self.key}"}) as resp:
             resp.raise_for_status()
             for line in resp.iter_lines():
@@ -207,15 +165,15 @@ class Bench:
                 lease = self.services.adapter_cache.acquire_blocking(v)
                 self.services.adapter_cache.release(lease.adapter.digest)
                 ram_names.append(v.name)
-            steady_p99.append(p99(asyncio.run(self._streams_with_arrivals(ram_names))))
+            steady_p99.append(percentile(asyncio.run(self._streams_with_arrivals(ram_names)), 99))
             cold_names = [self.new_adapter(f"cold-{round_}-{i}").name for i in range(3)]
-            cold_p99.append(p99(asyncio.run(self._streams_with_arrivals(cold_names))))
+            cold_p99.append(percentile(asyncio.run(self._streams_with_arrivals(cold_names)), 99))
             self.progress(f"ITL round {round_ + 1}/{self.args.rounds}: p99 arrivals in RAM {steady_p99[-1]:.0f} ms, "
                           f"cold in S3 {cold_p99[-1]:.0f} ms")
         return steady_p99, cold_p99
 
     def close(self) -> None:
-        self.server.should_exit = True
+        self.server.__exit__(None, None, None)
 
 
 def main() -> None:
@@ -232,7 +190,8 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    moto, endpoint = start_moto()
+    print(describe_cpu())
+    moto, endpoint = start_moto_process()
     try:
         with tempfile.TemporaryDirectory() as tmp:
             bench = Bench(args, Path(tmp), endpoint)

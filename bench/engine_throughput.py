@@ -27,6 +27,8 @@ import time
 
 import torch
 
+from loramux.testing import describe_cpu
+
 PROMPTS = [
     "Write a short poem about the sea.",
     "Explain how a transformer language model generates text, step by step, for a curious beginner.",
@@ -76,6 +78,7 @@ def main() -> None:
     tok.padding_side = "left"
     eos_ids = sorted(engine.eos_token_ids)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos_ids[0]
+    print(describe_cpu())
     print(f"model SmolLM2-135M-Instruct float32, threads={args.threads}, up to {args.new_tokens} new tokens, "
           f"rounds={args.rounds} (median), {time.strftime('%Y-%m-%d')}, load {time.perf_counter() - t_start:.1f} s",
           flush=True)

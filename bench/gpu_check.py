@@ -25,12 +25,11 @@ if "--tiny" in sys.argv:
 
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
 from loramux.kernels import LoRABatch, lora_expand, lora_shrink  # noqa: E402
 from loramux.kernels.bgmv import bgmv_shrink_expand  # noqa: E402
 from loramux.kernels.ops import lora_shrink_expand  # noqa: E402
 from loramux.kernels.torch_ops import lora_expand_reference, lora_shrink_reference  # noqa: E402
+from loramux.testing import describe_cpu, median_seconds  # noqa: E402
 
 LLAMA_7B = dict(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
@@ -45,8 +44,6 @@ def timer(device):
         from triton.testing import do_bench
 
         return lambda fn: do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
-
-    from timing import median_seconds
 
     return lambda fn: median_seconds(fn, reps=3)
 
@@ -256,6 +253,7 @@ def main() -> None:
     cfg = LLAMA_7B if not args.tiny else TINY
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (tiny)"
     print(f"gpu_check on {name}, {dtype}, torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M')}")
+    print(describe_cpu())
     check_kernels(cfg, device, dtype, args.tiny)
     decode_timing(cfg, device, dtype, args.tiny)
 

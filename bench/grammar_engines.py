@@ -25,16 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
-
-import timing  # noqa: E402
+from loramux.testing import describe_cpu
 
 SCHEMAS = {
     "flat": {"type": "object", "properties": {
@@ -176,10 +171,8 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    model, flags = timing.cpu_model_and_flags()
-    print(f"machine: {model}, {os.cpu_count()} logical CPUs; one thread; load average "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print(f"lscpu flags: {flags}")
+    print(describe_cpu())
+    print("one thread")
     tokenizer = load_tokenizer()
     vocab = len(tokenizer)
     docs = {n: tokenizer.encode(json.dumps(d), add_special_tokens=False)[:cap] for n, d in DOCUMENTS.items()}

@@ -17,26 +17,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import time
 
 import torch
 
 from loramux.model import cpu_linear
 from loramux.model.quantization import QMAX, Int8Linear, activation_qmax
+from loramux.testing import describe_cpu
 
 LAYERS = 30
 SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
 HEAD = (576, 49152)
 STREAMED = ["fp32_onednn", "onednn", "fbgemm", "onednn_1pass", "fbgemm_1pass", "fbgemm_per_tensor"]
 SLOW = ["int8pack", "dequant"]
-
-
-def cpu_summary() -> str:
-    """lscpu's model name and flags (the int8 kernels depend on VNNI / AMX)."""
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    keep = [line for line in out.splitlines() if line.startswith(("Model name", "Flags", "CPU(s)"))]
-    return "\n".join(keep)
 
 
 def one_pass(layer: Int8Linear):
@@ -116,7 +109,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     stat = statistics.median if args.stat == "median" else min
-    print(cpu_summary())
+    print(describe_cpu())  # the int8 kernels depend on VNNI / AMX
     print(f"torch {torch.__version__}, {args.threads} threads, activation qmax {activation_qmax()}, "
           f"{time.strftime('%Y-%m-%d %H:%M')}")
     for batch in (int(b) for b in args.batches.split(",")):

@@ -35,18 +35,8 @@ from pathlib import Path
 
 from loramux.admin.ledger import LedgerWriter, durable
 from loramux.db import Database
+from loramux.testing import describe_cpu, percentile
 from loramux.usage import RequestRecord
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import cpu_model_and_flags  # noqa: E402
-
-
-def cpu_info() -> tuple[str, str]:
-    return cpu_model_and_flags()
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))] if ordered else float("nan")
 
 
 def make_record(rid: str) -> RequestRecord:
@@ -166,9 +156,7 @@ def main() -> int:
     if args.quick:
         args.rounds, args.seconds = 1, 0.5
 
-    model, flags = cpu_info()
-    print(f"CPU: {model} ({os.cpu_count()} logical CPUs)")
-    print(f"CPU flags: {flags}", flush=True)
+    print(describe_cpu(), flush=True)
     with tempfile.TemporaryDirectory(prefix="loramux-ledger-bench-") as tmp, \
             scratch_database(args.database_url) as scratch_url:
         tmp_path = Path(tmp)
@@ -193,15 +181,16 @@ def main() -> int:
                 submitted += len(led) + n
                 fsync_ms = raw_fdatasync(tmp_path)
                 for key, values in (("base", base), ("led", led), ("thr", thr), ("fs", fsync_ms)):
-                    rows[key + "50"].append(pct(values, 0.5))
-                    rows[key + "99"].append(pct(values, 0.99))
+                    rows[key + "50"].append(percentile(values, 50))
+                    rows[key + "99"].append(percentile(values, 99))
                 rows["tps"].append(n / (args.seconds / 2))
                 print(f"round {r + 1}/{args.rounds} [{time.perf_counter() - t_start:.0f} s]: open loop {len(led)} "
                       f"requests at {args.rate:.0f}/s: durable p50 "
-                      f"{pct(led, 0.5):.2f} ms p99 {pct(led, 0.99):.2f} ms ({per_sync:.1f} records per fsync); no "
-                      f"ledger p50 {pct(base, 0.5):.3f} ms p99 {pct(base, 0.99):.3f} ms; {args.threads} threads: "
-                      f"{n / (args.seconds / 2):.0f} records/s, p99 {pct(thr, 0.99):.2f} ms; raw fdatasync p50 "
-                      f"{pct(fsync_ms, 0.5):.2f} ms p99 {pct(fsync_ms, 0.99):.2f} ms", flush=True)
+                      f"{percentile(led, 50):.2f} ms p99 {percentile(led, 99):.2f} ms ({per_sync:.1f} records per "
+                      f"fsync); no ledger p50 {percentile(base, 50):.3f} ms p99 {percentile(base, 99):.3f} ms; "
+                      f"{args.threads} threads: "
+                      f"{n / (args.seconds / 2):.0f} records/s, p99 {percentile(thr, 99):.2f} ms; raw fdatasync p50 "
+                      f"{percentile(fsync_ms, 50):.2f} ms p99 {percentile(fsync_ms, 99):.2f} ms", flush=True)
             t0 = time.perf_counter()
             flushed = writer.flush(120)
             flush_s = time.perf_counter() - t0

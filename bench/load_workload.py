@@ -35,7 +35,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from timing import pct
+from loramux.testing import percentile
 
 TIERS = ("free", "standard", "premium")
 TIER_WEIGHTS = (0.3, 0.4, 0.3)
@@ -139,7 +139,7 @@ class Result:
 
     @property
     def itl_p99_s(self) -> float:
-        return pct(self.gaps_s, 99) if len(self.chunk_times) > 1 else 0.0
+        return percentile(self.gaps_s, 99) if len(self.chunk_times) > 1 else 0.0
 
     @property
     def tokens(self) -> int:
@@ -355,14 +355,14 @@ def summarise(results: list[Result], wall_s: float, slo: SLO, tokens: int | None
         "goodput_frac": len(good) / len(results) if results else math.nan,
         "slo_miss_ttft": sum(1 for r in ok if r.ttft_s is None or r.ttft_s > slo.ttft_s),
         "slo_miss_itl": sum(1 for r in ok if r.itl_p99_s > slo.itl_s),
-        "ttft_p50_ms": _ms(pct(ttft, 50)), "ttft_p99_ms": _ms(pct(ttft, 99)),
-        "itl_p50_ms": _ms(pct(gaps, 50)), "itl_p99_ms": _ms(pct(gaps, 99)),
-        "e2e_p50_ms": _ms(pct([r.end - r.sent for r in ok], 50)),
-        "queue_p50_ms": _ms(pct(queue, 50)), "queue_p99_ms": _ms(pct(queue, 99)),
-        "short_chat_ttft_p50_ms": _ms(pct(short_chat, 50)),
-        "ttft_p50_ms_by_kind": {k: _ms(pct([r.ttft_s for r in ok if r.plan.prompt_kind == k], 50))
+        "ttft_p50_ms": _ms(percentile(ttft, 50)), "ttft_p99_ms": _ms(percentile(ttft, 99)),
+        "itl_p50_ms": _ms(percentile(gaps, 50)), "itl_p99_ms": _ms(percentile(gaps, 99)),
+        "e2e_p50_ms": _ms(percentile([r.end - r.sent for r in ok], 50)),
+        "queue_p50_ms": _ms(percentile(queue, 50)), "queue_p99_ms": _ms(percentile(queue, 99)),
+        "short_chat_ttft_p50_ms": _ms(percentile(short_chat, 50)),
+        "ttft_p50_ms_by_kind": {k: _ms(percentile([r.ttft_s for r in ok if r.plan.prompt_kind == k], 50))
                                 for k in PROMPT_KINDS},
-        "ttft_p50_ms_by_tier": {t: _ms(pct([r.ttft_s for r in ok if r.plan.tier == t], 50)) for t in TIERS},
+        "ttft_p50_ms_by_tier": {t: _ms(percentile([r.ttft_s for r in ok if r.plan.tier == t], 50)) for t in TIERS},
     }
 
 

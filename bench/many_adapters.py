@@ -50,18 +50,16 @@ import math
 import os
 import random
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from many_adapters_plot import mixed_points, plot
 
-from timing import pct
+from loramux.testing import LiveServer, describe_cpu, percentile, write_peft_adapter
 
 TABLE_NS = (1, 8, 64)
 MIXED_NS = (1, 8, 64, 256, 1000)
@@ -72,8 +70,6 @@ MIXED_RANKS, MIXED_RANK_WEIGHTS = (8, 16, 32, 64), (4, 3, 2, 1)
 MIXED_TARGETS = (("q_proj", "v_proj"), TABLE_TARGETS,
                  ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
 MIXED_TARGET_WEIGHTS = (3, 2, 1)
-SECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 B_STD = 0.05  # B non-zero: every adapter changes the output
 WEIGHT_DTYPE, WEIGHT_BYTES = "float16", 2
 FAMILY_SEED_OFFSET = {"table": 0, "mixed": 500_000}
@@ -83,31 +79,12 @@ ZIPF_S = 1.0
 MAX_TOKENS, TEMPERATURE = 32, 0.8
 PROMPTS = ("What is the capital of France?", "Name three fruits.", "Say hello in Spanish.", "What is 12 times 12?",
            "Give me a synonym for happy.", "Who wrote Hamlet?", "What colour is grass?", "Define gravity briefly.")
-SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
-              "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
 TENANT = "bench"
 REQUEST_TIMEOUT_S = 300.0
 
 
 def progress(message: str) -> None:
     print(f"  {message} [{time.perf_counter() - T_START:.0f} s]", flush=True)
-
-
-def machine_line(threads: int) -> str:
-    """CPU model, logical CPUs, SIMD flags (from /proc/cpuinfo), torch version and torch threads."""
-    import torch
-
-    info: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            info.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
-    flags = set(info.get("flags", "").split())
-    simd = " ".join(f for f in SIMD_FLAGS if f in flags) or "unknown"
-    return (f"machine: {info.get('model name', 'unknown CPU')}, {os.cpu_count()} logical CPUs, SIMD {simd}; "
-            f"torch {torch.__version__}, {threads} threads")
 
 
 # --- adapters -------------------------------------------------------------------------------------------
@@ -144,9 +121,6 @@ def adapter_specs(family: str, n: int, seed: int) -> list[AdapterSpec]:
 def adapter_dir(spec: AdapterSpec, base_cfg, generate: bool = True) -> Path | None:
     """The PEFT files of `spec` for this base model, generated once into the cache (written aside, then renamed);
     None when not cached and not `generate`."""
-    import torch
-    from safetensors.torch import save_file
-
     from loramux.adapters.peft_format import projection_shapes
 
     shapes = projection_shapes(base_cfg)
@@ -156,19 +130,8 @@ def adapter_dir(spec: AdapterSpec, base_cfg, generate: bool = True) -> Path | No
     cached = (path / "adapter_model.safetensors").is_file()
     if cached or not generate:
         return path if cached else None
-    g, dtype, tensors = torch.Generator().manual_seed(spec.seed), getattr(torch, WEIGHT_DTYPE), {}
-    for layer in range(base_cfg.num_layers):
-        for target in spec.targets:
-            d_in, d_out = shapes[target]
-            prefix = f"base_model.model.model.layers.{layer}.{SECTIONS[target]}.{target}"
-            tensors[f"{prefix}.lora_A.weight"] = (torch.randn(spec.rank, d_in, generator=g) / d_in**0.5).to(dtype)
-            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(d_out, spec.rank, generator=g) * B_STD).to(dtype)
     tmp = Path(tempfile.mkdtemp(dir=CACHE_DIR.parent, prefix=".gen-"))
-    save_file(tensors, tmp / "adapter_model.safetensors")
-    (tmp / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": 2 * spec.rank,
-         "target_modules": list(spec.targets), "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
-         "base_model_name_or_path": None}))
+    write_peft_adapter(tmp, base_cfg, spec.rank, list(spec.targets), spec.seed, b_std=B_STD, dtype=WEIGHT_DTYPE)
     try:
         tmp.rename(path)
     except OSError:  # another run made it meanwhile
@@ -182,8 +145,6 @@ class Stack:
     """Services + uvicorn on 127.0.0.1 in a thread; an admin key for the admin API."""
 
     def __init__(self, data_dir: Path, max_loras: int | None):
-        import uvicorn
-
         from loramux.names import base_model_id
         from loramux.server.app import create_app
         from loramux.services.container import Services
@@ -201,25 +162,13 @@ class Stack:
         self.settings, self.base_cfg = self.services.settings, self.services.registry.base_config
         self.model_id = base_model_id(self.settings.model)
         self.admin = {"Authorization": f"Bearer {self.services.admin_keys.create('many_adapters bench')[1]}"}
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(create_app(lambda: self.services), host="127.0.0.1", port=port,
-                                                    log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 120
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("the server did not start")
-            time.sleep(0.05)
+        self.server = LiveServer(create_app(lambda: self.services)).__enter__()
+        self.url = self.server.url
         self.uploaded: dict[AdapterSpec, int] = {}  # spec -> bytes uploaded
         self.gen_s = self.upload_s = 0.0
 
     def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
+        self.server.__exit__(None, None, None)
         self.services.shutdown()
 
 
@@ -434,8 +383,8 @@ def summarize(results: list[Result], lo: float, hi: float, before: dict, after: 
     seconds = hi - lo
     delta = {k: after[k] - before[k] for k in after}
     return {"requests": len(ended), "ok": len(ok), "tok_s": tokens / seconds,
-            "ttft_p50_ms": pct(ttft, 50) * 1000, "ttft_p99_ms": pct(ttft, 99) * 1000,
-            "itl_p99_ms": pct(gaps, 99) * 1000, "loads_per_s": delta["loads"] / seconds,
+            "ttft_p50_ms": percentile(ttft, 50) * 1000, "ttft_p99_ms": percentile(ttft, 99) * 1000,
+            "itl_p99_ms": percentile(gaps, 99) * 1000, "loads_per_s": delta["loads"] / seconds,
             "evictions_per_s": delta["evictions"] / seconds,
             **{k: int(v) for k, v in delta.items() if k.startswith("hits_")}}
 
@@ -565,8 +514,10 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    machine = machine_line(args.threads)
+    machine = describe_cpu()
+    title = f"{machine.splitlines()[0]}; {args.threads} torch threads"  # the JSON's and the plot's
     print(machine)
+    print(f"torch threads: {args.threads}")
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         stack = Stack(Path(tmp), args.max_loras)
@@ -592,10 +543,10 @@ def main() -> None:
     if args.json:
         finite = {name: {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in m.items()}
                   for name, m in rows.items()}  # strict JSON: no NaN
-        args.json.write_text(json.dumps({"machine": machine, "args": {k: str(v) for k, v in vars(args).items()},
+        args.json.write_text(json.dumps({"machine": title, "args": {k: str(v) for k, v in vars(args).items()},
                                          "uploads": uploads, "scenarios": finite}, indent=1))
     if args.plot:
-        plot(rows, args.plot, machine)
+        plot(rows, args.plot, title)
     print(f"(whole run {time.perf_counter() - t_start:.0f} s)", file=sys.stderr)
     print(machine)
     for line in figures(rows, args.quick):

@@ -22,17 +22,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from timing import median_seconds  # noqa: E402
+from loramux.testing import describe_cpu, median_seconds, write_peft_adapter
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -98,7 +94,10 @@ def main() -> None:
     ap.add_argument("--kernels", action="store_true", help="run the kernel micro-benchmark (on with --full)")
     ap.add_argument("--full", action="store_true", help="every configuration, the kernel micro-benchmark and "
                     "full-length warm-ups (the long run of docs/performance.md)")
+    # At most 2 by default: what the figures were recorded with (importing tests/conftest used to cap it).
+    ap.add_argument("--threads", type=int, default=min(2, torch.get_num_threads()))
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     if args.full:
         args.kernels, args.warmup_tokens = True, args.new_tokens
     args.warmup_tokens = min(args.warmup_tokens, args.new_tokens)
@@ -111,12 +110,12 @@ def main() -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from conftest import write_peft_adapter
     from loramux.engine.engine import LLMEngine
     from loramux.engine.sampling_params import SamplingParams
     from loramux.settings import Settings
 
     batches = [int(b) for b in args.batches.split(",")]
+    print(describe_cpu())
     engine = LLMEngine.from_settings(Settings(dtype="float32", device="cpu", max_lora_rank=args.rank))
     cfg = engine.model.config
     print(f"SmolLM2-135M-Instruct float32, threads={torch.get_num_threads()}, r={args.rank} on all 7 projections, "

@@ -42,6 +42,8 @@ import time
 
 import torch
 
+from loramux.testing import describe_cpu
+
 PREFIX_LEN = 512
 SUFFIX_LEN = 32
 
@@ -148,6 +150,7 @@ def main() -> None:
     n_warm = 1 if args.quick else 2
     suffixes = build_suffixes(tok, n_warm + n_prompts, args.seed)
     prompts = [prefix + s for s in suffixes]
+    print(describe_cpu())
     print(f"model SmolLM2-135M-Instruct float32, threads={args.threads}, prompt = {PREFIX_LEN}-token shared "
           f"prefix + {SUFFIX_LEN}-token suffix, batch 1, 1 greedy token; {args.rounds} rounds x "
           f"{args.prompts_per_round} prompts (every suffix used once), block_size {settings.block_size}, "

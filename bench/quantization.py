@@ -19,20 +19,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from int8_kernels import cpu_summary  # noqa: E402
-
-# At import time, before main() sets the thread count: importing conftest sets torch to 2 threads.
-from conftest import write_peft_adapter  # noqa: E402
+from loramux.testing import describe_cpu, write_peft_adapter
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TOPICS = ["the sea", "volcanoes", "bread baking", "the Roman empire", "photosynthesis", "chess", "jazz music",
@@ -143,7 +136,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
-    print(cpu_summary())
+    print(describe_cpu())
     print(f"torch {torch.__version__}, threads={torch.get_num_threads()}, {time.strftime('%Y-%m-%d %H:%M')}",
           flush=True)
     engines = {"fp32": make_engine("none", args.rank), "int8": make_engine("int8", args.rank)}

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,9 +30,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests"))
+from loramux.testing import describe_cpu, free_port, start_redis_server, write_peft_adapter
 
 ADMIN_KEY = "lmxa-scale-out-bench-0123456789abcdefghijkl"
 RANK = 16
@@ -45,29 +42,13 @@ def log(msg: str) -> None:
     print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_redis() -> tuple[str, subprocess.Popen | None]:
+    """A private redis-server (url, process); without the binary, LORAMUX_REDIS_URL (default db 14 on 6379)."""
     binary = shutil.which("redis-server")
     if binary is None:
         return os.environ.get("LORAMUX_REDIS_URL", "redis://127.0.0.1:6379/14"), None
-    port = free_port()
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    import redis
-
-    client = redis.Redis(port=port, socket_timeout=1)
-    for _ in range(200):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    return f"redis://127.0.0.1:{port}/0", proc
+    server = start_redis_server(binary)
+    return server.url, server.process
 
 
 def main(argv=None) -> int:
@@ -87,18 +68,16 @@ def main(argv=None) -> int:
     from engine_throughput import PROMPTS
     from ray import serve
 
-    from conftest import write_peft_adapter
     from loramux.cluster import app as cluster_app
     from loramux.model.loader import read_model_config, resolve_model_dir
     from loramux.settings import Settings
-    from timing import cpu_model_and_flags
 
     cores = len(os.sched_getaffinity(0))
-    model, flags = cpu_model_and_flags()
     print(f"scale-out on Ray Serve: SmolLM2-135M-Instruct float32, {args.requests} requests per round "
           f"({args.clients} closed-loop clients, {args.new_tokens} new tokens), 8 r={RANK} adapters + base; "
           f"{time.strftime('%Y-%m-%d %H:%M')}")
-    print(f"machine: {model}, {cores} cores; flags: {flags}")
+    print(describe_cpu())
+    print(f"cores this process may run on: {cores}")
     configs = [(1, cores), (2, max(1, cores // 2))]
     print("configurations: " + "; ".join(f"{n} replica(s) x {t} torch thread(s)" for n, t in configs))
 

@@ -44,7 +44,6 @@ import json
 import math
 import os
 import re
-import socket
 import sys
 import tempfile
 import time
@@ -78,7 +77,7 @@ from load_workload import (
 from serve_load_plot import plot
 from serve_stack import LoramuxServer
 
-from timing import cpu_model_and_flags
+from loramux.testing import cpu_info, describe_cpu, free_port, write_peft_adapter
 
 REPO = Path(__file__).resolve().parents[1]
 ENGINES = ("loramux", "vllm")
@@ -89,8 +88,6 @@ FULL = {"rates": (0.25, 0.5, 1.0, 2.0, 3.0, 4.0, 5.0), "duration": 25.0, "closed
         "closed_duration": 20.0, "rounds": 2}
 MAX_LORAS, MAX_LORA_RANK, MAX_CPU_LORAS = 8, 16, 8
 GOODPUT_MIN, ITL_RATIO_MAX, SHORT_CHAT_TTFT_MAX_MS = 0.9, 2.5, 500.0
-SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
-              "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
 ROW = "{:<8}{:>4}{:>8}{:>6}{:>5}{:>8}{:>7}{:>8}{:>7}{:>8}{:>8}{:>7}{:>7}{:>12}{:>9}"
 HEADER = ROW.format("engine", "rnd", "offered", "sent", "ok", "tok/s", "req/s", "good/s", "good%", "TTFT50",
                     "TTFT99", "ITL50", "ITL99", "chatTTFT50", "queue50")
@@ -99,27 +96,15 @@ HEADER = ROW.format("engine", "rnd", "offered", "sent", "ok", "tok/s", "req/s", 
 # --- machine and files -----------------------------------------------------------------------------------------
 
 def machine_info(threads: int) -> dict:
-    """CPU model and flags from lscpu (else /proc/cpuinfo)."""
-    model, flags = cpu_model_and_flags()
-    info = {"Model name": model, "Flags": flags}
-    flags = info.get("Flags", "")
-    return {"cpu": info.get("Model name", "unknown CPU"), "logical_cpus": os.cpu_count(),
-            "simd": " ".join(f for f in SIMD_FLAGS if f in flags.split()) or "unknown", "flags": flags,
+    """The CPU (model, logical CPUs, SIMD and all flags) and the threads per engine, for the JSON results."""
+    cpu = cpu_info()
+    return {"cpu": cpu.model, "logical_cpus": cpu.logical_cpus, "simd": cpu.simd, "flags": cpu.flags,
             "threads": threads}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_adapters(root: Path, model_cfg, seed: int, b_std: float = 0.05) -> dict[str, Path]:
     """The 4 random PEFT LoRA adapters (B non-zero, float32, alpha = 2r), one directory each: what both engines
     load."""
-    sys.path.insert(0, str(REPO / "tests"))
-    from conftest import write_peft_adapter
-
     return {name: write_peft_adapter(root / name, model_cfg, rank, list(targets), seed=seed + i, alpha=2 * rank,
                                      b_std=b_std)
             for i, (name, rank, targets) in enumerate(ADAPTERS)}
@@ -403,10 +388,9 @@ def parse_args(argv=None):
     return args
 
 
-def print_setup(args, machine: dict) -> None:
-    print(f"machine: {machine['cpu']}, {machine['logical_cpus']} logical CPUs, SIMD {machine['simd']}; "
-          f"{args.threads} threads per engine")
-    print(f"lscpu flags: {machine['flags']}")
+def print_setup(args) -> None:
+    print(describe_cpu())
+    print(f"{args.threads} threads per engine")
     print(f"engines: {', '.join(args.engines)}; {args.rounds} round(s), alternating which engine goes first; "
           f"server logs in {args.log_dir}")
     print(f"open-loop Poisson load at {', '.join(f'{r:g}' for r in args.rates)} req/s, {args.duration:g} s of "
@@ -453,7 +437,7 @@ def main() -> None:
     args = parse_args()
     slo = SLO(args.slo_ttft_ms / 1000, args.slo_itl_ms / 1000)
     machine = machine_info(args.threads)
-    print_setup(args, machine)
+    print_setup(args)
     t_start = time.perf_counter()
     engines = {e: {"status": "measured", "rounds": []} for e in args.engines}
     peers = [e for e in engines if e.startswith("vllm")]

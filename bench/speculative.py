@@ -44,6 +44,8 @@ import time
 
 import torch
 
+from loramux.testing import describe_cpu
+
 MEETING = """\
 Weekly platform sync, 14 November. Present: Priya Raman (chair), Tomasz Nowak, Helen Okafor, \
 Diego Alvarez, Mei Lin.
@@ -238,6 +240,7 @@ def main() -> None:
 
         hf = AutoModelForCausalLM.from_pretrained(tok.name_or_path, dtype=torch.float32).eval()
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos_ids[0]
+    print(describe_cpu())
     print(f"model SmolLM2-135M-Instruct float32, threads={args.threads}, batch 1, greedy, until end-of-turn or "
           f"{args.new_tokens} new tokens, {len(prompts)} summarisation/extraction prompts of "
           f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens, rounds={args.rounds} (median), "

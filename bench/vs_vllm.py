@@ -45,13 +45,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
-sys.path.insert(0, str(REPO / "tests"))
+import vllm_peer
 
-import vllm_peer  # noqa: E402
-
-import timing  # noqa: E402
+from loramux.testing import describe_cpu, write_peft_adapter
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANK = 16
@@ -67,17 +63,9 @@ def log(msg: str) -> None:
 # --- machine -----------------------------------------------------------------------------------------------
 
 
-def lscpu() -> tuple[str, str]:
-    """CPU model name and flags (bench/timing.py)."""
-    return timing.cpu_model_and_flags()
-
-
 def print_machine(threads: int, cpus: list[int]) -> None:
-    model, flags = lscpu()
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    print(f"machine: {model}, {os.cpu_count()} logical CPUs; {threads} threads per engine on cores {cpus}; "
-          f"load average {load}")
-    print(f"lscpu flags: {flags}")
+    print(describe_cpu())
+    print(f"{threads} threads per engine on cores {cpus}")
 
 
 # --- configurations ----------------------------------------------------------------------------------------
@@ -314,8 +302,6 @@ def main(argv=None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="loramux-vs-vllm-"))
     worker, interrupted, r = None, None, 0
     try:
-        from conftest import write_peft_adapter
-
         log(f"writing {num_adapters} random r={RANK} adapters into {tmp}")
         paths = {name: write_peft_adapter(tmp / name, model_cfg, RANK, ALL, seed=i, b_std=0.02)
                  for i, name in enumerate(names)}

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -15,10 +14,19 @@ from loramux.engine.config import EngineConfig
 from loramux.engine.engine import LLMEngine
 from loramux.model.loader import build_model, end_of_turn_ids, resolve_model_dir
 from loramux.settings import DEFAULT_MODEL, Settings
+from loramux.testing import (
+    MOTO_CREDENTIALS,
+    MOTO_REGION,
+    LiveServer,
+    moto_create_bucket,
+    save_tiny_hf_model,
+    start_moto_server,
+    start_redis_server,
+    stop_moto_server,
+)
 
-# At most 2 threads, as CI has (a cap, not a setting: bench scripts import this module for its helpers after
-# choosing their own thread count, and raising 1 thread pinned to one core to 2 made every OpenMP region
-# spin-wait on a descheduled thread, ~100x slower).
+# At most 2 threads, as CI has (a cap, not a setting: raising 1 thread pinned to one core to 2 made every
+# OpenMP region spin-wait on a descheduled thread, ~100x slower).
 if torch.get_num_threads() > 2:
     torch.set_num_threads(2)
 
@@ -34,25 +42,6 @@ def tokenizer(smol_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(smol_dir)
-
-
-def save_tiny_hf_model(path: Path, vocab_size: int, model_type: str = "llama", seed: int = 0, **overrides):
-    """Write a small random HF checkpoint (safetensors) of the given family; return the HF model."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    kwargs = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  tie_word_embeddings=False, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
-    kwargs.update(overrides)
-    config = AutoConfig.for_model(model_type, **kwargs)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():  # HF zero-initialises biases; random ones make the bias path observable
-        for name, param in model.named_parameters():
-            if name.endswith("bias"):
-                param.normal_(0, 0.5)
-    model.save_pretrained(path)
-    return model
 
 
 @pytest.fixture(scope="session")
@@ -75,75 +64,16 @@ def tiny_engine(tiny_dir, tokenizer) -> LLMEngine:
     return make_engine(tiny_dir, tokenizer)
 
 
-PROJECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-               "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
-
-
-def write_peft_adapter(path: Path, model_cfg, rank: int, targets: list[str], seed: int, alpha: float | None = None,
-                       use_rslora: bool = False, b_std: float = 0.05) -> Path:
-    """Write a random PEFT LoRA adapter (B non-zero) for a model config, in PEFT's on-disk format."""
-    import json
-
-    from safetensors.torch import save_file
-
-    from loramux.adapters.peft_format import projection_shapes
-
-    shapes = projection_shapes(model_cfg)
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(model_cfg.num_layers):
-        for target in targets:
-            d_in, d_out = shapes[target]
-            prefix = f"base_model.model.model.layers.{layer}.{PROJECTIONS[target]}.{target}"
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, d_in, generator=g) / d_in**0.5
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(d_out, rank, generator=g) * b_std
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, path / "adapter_model.safetensors")
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha or 2 * rank,
-              "target_modules": targets, "use_rslora": use_rslora, "lora_dropout": 0.0, "bias": "none",
-              "fan_in_fan_out": False, "base_model_name_or_path": None}
-    (path / "adapter_config.json").write_text(json.dumps(config))
-    return path
-
-
 # --- S3 (moto server) ------------------------------------------------------------------------------
-# Self-contained: moto and boto3 are imported inside the fixtures. The environment is left alone;
-# the dummy credentials go to each client explicitly.
-
-MOTO_CREDENTIALS = {"access_key_id": "testing", "secret_access_key": "testing"}
-MOTO_REGION = "us-east-1"
-
-
-def stop_moto_server(server) -> None:
-    """Stop a ThreadedMotoServer and close its listening socket (`stop()` only ends serve_forever,
-    which leaves the port accepting connections that nobody answers)."""
-    server.stop()
-    if getattr(server, "_server", None) is not None:
-        server._server.server_close()
-
-
 @pytest.fixture(scope="session")
 def moto_server():
     """An S3-compatible moto server on 127.0.0.1 for the whole session; yields its endpoint URL."""
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
+    server = start_moto_server()
     host, port = server.get_host_and_port()
     try:
         yield f"http://{host}:{port}"
     finally:
         stop_moto_server(server)
-
-
-def moto_create_bucket(endpoint_url: str, bucket: str) -> None:
-    import boto3
-
-    client = boto3.session.Session().client(
-        "s3", endpoint_url=endpoint_url, region_name=MOTO_REGION,
-        aws_access_key_id=MOTO_CREDENTIALS["access_key_id"],
-        aws_secret_access_key=MOTO_CREDENTIALS["secret_access_key"])
-    client.create_bucket(Bucket=bucket)
 
 
 @pytest.fixture
@@ -232,7 +162,6 @@ ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 def serve_admin_stack(tmp: Path, tiny_dir: Path, tokenizer, admin_key: str):
     """For a module fixture: a live server on the tiny model (2 adapter slots, uploads up to 256 KiB) with
     `admin_key` and a standard tenant `acme`; yields (server, acme's key, the model config, tmp)."""
-    from live_server import LiveServer
     from loramux.model.loader import read_model_config
     from loramux.server.app import create_app
 
@@ -288,32 +217,6 @@ def run_to_completion(engine: LLMEngine, requests) -> list:
 
 
 # --- Redis: shared rate limits and replica state (scale-out tests) ---------------------------------
-def start_redis_server(binary: str):
-    """Start `binary` (redis-server) on a free port with nothing on disk; (url, process, port) once it answers."""
-    import socket
-    import subprocess
-
-    import redis
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url, socket_timeout=1)
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            client.ping()
-            return url, proc, port
-        except redis.ConnectionError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                pytest.fail("redis-server did not start")
-            time.sleep(0.05)  # polling a real condition: the server accepting connections
-
-
 @pytest.fixture(scope="session")
 def redis_url():
     """A private redis-server on a free port for this session (nothing on disk); without the binary, the
@@ -328,7 +231,7 @@ def redis_url():
         redis.Redis.from_url(url).flushdb()
         yield url
         return
-    url, proc, _ = start_redis_server(binary)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=10)
+    server = start_redis_server(binary)
+    yield server.url
+    server.process.terminate()
+    server.process.wait(timeout=10)

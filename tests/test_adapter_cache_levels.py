@@ -10,12 +10,12 @@ from urllib.parse import urlsplit
 import pytest
 import torch
 
-from conftest import MOTO_CREDENTIALS, MOTO_REGION, adapter_files, moto_create_bucket, server_stats, write_peft_adapter
-from faults import FaultyProxy
+from conftest import adapter_files, server_stats
 from loramux.adapters.cache_levels import AdapterCache, AdapterLoadError, DiskCache, HostCache
 from loramux.adapters.registry import AdapterRegistry
 from loramux.adapters.store import FileStore, S3Store, StoreUnavailableError
 from loramux.db import Database
+from loramux.testing import MOTO_CREDENTIALS, MOTO_REGION, FaultyProxy, moto_create_bucket, write_peft_adapter
 
 
 @pytest.fixture(scope="module")

@@ -7,11 +7,12 @@ import json
 import pytest
 import torch
 
-from conftest import make_engine, write_peft_adapter
+from conftest import make_engine
 from loramux.adapters.peft_format import AdapterFormatError, load_adapter_dir
 from loramux.engine.engine import RequestError
 from loramux.engine.sampling_params import SamplingParams
 from loramux.model.llama import LORA_MODULES, PROJECTION_SLICES
+from loramux.testing import write_peft_adapter
 
 
 def lora_engine(tiny_dir, tokenizer, fit: int | None = None, rank: int = 8, targets=("q_proj",), **kw):

@@ -16,7 +16,6 @@ import torch
 from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import save as save_safetensors_bytes
 
-from conftest import write_peft_adapter
 from loramux.adapters.peft_format import AdapterFormatError, build_adapter, load_adapter_dir
 from loramux.adapters.validation import (
     ALLOWED_FILENAMES,
@@ -26,6 +25,7 @@ from loramux.adapters.validation import (
     validate_adapter_files,
 )
 from loramux.model.config import ModelConfig
+from loramux.testing import write_peft_adapter
 
 CONFIG, WEIGHTS = ALLOWED_FILENAMES
 TARGETS = ["q_proj", "v_proj", "down_proj"]

@@ -17,9 +17,10 @@ import httpx
 import pytest
 from sqlalchemy import MetaData, select
 
-from conftest import admin_client, serve_admin_stack, write_peft_adapter
+from conftest import admin_client, serve_admin_stack
 from loramux.admin.billing import COLUMN_NAMES
 from loramux.db import Adapter, AdapterVersion
+from loramux.testing import write_peft_adapter
 
 ADMIN_KEY = "lmxa-test-admin-key-0123456789abcdefghijklmnop"
 

@@ -15,10 +15,10 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import content_type_conformance
 
-from conftest import adapter_files, make_engine, make_services, new_tenant_key, write_peft_adapter
-from live_server import LiveServer
+from conftest import adapter_files, make_engine, make_services, new_tenant_key
 from loramux.model.loader import read_model_config
 from loramux.server.app import create_app
+from loramux.testing import LiveServer, write_peft_adapter
 
 MAX_TOKENS = 6  # generation cost is what makes this test slow: keep every request short
 EXAMPLES = 25  # per operation and generation mode

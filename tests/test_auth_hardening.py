@@ -13,9 +13,10 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import make_engine, make_services, new_tenant_key, write_peft_adapter
+from conftest import make_engine, make_services, new_tenant_key
 from loramux.model.loader import read_model_config
 from loramux.server.app import create_app
+from loramux.testing import write_peft_adapter
 
 ADMIN_KEY = "lmxa-test-auth-hardening-key-0123456789abcdefgh"
 METRICS_KEY = "scrape-secret-0123456789"

@@ -1,4 +1,5 @@
-"""Benchmark scripts stay runnable: gpu_check --tiny (Triton interpreter) and a one-round adapter_cache_levels."""
+"""Benchmark scripts stay runnable: their smoke modes (gpu_check --tiny on the Triton interpreter, structured --tiny,
+one-round or --quick runs of the others)."""
 from __future__ import annotations
 
 import json
@@ -87,7 +88,7 @@ def test_ledger_durability_bench_quick_run_reports_figure():
                           capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    assert "CPU: " in out and "CPU flags: " in out and "durable submit, open loop" in out, out
+    assert "machine: " in out and "lscpu flags: " in out and "durable submit, open loop" in out, out
     assert "lost 0" in out and "LEDGER BUG" not in proc.stderr, out
     last = out.strip().splitlines()[-1]
     assert last.startswith("FIGURE ledger_final_chunk_p99_ms "), out
@@ -133,4 +134,20 @@ def test_scale_out_bench_quick_run_reports_figure():
     assert "machine: " in out and "1 replica(s) x 2 thread(s)" in out, out
     last = out.strip().splitlines()[-1]
     assert last.startswith("FIGURE ray_two_replica_speedup "), out
+    assert float(last.split()[-1]) > 0
+
+
+def test_structured_bench_tiny_run_reports_the_step_overhead():
+    """Smoke mode: the tiny random model (SmolLM2's tokenizer), one round of 8 rows x 8 tokens with 0, 1 and 8
+    rows under the JSON schema; every row decodes to its max_tokens."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "structured.py"), "--tiny", "--rounds", "1",
+                           "--tokens", "8", "--threads", "1"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "machine: " in out and "lscpu flags: " in out and "round 1/1: none " in out, out
+    for name in ("none (0/8", "one  (1/8", "all  (8/8"):
+        assert name in out, out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("FIGURE json_schema_step_overhead "), out
     assert float(last.split()[-1]) > 0

@@ -17,9 +17,9 @@ import pytest
 from sqlalchemy import func, select
 
 from conftest import admin_client, make_engine, make_services, new_tenant_key
-from live_server import LiveServer
 from loramux.db import LedgerEntry
 from loramux.server.app import create_app
+from loramux.testing import LiveServer
 
 ADMIN_KEY = "lmxa-billing-admin-key-0123456789abcdefghijklmnop"
 PRICE = {"input_per_mtok": "0.15", "cached_input_per_mtok": "0.075", "output_per_mtok": "0.60"}

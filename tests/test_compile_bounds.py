@@ -14,10 +14,10 @@ import threading
 import pytest
 
 from conftest import make_engine, make_services, new_tenant_key
-from live_server import LiveServer
 from loramux.engine.grammar import GrammarCache, StructuredOutputError
 from loramux.engine.sampling_params import SamplingParams, StructuredOutput
 from loramux.server.app import create_app
+from loramux.testing import LiveServer
 
 TIMEOUT_S = 1.0  # LORAMUX_STRUCTURED_COMPILE_TIMEOUT_S here; `.{0,n}` compiles for 5-8 s on the test vocabulary
 

@@ -8,7 +8,8 @@ import httpx
 import pytest
 from itsdangerous import TimestampSigner
 
-from conftest import new_tenant_key, serve_admin_stack, write_peft_adapter
+from conftest import new_tenant_key, serve_admin_stack
+from loramux.testing import write_peft_adapter
 
 ADMIN_KEY = "lmxa-console-admin-key-0123456789abcdefghijklmn"
 

@@ -18,7 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import serve_admin_stack, write_peft_adapter
+from conftest import serve_admin_stack
+from loramux.testing import write_peft_adapter
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 if not os.path.exists(CHROMIUM):

@@ -13,13 +13,14 @@ import time
 import pytest
 import torch
 
-from conftest import make_engine, write_peft_adapter
+from conftest import make_engine
 from loramux.engine.config import EngineConfig
 from loramux.engine.cuda_graphs import LoRABuckets, batch_buckets, block_buckets
 from loramux.engine.sampling_params import SamplingParams
 from loramux.kernels.bgmv import StaticLoRA, bgmv_shrink_expand
 from loramux.kernels.torch_ops import lora_expand_reference, lora_shrink_reference
 from loramux.model.loader import read_model_config
+from loramux.testing import write_peft_adapter
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Two rank buckets: rank 4 on every projection, rank 8 on attention and down_proj.

@@ -178,8 +178,8 @@ def test_a_local_adapter_follows_the_upload_base_model_rule(tiny_dir, tokenizer,
     an upload (another hub model is refused unless allowed; a local copy's path is fine)."""
     import json
 
-    from conftest import write_peft_adapter
     from loramux.adapters.validation import AdapterFormatError
+    from loramux.testing import write_peft_adapter
 
     engine = make_engine(tiny_dir, tokenizer, max_loras=2, max_lora_rank=8)
     engine.model_name = "/models/SmolLM2-135M-Instruct"

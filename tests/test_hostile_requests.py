@@ -18,10 +18,10 @@ from test_auth_hardening import chat as keyed_chat
 from test_compile_bounds import TIMEOUT_S, compiles_still_running, grammars_of, slow_regex
 
 from conftest import make_engine, make_services, new_tenant_key
-from live_server import LiveServer
 from loramux.db.models import LedgerEntry
 from loramux.server.app import create_app
 from loramux.tenancy import TierInfo
+from loramux.testing import LiveServer
 
 MODEL = "SmolLM2-135M-Instruct"
 

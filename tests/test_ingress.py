@@ -10,11 +10,11 @@ import time
 import httpx
 import pytest
 
-from conftest import make_engine, make_services, new_tenant_key, write_peft_adapter
-from live_server import LiveServer
+from conftest import make_engine, make_services, new_tenant_key
 from loramux.model.loader import read_model_config
 from loramux.server.app import create_app
 from loramux.server.http.ingress import json_depth_exceeds
+from loramux.testing import LiveServer, write_peft_adapter
 
 ADMIN_KEY = "lmxa-test-ingress-admin-key-0123456789abcdefghij"
 MODEL = "SmolLM2-135M-Instruct"

@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,22 +18,16 @@ import httpx
 import pytest
 from sqlalchemy import func, select
 
-from conftest import write_peft_adapter
 from loramux.db import Database, LedgerEntry
 from loramux.model.loader import read_model_config
 from loramux.tenancy import Tenancy
+from loramux.testing import free_port, write_peft_adapter
 from polling import wait_until
 
 CLIENTS = 64
 KILL_AFTER = 96  # completed (billed) requests before the kill
 TENANTS = ("kill-a", "kill-b", "kill-c")
 MODELS = ("base", "alpha", "beta")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(env: dict, port: int) -> subprocess.Popen:

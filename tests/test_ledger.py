@@ -12,12 +12,12 @@ import pytest
 from sqlalchemy import create_engine, func, select, text
 from sqlalchemy.engine import make_url
 
-from faults import FaultyProxy
 from loramux.admin import ledger as ledger_module
 from loramux.admin.ledger import LedgerWriter, write_records
 from loramux.admin.pricing import PriceBook, PriceError, PriceInfo, cost_of, price_for
 from loramux.db import Adapter, Database, LedgerEntry, Tenant
 from loramux.db.money import sum_money
+from loramux.testing import FaultyProxy
 from loramux.usage import RequestRecord
 from polling import wait_until
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import write_peft_adapter
 from loramux.engine.config import EngineConfig
 from loramux.engine.engine import LLMEngine
 from loramux.engine.sampling_params import SamplingParams
 from loramux.model.loader import build_model, end_of_turn_ids
+from loramux.testing import write_peft_adapter
 
 pytestmark = pytest.mark.real_model
 

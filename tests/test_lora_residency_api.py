@@ -10,8 +10,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import adapter_files, serve_admin_stack, write_peft_adapter
+from conftest import adapter_files, serve_admin_stack
 from loramux.request_rates import LONG_WINDOW_S, RecentRequests, RequestRates
+from loramux.testing import write_peft_adapter
 
 ADMIN_KEY = "lmxa-test-residency-key-0123456789abcdefghijklmn"
 

@@ -328,8 +328,9 @@ def test_adapter_names_never_add_series():
 def test_lora_requests_info_of_a_real_engine(tiny_dir, tokenizer, tiny_cfg, tmp_path):
     """One adapter's request runs and another's waits (one sequence per batch): the gauge a Prometheus
     scraper reads from /metrics lists exactly those adapters."""
-    from conftest import make_engine, write_peft_adapter
+    from conftest import make_engine
     from loramux.engine.sampling_params import SamplingParams
+    from loramux.testing import write_peft_adapter
 
     engine = make_engine(tiny_dir, tokenizer, max_num_seqs=1, max_loras=2, max_lora_rank=8)
     for i, name in enumerate(("alpha", "beta")):

@@ -4,7 +4,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import save_tiny_hf_model
 from loramux.engine.block_manager import BlockManager
 from loramux.engine.model_runner import ModelRunner
 from loramux.engine.sampling_params import SamplingParams
@@ -12,6 +11,7 @@ from loramux.engine.scheduler import Scheduler
 from loramux.engine.sequence import Sequence
 from loramux.model.config import ModelConfig, UnsupportedModelError
 from loramux.model.loader import build_model
+from loramux.testing import save_tiny_hf_model
 
 VOCAB = 300
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import socket
 import socketserver
 import threading
 import time
@@ -13,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import MOTO_CREDENTIALS, MOTO_REGION, moto_create_bucket, stop_moto_server
 from loramux.adapters.store import (
     BlobNotFoundError,
     FileStore,
@@ -23,6 +21,14 @@ from loramux.adapters.store import (
     StoreUnavailableError,
     blob_key,
     open_store,
+)
+from loramux.testing import (
+    MOTO_CREDENTIALS,
+    MOTO_REGION,
+    free_port,
+    moto_create_bucket,
+    start_moto_server,
+    stop_moto_server,
 )
 
 DIGEST = hashlib.sha256(b"adapter").hexdigest()
@@ -282,12 +288,6 @@ def test_s3_client_is_created_once_under_concurrency(moto_server, s3_store):
 
 # --- S3 faults ------------------------------------------------------------------------------------
 
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _Silent(socketserver.BaseRequestHandler):
     def handle(self):
         self.server.release.wait(30)  # accept, read nothing, answer nothing
@@ -324,7 +324,8 @@ SECRET = "do-not-leak-this-secret-1234"
 
 @pytest.mark.parametrize("op", ["get", "put", "check"])
 def test_s3_unreachable_endpoint_is_unavailable_quickly(op):
-    store = S3Store("bucket", endpoint_url=f"http://127.0.0.1:{closed_port()}", region=MOTO_REGION,
+    # free_port(): a port nothing listens on
+    store = S3Store("bucket", endpoint_url=f"http://127.0.0.1:{free_port()}", region=MOTO_REGION,
                     access_key_id="AKIDEXAMPLE", secret_access_key=SECRET, **FAST)
     call = {"get": lambda: store.get("k"), "put": lambda: store.put("k", b"x"), "check": store.check}[op]
     start = time.monotonic()
@@ -352,10 +353,7 @@ def test_s3_server_slower_than_the_read_timeout_is_unavailable(silent_server, tm
 
 
 def test_s3_store_recovers_after_the_server_restarts():
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
+    server = start_moto_server()
     port = server.get_host_and_port()[1]
     endpoint = f"http://127.0.0.1:{port}"
     bucket = f"loramux-restart-{uuid.uuid4().hex[:12]}"
@@ -372,8 +370,7 @@ def test_s3_store_recovers_after_the_server_restarts():
     with pytest.raises(StoreUnavailableError):
         store.check()
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
+    server = start_moto_server(port)
     try:
         moto_create_bucket(endpoint, bucket)  # in-process moto keeps its state; creating again is harmless
         store.check()

@@ -10,11 +10,11 @@ import httpx
 import openai
 import pytest
 
-from conftest import adapter_files, make_engine, make_services, new_tenant_key, write_peft_adapter
-from live_server import LiveServer
+from conftest import adapter_files, make_engine, make_services, new_tenant_key
 from loramux.model.loader import read_model_config
 from loramux.server.app import create_app
 from loramux.tenancy import TierInfo
+from loramux.testing import LiveServer, write_peft_adapter
 from polling import wait_until
 
 ADAPTERS = ("alpha", "beta", "gamma", "delta")

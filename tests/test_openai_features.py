@@ -16,11 +16,11 @@ import pytest
 import torch
 from sqlalchemy import select
 
-from conftest import adapter_files, make_engine, make_services, new_tenant_key, write_peft_adapter
-from live_server import LiveServer
+from conftest import adapter_files, make_engine, make_services, new_tenant_key
 from loramux.db.models import LedgerEntry
 from loramux.model.loader import read_model_config
 from loramux.server.app import create_app
+from loramux.testing import LiveServer, write_peft_adapter
 
 MODEL = "SmolLM2-135M-Instruct"
 

@@ -8,12 +8,13 @@ import random
 import pytest
 import torch
 
-from conftest import make_engine, run_to_completion, save_tiny_hf_model, write_peft_adapter
+from conftest import make_engine, run_to_completion
 from loramux.adapters.peft_format import load_adapter_dir
 from loramux.engine.block_manager import BlockManager
 from loramux.engine.sampling_params import SamplingParams
 from loramux.engine.sequence import Sequence
 from loramux.model.loader import read_model_config
+from loramux.testing import save_tiny_hf_model, write_peft_adapter
 
 
 def make_seq(rid: str, tokens: list[int], salt: str = "base|") -> Sequence:

@@ -14,7 +14,6 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from conftest import save_tiny_hf_model, write_peft_adapter
 from loramux.cli import main
 from loramux.engine.block_manager import BlockManager
 from loramux.engine.config import EngineConfig
@@ -29,6 +28,7 @@ from loramux.model.llama import PROJECTION_SLICES, MergedLinear
 from loramux.model.loader import build_model, end_of_turn_ids
 from loramux.plan import plan_memory, weight_bytes
 from loramux.settings import Settings
+from loramux.testing import save_tiny_hf_model, write_peft_adapter
 
 VOCAB = 300
 KERNELS = [k for k in quantization.KERNELS if quantization.kernel_works(k, "cpu", torch.float32)]

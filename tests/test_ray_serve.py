@@ -12,7 +12,6 @@ import collections
 import itertools
 import os
 import signal
-import socket
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -27,8 +26,15 @@ openai = pytest.importorskip("openai")
 import httpx  # noqa: E402
 from sqlalchemy import create_engine, text  # noqa: E402
 
-from conftest import MOTO_CREDENTIALS, MOTO_REGION, moto_create_bucket, save_tiny_hf_model, write_peft_adapter  # noqa: E402
 from loramux.settings import Settings  # noqa: E402
+from loramux.testing import (  # noqa: E402
+    MOTO_CREDENTIALS,
+    MOTO_REGION,
+    free_port,
+    moto_create_bucket,
+    save_tiny_hf_model,
+    write_peft_adapter,
+)
 from polling import wait_until  # noqa: E402
 
 ADMIN_KEY = "lmxa-ray-admin-key-0123456789abcdefghijklmnop"
@@ -41,10 +47,6 @@ PROMPTS = ["Tell me about the sea.", "List three colours.", "What is a LoRA adap
 RESULTS: dict = {}  # what one test hands the next (file order): the load's answers, the outputs to compare
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -355,9 +357,9 @@ def test_structured_output_tools_and_admin_changes_work_through_the_cluster(stac
 
 def test_greedy_outputs_equal_the_single_process_servers(stack, tmp_path):
     """The same requests, greedy, against one in-process server on the same registry and store: same text."""
-    from live_server import LiveServer
     from loramux.server.app import create_app
     from loramux.services.container import Services
+    from loramux.testing import LiveServer
 
     ray_settings = stack["settings"]
     load = RESULTS.get("load")

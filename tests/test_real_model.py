@@ -97,8 +97,8 @@ def test_cli_generate_answers_paris():
 
 
 def test_cli_generate_with_adapter(tmp_path, smol_dir):
-    from conftest import write_peft_adapter
     from loramux.model.loader import read_model_config
+    from loramux.testing import write_peft_adapter
 
     cfg, _ = read_model_config(smol_dir)
     adapter = write_peft_adapter(tmp_path / "strong", cfg, 8, ["q_proj", "v_proj", "down_proj"], seed=5, b_std=0.5)

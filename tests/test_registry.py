@@ -11,7 +11,6 @@ from sqlalchemy import event, func, select, text, update
 
 from conftest import ADAPTER_FILES as FILES
 from conftest import adapter_files as files_of
-from conftest import write_peft_adapter
 from loramux.adapters.blob import unpack
 from loramux.adapters.registry import AdapterNotFoundError, AdapterRegistry, InvalidNameError, collect_garbage
 from loramux.adapters.store import FileStore, blob_key
@@ -19,6 +18,7 @@ from loramux.adapters.validation import AdapterValidationError
 from loramux.db import Adapter, AdapterVersion
 from loramux.db.models import AdapterBlob, utcnow
 from loramux.tenancy import Tenancy, TenantExistsError
+from loramux.testing import write_peft_adapter
 from polling import wait_until
 
 

@@ -141,8 +141,8 @@ def test_async_stream_and_early_exit_abort(tiny_dir, tokenizer):
 
 
 def test_generate_with_adapter_over_http(tiny_dir, tokenizer, tmp_path):
-    from conftest import write_peft_adapter
     from loramux.model.loader import read_model_config
+    from loramux.testing import write_peft_adapter
 
     cfg, _ = read_model_config(tiny_dir)
     path = write_peft_adapter(tmp_path / "a", cfg, 4, ["q_proj", "v_proj", "down_proj"], seed=1, b_std=1.0)

@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 import torch
 
-from conftest import make_engine, run_to_completion, write_peft_adapter
+from conftest import make_engine, run_to_completion
 from loramux.adapters.peft_format import load_adapter_dir
 from loramux.engine.async_engine import AsyncEngine
 from loramux.engine.constrained import Constraint
@@ -27,6 +27,7 @@ from loramux.engine.grammar import (
 )
 from loramux.engine.sampler import Sampler
 from loramux.engine.sampling_params import SamplingParams, StructuredOutput
+from loramux.testing import write_peft_adapter
 
 # Every string is bounded (maxLength, pattern or enum): a random model would otherwise rarely close one.
 HANDWRITTEN = [

@@ -1,17 +1,19 @@
-"""A real uvicorn server on 127.0.0.1 in a background thread, for tests that talk HTTP like a client."""
+"""A real uvicorn server on 127.0.0.1 in a background thread, for tests and benches that talk HTTP like a client."""
 from __future__ import annotations
 
-import socket
 import threading
+
+from loramux.testing.ports import free_port
 
 
 class LiveServer:
+    """`with LiveServer(app) as server:` serves `app` (its lifespan included) at `server.url` until the block
+    ends; `server.services` is the app's Services once the lifespan has built them."""
+
     def __init__(self, app):
         import uvicorn
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.app = app
         self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
@@ -31,7 +33,7 @@ class LiveServer:
         poller.start()
         poller.join(timeout=120)
         if not self._server.started:
-            raise RuntimeError("the test server did not start")
+            raise RuntimeError("the server did not start")
         return self
 
     def __exit__(self, *exc) -> None:

@@ -1,0 +1,58 @@
+"""Random weights on disk: PEFT LoRA adapters for a model config, and tiny random HF checkpoints."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# Where each projection sits in a Llama-style decoder layer (the PEFT tensor names include it).
+PROJECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+               "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+def write_peft_adapter(path: Path, model_cfg, rank: int, targets: list[str], seed: int, alpha: float | None = None,
+                       use_rslora: bool = False, b_std: float = 0.05, dtype: str = "float32") -> Path:
+    """Write a random PEFT LoRA adapter (B non-zero) for a model config, in PEFT's on-disk format; return
+    `path`. A ~ N(0, 1/d_in), B ~ N(0, b_std^2), drawn in float32 from `seed` (layer by layer, target by
+    target, A then B) and stored as `dtype` (a torch dtype name); lora_alpha defaults to 2 * rank."""
+    import torch
+    from safetensors.torch import save_file
+
+    from loramux.adapters.peft_format import projection_shapes
+
+    shapes = projection_shapes(model_cfg)
+    g, weight_dtype, tensors = torch.Generator().manual_seed(seed), getattr(torch, dtype), {}
+    for layer in range(model_cfg.num_layers):
+        for target in targets:
+            d_in, d_out = shapes[target]
+            prefix = f"base_model.model.model.layers.{layer}.{PROJECTIONS[target]}.{target}"
+            tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, d_in, generator=g) / d_in**0.5).to(weight_dtype)
+            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(d_out, rank, generator=g) * b_std).to(weight_dtype)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, path / "adapter_model.safetensors")
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha or 2 * rank,
+              "target_modules": list(targets), "use_rslora": use_rslora, "lora_dropout": 0.0, "bias": "none",
+              "fan_in_fan_out": False, "base_model_name_or_path": None}
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    return path
+
+
+def save_tiny_hf_model(path: Path, vocab_size: int, model_type: str = "llama", seed: int = 0, **overrides):
+    """Write a small random HF checkpoint (safetensors) of the given family; return the HF model. Defaults:
+    2 layers, hidden 64, intermediate 128, 4 heads (2 KV heads), 512 positions, untied embeddings;
+    `overrides` replace any config field. Biases (where the family has them) are random, not zero."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  tie_word_embeddings=False, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+    kwargs.update(overrides)
+    config = AutoConfig.for_model(model_type, **kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # HF zero-initialises biases; random ones make the bias path observable
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0, 0.5)
+    model.save_pretrained(path)
+    return model
