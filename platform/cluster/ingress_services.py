@@ -32,10 +32,10 @@ class RemoteAdapterCache:
     replica that serves the request loads through its own tiers."""
 
     async def acquire(self, version: AdapterVersionInfo, timeout: float | None = None) -> Acquired:
-        return Acquired(RemoteAdapter(version), tier="remote", load_ms=0.0)
+        return Acquired(RemoteAdapter(version), level="remote", load_ms=0.0)
 
     def acquire_blocking(self, version: AdapterVersionInfo, timeout: float | None = None) -> Acquired:
-        return Acquired(RemoteAdapter(version), tier="remote", load_ms=0.0)
+        return Acquired(RemoteAdapter(version), level="remote", load_ms=0.0)
 
     def release(self, digest: str) -> None:
         pass
