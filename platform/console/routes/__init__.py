@@ -10,7 +10,9 @@ from fastapi.staticfiles import StaticFiles
 from loramux.console.deps import CsrfRejected, Operator, SignInRequired, render
 from loramux.console.routes import adapters, auth, engine, prices, tenants, usage
 
-STATIC = Path(__file__).parent.parent / "static"
+# resolve(): in the development install this module is a link, and StaticFiles serves no file whose real path
+# lies outside its directory.
+STATIC = Path(__file__).resolve().parent.parent / "static"
 
 router = APIRouter(prefix="/console", include_in_schema=False)
 for _page in (auth, tenants, adapters, prices, usage, engine):
