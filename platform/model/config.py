@@ -1,15 +1,45 @@
-"""Architecture description of a Llama-family decoder, read from an HF `config.json`."""
+"""Architecture description of a decoder, read from an HF `config.json`.
+
+One decoder implementation (loramux.model.llama) serves every supported family; `ModelConfig` records
+what a family changes relative to Llama, so a family is a few fields here rather than a copy of the model:
+
+| family (model_type) | what differs from Llama                                                              |
+|---------------------|--------------------------------------------------------------------------------------|
+| mistral             | `sliding_window` on every layer (v0.1), none in later versions                        |
+| qwen2               | q/k/v bias; optional sliding window on layers >= `max_window_layers`                  |
+| qwen3               | per-head RMSNorm on q and k, explicit `head_dim`                                      |
+| gemma2              | embedding x sqrt(hidden), RMSNorm (1 + w), GeGLU (tanh), norms around attention and    |
+|                     | MLP, `query_pre_attn_scalar`, attention and final logit soft-capping, sliding layers  |
+| gemma3_text         | as Gemma 2 plus q/k norms, 5 sliding layers to 1 global with their own RoPE bases      |
+| phi3                | fused `qkv_proj` / `gate_up_proj` in checkpoint and adapters, LongRoPE, partial rotary |
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+GEMMA_FAMILIES = ("gemma2", "gemma3_text")
+# The activation of the MLP's gate, by HF name.
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu_tanh")
 
 
 class UnsupportedModelError(ValueError):
     """The checkpoint describes an architecture this engine does not implement."""
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Rotary embedding of one layer: base `theta`, frequency `scaling` (None = plain RoPE; else a dict with
+    `rope_type` linear / llama3 / longrope and its parameters) and how many of the head's dims rotate."""
+
+    theta: float
+    scaling: dict[str, Any] | None
+    rotary_dim: int
+
+    def __hash__(self) -> int:
+        return hash((self.theta, repr(self.scaling), self.rotary_dim))
 
 
 @dataclass(frozen=True)
@@ -29,6 +59,25 @@ class ModelConfig:
     attention_bias: bool  # q/k/v bias (Qwen2 style)
     rope_scaling: dict[str, Any] | None = None
     eos_token_ids: tuple[int, ...] = field(default=())
+    # --- what families change (defaults: Llama) ---
+    hidden_act: str = "silu"
+    qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3, Gemma 3)
+    norm_offset: float = 0.0  # RMSNorm scales by (offset + w): 1 for Gemma, whose checkpoints store w - 1
+    embed_scale: float | None = None  # embeddings multiplied by this (Gemma: sqrt(hidden_size))
+    sandwich_norms: bool = False  # Gemma: norms after attention and before/after the MLP as well
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (default head_dim ** -0.5)
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    layer_windows: tuple[int | None, ...] = ()  # per layer: sliding window (tokens seen, itself included)
+    layer_ropes: tuple[RopeSpec, ...] = ()  # per layer: its rotary embedding
+    fused_projections: bool = False  # Phi-3: `qkv_proj` and `gate_up_proj` in checkpoint and adapters
+
+    def __post_init__(self) -> None:
+        if not self.layer_windows:
+            object.__setattr__(self, "layer_windows", (None,) * self.num_layers)
+        if not self.layer_ropes:
+            spec = RopeSpec(self.rope_theta, self.rope_scaling, self.head_dim)
+            object.__setattr__(self, "layer_ropes", (spec,) * self.num_layers)
 
     @property
     def q_size(self) -> int:
@@ -37,6 +86,20 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def attn_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window when every layer has the same one (Mistral v0.1); None if any layer is global."""
+        windows = set(self.layer_windows)
+        return windows.pop() if len(windows) == 1 else None
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        return any(w is not None for w in self.layer_windows)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V for every layer: 2 x layers x kv_heads x head_dim x bytes."""
@@ -47,48 +110,124 @@ class ModelConfig:
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         if self.attention_bias:
             attn += self.q_size + 2 * self.kv_size
-        per_layer = attn + 3 * h * i + 2 * h
+        norms = (4 if self.sandwich_norms else 2) * h + (2 * self.head_dim if self.qk_norm else 0)
+        per_layer = attn + 3 * h * i + norms
         head = 0 if self.tie_word_embeddings else v * h
         return v * h + self.num_layers * per_layer + h + head
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """Read an HF config dict, in transformers 5's layout (`rope_parameters`, `layer_types`) or the older
+        one on most Hub checkpoints (`rope_scaling`, `rope_theta`, `sliding_window_pattern`, ...)."""
         model_type = cfg.get("model_type", "llama")
+        if model_type == "gemma3":
+            raise UnsupportedModelError(
+                "model_type 'gemma3' is the multimodal Gemma 3 checkpoint; serve its text model "
+                "(model_type 'gemma3_text', Gemma3ForCausalLM); supported: " + ", ".join(SUPPORTED_MODEL_TYPES))
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
                 f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        rope_scaling = cfg.get("rope_scaling")
-        rope_params = cfg.get("rope_parameters")  # transformers 5 name
-        if rope_scaling is None and isinstance(rope_params, dict):
-            rope_scaling = rope_params
-        rope_theta = cfg.get("rope_theta")
-        if rope_theta is None and isinstance(rope_params, dict):
-            rope_theta = rope_params.get("rope_theta")
-        if rope_scaling is not None:
-            rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-            if rope_type not in SUPPORTED_ROPE_TYPES:
-                raise UnsupportedModelError(
-                    f"rope scaling {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-                )
-            rope_scaling = None if rope_type == "default" else {**rope_scaling, "rope_type": rope_type}
+        gemma = model_type in GEMMA_FAMILIES
         num_heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        num_layers = cfg["num_hidden_layers"]
+        layer_types = _layer_types(cfg, model_type, num_layers)
+        window = cfg.get("sliding_window")
+        layer_windows = tuple(window if kind == "sliding_attention" and window else None for kind in layer_types)
+        ropes = {kind: _rope_spec(cfg, model_type, kind, head_dim) for kind in set(layer_types)}
+        layer_ropes = tuple(ropes[kind] for kind in layer_types)
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+        if act not in ACTIVATIONS:
+            raise UnsupportedModelError(f"hidden activation {act!r} is not supported; supported: "
+                                        f"{', '.join(ACTIVATIONS)}")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        global_rope = layer_ropes[-1] if layer_ropes else _rope_spec(cfg, model_type, "full_attention", head_dim)
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_theta=global_rope.theta,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-            rope_scaling=rope_scaling,
+            rope_scaling=global_rope.scaling,
             eos_token_ids=eos_ids,
+            hidden_act=act,
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            norm_offset=1.0 if gemma else 0.0,
+            embed_scale=cfg["hidden_size"] ** 0.5 if gemma else None,
+            sandwich_norms=gemma,
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") if gemma else None,
+            attn_softcap=cfg.get("attn_logit_softcapping") if gemma else None,
+            final_softcap=cfg.get("final_logit_softcapping") if gemma else None,
+            layer_windows=layer_windows,
+            layer_ropes=layer_ropes,
+            fused_projections=model_type == "phi3",
         )
+
+
+def _layer_types(cfg: dict[str, Any], model_type: str, num_layers: int) -> list[str]:
+    """'sliding_attention' or 'full_attention' per layer, as transformers derives them."""
+    given = cfg.get("layer_types")
+    if given:
+        if len(given) != num_layers or not set(given) <= {"sliding_attention", "full_attention"}:
+            raise UnsupportedModelError(f"layer_types {given!r} is not one of sliding_attention / full_attention "
+                                        f"per layer ({num_layers} layers)")
+        return list(given)
+    window = cfg.get("sliding_window")
+    if model_type == "gemma2":
+        return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
+    if model_type == "gemma3_text":
+        pattern = cfg.get("sliding_window_pattern", 6)
+        return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    if model_type in ("qwen2", "qwen3"):
+        if not cfg.get("use_sliding_window") or not window:
+            return ["full_attention"] * num_layers
+        first = cfg.get("max_window_layers", num_layers)
+        return ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    return ["sliding_attention" if window else "full_attention"] * num_layers
+
+
+def _rope_spec(cfg: dict[str, Any], model_type: str, layer_type: str, head_dim: int) -> RopeSpec:
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and layer_type in params:  # per layer type (Gemma 3 in transformers 5)
+        params = params[layer_type]
+    scaling = cfg.get("rope_scaling")
+    theta = cfg.get("rope_theta")
+    if model_type == "gemma3_text" and layer_type == "sliding_attention" and not isinstance(params, dict):
+        # The older layout: local layers use plain RoPE at `rope_local_base_freq`, the scaling is the global's.
+        return RopeSpec(float(cfg.get("rope_local_base_freq", 10000.0)), None, head_dim)
+    if isinstance(params, dict):
+        theta = params.get("rope_theta", theta)
+        if scaling is None:
+            scaling = params
+    if theta is None:
+        theta = 1_000_000.0 if model_type == "gemma3_text" else 10000.0
+    partial = float((scaling or {}).get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0)
+    rotary_dim = int(head_dim * partial)
+    if scaling is not None:
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type == "su":  # Phi-3's early name for LongRoPE
+            rope_type = "longrope"
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedModelError(
+                f"rope scaling {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        if rope_type == "default":
+            scaling = None
+        else:
+            scaling = {k: v for k, v in scaling.items() if k not in ("rope_theta", "partial_rotary_factor")}
+            scaling["rope_type"] = rope_type
+            if rope_type == "longrope":
+                scaling.setdefault("original_max_position_embeddings",
+                                   cfg.get("original_max_position_embeddings", cfg.get("max_position_embeddings")))
+                scaling.setdefault("max_position_embeddings", cfg.get("max_position_embeddings", 4096))
+    return RopeSpec(float(theta), scaling, rotary_dim)
