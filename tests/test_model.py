@@ -26,6 +26,22 @@ FAMILIES = {
     "mistral": ("mistral", {"sliding_window": None}),
     "qwen2-bias": ("qwen2", {}),
     "head-dim-override": ("llama", {"head_dim": 32}),
+    # The sliding-window cases run prompts longer than their window of 8.
+    "mistral-window": ("mistral", {"sliding_window": 8}),
+    "qwen2-window-top-layer": ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+    "qwen3": ("qwen3", {"head_dim": 32}),
+    "gemma2": ("gemma2", {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8,
+                          "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0}),
+    "gemma3": ("gemma3_text", {"head_dim": 16, "num_hidden_layers": 3, "sliding_window": 8,
+                               "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+                               "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                   "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                      "rope_theta": 1000000.0}}}),
+    "phi3": ("phi3", {"pad_token_id": 0}),
+    "phi3-longrope-partial": ("phi3", {"pad_token_id": 0, "original_max_position_embeddings": 16,
+                                       "partial_rotary_factor": 0.75,
+                                       "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                                                        "long_factor": [1.5, 2.0, 3.0, 4.0, 6.0, 8.0]}}),
 }
 
 

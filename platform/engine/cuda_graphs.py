@@ -259,7 +259,7 @@ class DecodeGraphs:
         valid = self._key_positions[:keys].unsqueeze(0) < v["lens"].unsqueeze(1)
         mask = torch.zeros(valid.shape, dtype=self.kv.k.dtype, device=self.device)
         mask = mask.masked_fill_(~valid, float("-inf"))[:, None, None, :]
-        meta = AttentionMetadata(v["slots"], [], 0, v["tables"], mask)
+        meta = AttentionMetadata(v["slots"], [], 0, v["tables"], mask, decode_context_lens=v["lens"])
         with self._static_lora(entry.lora):
             hidden = self.model(v["ids"], v["positions"], self.kv, meta)
         return self.model.compute_logits(hidden).float()

@@ -89,7 +89,7 @@ class ModelRunner:
             positions.extend(range(start, end))
             lora_rows.extend([where[seq]] * n)
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            chunks.append(PrefillChunk(row0, row0 + n, end, self._tensor(table)))
+            chunks.append(PrefillChunk(row0, row0 + n, end, self._tensor(table), rope_len=seq.num_tokens))
             if end == seq.num_tokens:
                 sampled.append((seq, len(sample_rows), 1))
                 sample_rows.append(len(tokens) - 1)
@@ -114,7 +114,7 @@ class ModelRunner:
             sample_rows.extend(range(row0, row0 + len(chunk)))
         num_prefill_tokens = len(tokens)
 
-        decode_tables = decode_mask = decode_groups = None
+        decode_tables = decode_mask = decode_groups = decode_lens = None
         if plain_decodes:
             tables, context_lens = [], []
             # Rows of one adapter side by side: fewer, longer LoRA segments.
@@ -129,9 +129,10 @@ class ModelRunner:
                 sampled.append((seq, len(sample_rows), 1))
                 sample_rows.append(len(tokens) - 1)
             decode_tables, decode_mask, decode_groups = self._decode_attention_inputs(tables, context_lens)
+            decode_lens = self._tensor(context_lens) if decode_groups is None else None
 
         meta = AttentionMetadata(self._tensor(slots), chunks, num_prefill_tokens, decode_tables, decode_mask,
-                                 decode_groups)
+                                 decode_groups, decode_lens)
         if self.lora_wrapper is not None:
             self.lora_wrapper.set_batch(lora_rows)
         return self._tensor(tokens), self._tensor(positions), meta, sample_rows, sampled
@@ -143,7 +144,8 @@ class ModelRunner:
         if len(groups) == 1:
             return (*self._padded_tables_and_mask(tables, context_lens), None)
         return None, None, [DecodeGroup(self._tensor(rows), *self._padded_tables_and_mask(
-            [tables[i] for i in rows], [context_lens[i] for i in rows])) for rows in groups]
+            [tables[i] for i in rows], [context_lens[i] for i in rows]),
+            self._tensor([context_lens[i] for i in rows])) for rows in groups]
 
     def _padded_tables_and_mask(self, tables: list[list[int]], context_lens: list[int]):
         bs = self.block_size

@@ -7,6 +7,10 @@ list of blocks (its block table); token t of the sequence lives at slot
 A batch is flat: prefill chunks first (one per sequence, any length), then decode tokens (one per
 sequence). Prefills run one sequence at a time; decodes run together, gathering each sequence's blocks
 and masking the padding.
+
+Per layer, attention may be limited to a sliding window (token i sees keys j with i - j < window, as HF's
+`sliding_window_overlay`) and its scores soft-capped (cap * tanh(scores / cap), Gemma 2); both apply on every
+path: fresh prefill, prefill over a cached prefix, speculative verification, decode.
 """
 from __future__ import annotations
 
@@ -23,6 +27,9 @@ class PrefillChunk:
     end: int  # one past the last row
     context_len: int  # tokens in the cache after this chunk (cached prefix + chunk)
     block_table: torch.Tensor  # [num_blocks_of_seq] long
+    # The length LongRoPE picks its factors by for every row of the chunk (HF: the forward's longest
+    # sequence): the whole prompt for a prompt prefill; None = each row's own position + 1 (decode-like rows).
+    rope_len: int | None = None
 
     @property
     def fresh(self) -> bool:
@@ -37,6 +44,7 @@ class DecodeGroup:
     rows: torch.Tensor  # [Dg] long: indices among the step's decode rows
     block_tables: torch.Tensor  # [Dg, max_blocks_g] long, padded
     mask: torch.Tensor  # [Dg, 1, 1, max_blocks_g * block_size] additive: 0 or -inf
+    context_lens: torch.Tensor | None = None  # [Dg] long: tokens each row attends over (for sliding windows)
 
 
 @dataclass
@@ -49,6 +57,9 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # [D, 1, 1, max_blocks * block_size] additive: 0 or -inf
     # Or the decode rows split into groups of similar context length, each with its own tables and mask.
     decode_groups: list[DecodeGroup] | None = None
+    decode_context_lens: torch.Tensor | None = None  # [D] long, rows of decode_block_tables (sliding windows)
+    # Masks of windowed layers, made by the first such layer of a step and reused by the rest.
+    window_masks: dict = field(default_factory=dict)
 
     @property
     def has_decodes(self) -> bool:
@@ -68,8 +79,11 @@ class KVCache:
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q [T, H, D], k/v [T, KVH, D] (already rotated) -> output [T, H, D]; writes k/v into the cache."""
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
+    """q [T, H, D], k/v [T, KVH, D] (already rotated) -> output [T, H, D]; writes k/v into the cache.
+    `window`: each query sees only the `window` latest keys (itself included); `softcap`: scores are
+    soft-capped before the softmax."""
     num_blocks, block_size, kv_heads, head_dim = k_cache.shape
     flat_k = k_cache.view(num_blocks * block_size, kv_heads, head_dim)
     flat_v = v_cache.view(num_blocks * block_size, kv_heads, head_dim)
@@ -78,29 +92,60 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
     d0 = meta.num_prefill_tokens
     if not meta.prefills:  # pure decode step: no scatter into a shared output buffer needed
-        return _decode_attention(q, k_cache, v_cache, meta, scale)
+        return _decode_attention(q, k_cache, v_cache, meta, scale, window, softcap)
     out = torch.empty_like(q)
     for chunk in meta.prefills:
         # 4-D [1, H, L, D]: with 3-D input CPU SDPA falls back to its unfused math path (about 3x slower).
         qs = q[chunk.start:chunk.end].transpose(0, 1)[None]
-        if chunk.fresh:
+        if chunk.fresh and window is None and softcap is None:
             ks = k[chunk.start:chunk.end].transpose(0, 1)[None]
             vs = v[chunk.start:chunk.end].transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+        elif chunk.fresh:
+            ks = k[chunk.start:chunk.end].transpose(0, 1)[None]
+            vs = v[chunk.start:chunk.end].transpose(0, 1)[None]
+            length = chunk.end - chunk.start
+            o = attend(qs, ks, vs, _causal_mask(length, length, window, q.device), scale, softcap)
         else:
             # Earlier tokens are in the cache: query i sits at absolute position ctx - L + i.
             n = chunk.context_len
             ks = gather_blocks(k_cache, chunk.block_table, "k").view(-1, kv_heads, head_dim)[:n].transpose(0, 1)[None]
             vs = gather_blocks(v_cache, chunk.block_table, "v").view(-1, kv_heads, head_dim)[:n].transpose(0, 1)[None]
-            length = chunk.end - chunk.start
-            q_pos = torch.arange(n - length, n, device=q.device).unsqueeze(1)
-            mask = torch.arange(n, device=q.device).unsqueeze(0) <= q_pos
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+            o = attend(qs, ks, vs, _causal_mask(chunk.end - chunk.start, n, window, q.device), scale, softcap)
         out[chunk.start:chunk.end] = o[0].transpose(0, 1)
 
     if meta.has_decodes and d0 < q.shape[0]:
-        out[d0:] = _decode_attention(q[d0:], k_cache, v_cache, meta, scale)
+        out[d0:] = _decode_attention(q[d0:], k_cache, v_cache, meta, scale, window, softcap)
     return out
+
+
+def _causal_mask(num_queries: int, num_keys: int, window: int | None, device) -> torch.Tensor:
+    """Bool [L, n]: the L queries are the last L of n positions; True where query i may see key j."""
+    q_pos = torch.arange(num_keys - num_queries, num_keys, device=device).unsqueeze(1)
+    k_pos = torch.arange(num_keys, device=device).unsqueeze(0)
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    return mask
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+           softcap: float | None = None) -> torch.Tensor:
+    """Attention of q [B, H, L, D] over k/v [B, KVH, n, D] (grouped heads) with a bool or additive mask.
+    Without `softcap` this is SDPA; with it, the scores are soft-capped first, computed as HF's eager path does
+    (scores x scale, / cap, tanh, x cap, + mask, softmax in float32)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    else:
+        scores = scores + mask
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 class _Scratch(threading.local):
@@ -137,22 +182,40 @@ def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, which: str = "k") -
     return torch.index_select(flat, 0, blocks, out=_SCRATCH.get(which, blocks.shape[0], flat.shape[1], flat.dtype))
 
 
-def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None,
+                      softcap: float | None) -> torch.Tensor:
     """One query per sequence against its gathered blocks; q [D, H, Dh] -> [D, H, Dh]."""
     if not meta.decode_groups:
-        return _attend_blocks(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_mask, scale)
+        mask = _windowed(meta, -1, meta.decode_mask, meta.decode_context_lens, window)
+        return _attend_blocks(q, k_cache, v_cache, meta.decode_block_tables, mask, scale, softcap)
     out = torch.empty_like(q)
-    for group in meta.decode_groups:
-        o = _attend_blocks(q.index_select(0, group.rows), k_cache, v_cache, group.block_tables, group.mask, scale)
+    for index, group in enumerate(meta.decode_groups):
+        mask = _windowed(meta, index, group.mask, group.context_lens, window)
+        o = _attend_blocks(q.index_select(0, group.rows), k_cache, v_cache, group.block_tables, mask, scale, softcap)
         out.index_copy_(0, group.rows, o)
     return out
 
 
-def _attend_blocks(q, k_cache, v_cache, tables: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def _windowed(meta: AttentionMetadata, group: int, mask: torch.Tensor, context_lens: torch.Tensor | None,
+              window: int | None) -> torch.Tensor:
+    """The decode mask with keys older than the window masked too (made once per step, group and window)."""
+    if window is None:
+        return mask
+    key = (group, window)
+    if key not in meta.window_masks:
+        if context_lens is None:
+            raise ValueError("a sliding-window layer needs the decode rows' context lengths in the metadata")
+        keys = torch.arange(mask.shape[-1], device=mask.device)[None, :]
+        too_old = keys <= (context_lens[:, None] - 1 - window)
+        meta.window_masks[key] = mask.masked_fill(too_old[:, None, None, :], float("-inf"))
+    return meta.window_masks[key]
+
+
+def _attend_blocks(q, k_cache, v_cache, tables: torch.Tensor, mask: torch.Tensor, scale: float,
+                   softcap: float | None = None) -> torch.Tensor:
     _, _, kv_heads, head_dim = k_cache.shape
     num_seqs = tables.shape[0]
     flat_tables = tables.view(-1)
     ks = gather_blocks(k_cache, flat_tables, "k").view(num_seqs, -1, kv_heads, head_dim).transpose(1, 2)
     vs = gather_blocks(v_cache, flat_tables, "v").view(num_seqs, -1, kv_heads, head_dim).transpose(1, 2)
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
-    return o.squeeze(2)
+    return attend(q.unsqueeze(2), ks, vs, mask, scale, softcap).squeeze(2)

@@ -143,7 +143,7 @@ class ModelConfig:
                                         f"{', '.join(ACTIVATIONS)}")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-        global_rope = layer_ropes[-1] if layer_ropes else _rope_spec(cfg, model_type, "full_attention", head_dim)
+        global_rope = ropes.get("full_attention") or _rope_spec(cfg, model_type, "full_attention", head_dim)
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],

@@ -1,4 +1,7 @@
-"""A Llama-family decoder (Llama, Mistral, SmolLM, Qwen2-style q/k/v bias) over a paged KV cache.
+"""The decoder of every supported family (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3) over a paged KV cache.
+
+The Llama layer is the default; what a family changes is read from `ModelConfig` (see its table): q/k norms,
+(1 + w) norms, sandwich norms, GeGLU, scaled embeddings, soft-capping, per-layer windows and RoPE.
 
 The engine owns the tokens' layout: `forward` takes a flat batch of tokens from many sequences with
 their absolute positions and the attention metadata that says where each one's KV lives. q/k/v and
@@ -88,10 +91,14 @@ class MergedLinear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """x / rms(x) * w. With `offset` (Gemma) the checkpoint stores w - offset: the loader adds it back, and the
+    weight stays float32 whatever the model's dtype, so (1 + w) is as exact as in HF's float32 arithmetic."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
@@ -99,27 +106,37 @@ class RMSNorm(nn.Module):
         # float32 statistics, as HF does, so low-precision runs stay close to the reference.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (xf * self.weight.float()).to(x.dtype)  # Gemma scales in float32, then casts
         return self.weight * xf.to(x.dtype)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qkv_proj = MergedLinear(cfg.hidden_size, (("q", cfg.q_size), ("k", cfg.kv_size), ("v", cfg.kv_size)),
                                      bias=cfg.attention_bias)
         self.o_proj = MergedLinear(cfg.q_size, (("o", cfg.hidden_size),))
-        self.scale = cfg.head_dim ** -0.5
+        # Per-head norms of q and k before RoPE (Qwen3, Gemma 3).
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_offset) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_offset) if cfg.qk_norm else None
+        self.scale = cfg.attn_scale
+        self.window = cfg.layer_windows[layer]
+        self.softcap = cfg.attn_softcap
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
         t = x.shape[0]
         heads = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qk = heads[:, : self.num_heads + self.num_kv_heads]
+        if self.q_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), dim=1)
         # q and k heads are adjacent in the merged output: rotate them in one go.
-        qk = apply_rope(heads[:, : self.num_heads + self.num_kv_heads], cos, sin)
+        qk = apply_rope(qk, cos, sin)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = heads[:, self.num_heads + self.num_kv_heads:]
-        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.window, self.softcap)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -130,23 +147,37 @@ class MLP(nn.Module):
                                                             ("up", cfg.intermediate_size)))
         self.down_proj = MergedLinear(cfg.intermediate_size, (("down", cfg.hidden_size),))
         self.intermediate_size = cfg.intermediate_size
+        self.gelu = cfg.hidden_act != "silu"  # GeGLU (Gemma): gelu with the tanh approximation
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(gate * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Pre-norm residual blocks; with `sandwich_norms` (Gemma) the attention and MLP outputs are normed too
+    before they join the residual, and `post_attention_layernorm` is the attention's output norm."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)  # noqa: E731
+        self.input_layernorm = norm()
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = norm()
         self.mlp = MLP(cfg)
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
+        if not self.sandwich:
+            x = x + attn
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(attn)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class LlamaModel(nn.Module):
@@ -160,10 +191,16 @@ class LlamaModel(nn.Module):
         self.embed_tokens = None if cfg.tie_word_embeddings else nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         if self.embed_tokens is not None:
             self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
-                                    max_positions or cfg.max_position_embeddings)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+        # One table per distinct RoPE (Gemma 3: local and global layers differ); each layer names its own.
+        specs = list(dict.fromkeys(cfg.layer_ropes))
+        positions = max_positions or cfg.max_position_embeddings
+        self.ropes = nn.ModuleList(RotaryEmbedding(s.rotary_dim, s.theta, s.scaling, positions) for s in specs)
+        self.layer_rope = [specs.index(s) for s in cfg.layer_ropes]
+        self.rope = self.ropes[self.layer_rope[-1]]
+        self.embed_scale = cfg.embed_scale
+        self.final_softcap = cfg.final_softcap
 
     def lora_modules(self):
         """(layer index, module path, MergedLinear) of every projection an adapter can target."""
@@ -200,11 +237,27 @@ class LlamaModel(nn.Module):
             x = self.lm_head.weight.index_select(1, input_ids).t()  # tied, unpacked: columns are tokens
         else:
             x = self.embed_tokens(input_ids)
-        cos, sin = self.rope.cos_sin(positions)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # rounded to the model's dtype, as HF does
+        rope_lens = _rope_lens(positions, meta) if any(r.long_after is not None for r in self.ropes) else None
+        tables = [rope.cos_sin(positions, rope_lens) for rope in self.ropes]
         for i, layer in enumerate(self.layers):
+            cos, sin = tables[self.layer_rope[i]]
             x = layer(x, cos, sin, kv.k[i], kv.v[i], meta)
         return self.norm(x)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        if self.final_softcap is not None:  # Gemma 2: cap * tanh(logits / cap)
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
+
+
+def _rope_lens(positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """Per row, the sequence length LongRoPE chooses its factors by (see PrefillChunk.rope_len)."""
+    lens = positions + 1
+    for chunk in meta.prefills:
+        if chunk.rope_len is not None:
+            lens[chunk.start:chunk.end] = chunk.rope_len
+    return lens

@@ -106,7 +106,27 @@ def read_model_config(model_dir: Path) -> tuple[ModelConfig, dict]:
     return ModelConfig.from_hf(raw), raw
 
 
+SHARD_INDEX = "model.safetensors.index.json"
+# Checkpoint names of the fused projections (Phi-3) -> the merged module they fill whole.
+FUSED_PROJECTIONS = {"qkv_proj": "self_attn.qkv_proj", "gate_up_proj": "mlp.gate_up_proj"}
+LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+               "post_feedforward_layernorm")
+
+
 def _weight_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's safetensors files: those its shard index names when there is one (a Hub directory can
+    hold other copies beside the shards, e.g. Mistral's consolidated.safetensors), else every one."""
+    index = model_dir / SHARD_INDEX
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ModelNotFoundError(f"{index} is not a safetensors shard index (no weight_map): {exc}") from None
+        files = [model_dir / name for name in shards]
+        missing = [f.name for f in files if not f.is_file() or Path(f.name).name != f.name]
+        if missing:
+            raise ModelNotFoundError(f"{index} names shards that are not in {model_dir}: {', '.join(missing[:4])}")
+        return files
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"no .safetensors weights in {model_dir}")
@@ -114,7 +134,9 @@ def _weight_files(model_dir: Path) -> list[Path]:
 
 
 def load_weights(model: LlamaModel, model_dir: Path) -> None:
-    """Copy HF-named tensors into the merged layout; fail if any expected tensor is missing."""
+    """Copy HF-named tensors into the merged layout; fail if any expected tensor is missing. Tensors are read
+    one at a time from the memory-mapped files and cast into the model's parameters, so host memory peaks
+    near the model's own size plus one tensor, whatever the shards' count and dtype."""
     cfg = model.config
     expected = {name for name, _ in model.named_parameters()}
     loaded: set[str] = set()
@@ -143,7 +165,7 @@ def load_weights(model: LlamaModel, model_dir: Path) -> None:
                             put(model.lm_head.weight, tensor)
                             loaded.add("lm_head.weight")
                     elif key == "norm.weight":
-                        put(model.norm.weight, tensor)
+                        _put_norm(model.norm, tensor, put)
                         loaded.add("norm.weight")
                     elif key.startswith("layers."):
                         _load_layer_tensor(model, key, tensor, put, loaded)
@@ -156,14 +178,37 @@ def load_weights(model: LlamaModel, model_dir: Path) -> None:
 def _load_layer_tensor(model: LlamaModel, key: str, tensor, put, loaded: set[str]) -> None:
     # key: layers.{i}.{self_attn|mlp}.{x_proj}.{weight|bias} or layers.{i}.{norm}.weight
     parts = key.split(".")
+    if len(parts) < 4 or not parts[1].isdigit() or int(parts[1]) >= len(model.layers):
+        raise ValueError(f"checkpoint tensor {key!r} does not name a layer of this {model.config.num_layers}-layer "
+                         f"model")
     layer = model.layers[int(parts[1])]
-    if parts[2] in ("input_layernorm", "post_attention_layernorm"):
-        put(getattr(layer, parts[2]).weight, tensor)
+    if parts[2] in LAYER_NORMS and parts[3] == "weight":
+        norm = getattr(layer, parts[2], None)
+        if norm is None:
+            raise ValueError(f"checkpoint has {key} but model_type {model.config.model_type!r} has no such norm")
+        _put_norm(norm, tensor, put)
         loaded.add(f"layers.{parts[1]}.{parts[2]}.weight")
         return
-    proj, kind = parts[3], parts[4]
-    if proj not in PROJECTION_SLICES:
+    if len(parts) != 5:
         return  # e.g. rotary inv_freq buffers in old checkpoints
+    proj, kind = parts[3], parts[4]
+    if parts[2] == "self_attn" and proj in ("q_norm", "k_norm") and kind == "weight":
+        norm = getattr(layer.self_attn, proj)
+        if norm is None:
+            raise ValueError(f"checkpoint has {key} but model_type {model.config.model_type!r} has no q/k norms")
+        _put_norm(norm, tensor, put)
+        loaded.add(f"layers.{parts[1]}.self_attn.{proj}.weight")
+        return
+    if proj in FUSED_PROJECTIONS and f"{parts[2]}.{proj}" == FUSED_PROJECTIONS[proj]:
+        module = layer.get_submodule(FUSED_PROJECTIONS[proj])
+        param = module.weight if kind == "weight" else module.bias
+        if param is None:
+            raise ValueError(f"checkpoint has {key} but the config says the projection has no bias")
+        put(param, tensor)
+        loaded.update(f"layers.{parts[1]}.{FUSED_PROJECTIONS[proj]}.{kind}#{name}" for name, _ in module.slices)
+        return
+    if proj not in PROJECTION_SLICES:
+        return
     module_path, slice_name = PROJECTION_SLICES[proj]
     module = layer.get_submodule(module_path)
     param = module.weight if kind == "weight" else module.bias
@@ -171,6 +216,11 @@ def _load_layer_tensor(model: LlamaModel, key: str, tensor, put, loaded: set[str
         raise ValueError(f"checkpoint has {key} but the config says the projection has no bias")
     put(param, tensor, module.slice_range(slice_name))
     loaded.add(f"layers.{parts[1]}.{module_path}.{kind}#{slice_name}")
+
+
+def _put_norm(norm, tensor: torch.Tensor, put) -> None:
+    """A norm's weight, with its offset added back (Gemma checkpoints store w - 1), in float32."""
+    put(norm.weight, tensor.float() + norm.offset if norm.offset else tensor)
 
 
 def _complete(loaded: set[str], model: LlamaModel) -> set[str]:
@@ -221,12 +271,19 @@ def build_model(model_dir: Path, dtype: torch.dtype, device: torch.device, max_p
     """
     check_mode(quantization)
     cfg, _ = read_model_config(model_dir)
-    model = LlamaModel(cfg, max_positions)
+    # Parameters are made in `dtype` on `device` and filled tensor by tensor: no float32 or host detour.
+    # (RoPE tables are float32 whatever the default, as in the reference.)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaModel(cfg, max_positions)
+    finally:
+        torch.set_default_dtype(previous)
+    for module in model.modules():  # norms with an offset keep float32 weights (see RMSNorm)
+        if getattr(module, "offset", 0.0):
+            module.weight.data = module.weight.data.float()
     load_weights(model, model_dir)
-    model.to(device=device)
-    # Cast parameters only: the RoPE sin/cos tables stay float32, as in the reference.
-    for param in model.parameters():
-        param.data = param.data.to(dtype)
     if quantization == "int8":
         model.quantize_int8(int8_kernel or choose_kernel(device, dtype))
     elif pack_cpu and torch.device(device).type == "cpu":

@@ -1,4 +1,5 @@
-"""Rotary position embeddings (HF `rotate_half` layout), with linear and llama3-style frequency scaling."""
+"""Rotary position embeddings (HF `rotate_half` layout): linear, llama3 and LongRoPE frequency scaling, and
+partial rotary (only the first `rotary_dim` dims of a head rotate, as in Phi-4-mini)."""
 from __future__ import annotations
 
 import math
@@ -29,28 +30,69 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
         return torch.where(is_medium, smoothed, scaled)
+    if kind == "longrope":
+        return longrope_inv_freq(head_dim, theta, scaling, long=False)
     raise ValueError(f"unsupported rope scaling {kind!r}")
 
 
-class RotaryEmbedding(torch.nn.Module):
-    """RoPE tables; `cos_sin(positions)` once per step, then `apply` in every layer."""
+def longrope_inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any], long: bool) -> torch.Tensor:
+    """LongRoPE (Phi-3): the base frequencies divided per dimension by the short or the long factors."""
+    factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    return 1.0 / (factors * theta ** exponents)
 
-    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None, max_positions: int):
+
+def longrope_attention_factor(scaling: dict[str, Any]) -> float:
+    """The cos/sin multiplier of LongRoPE: given, or sqrt(1 + ln(s) / ln(original)) for s = max / original."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor") or float(scaling["max_position_embeddings"]) / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """RoPE tables; `cos_sin(positions)` once per step, then `apply_rope` in every layer that uses them.
+
+    LongRoPE keeps two tables and picks one per row: the long factors when the row's `rope_lens` (the sequence
+    length HF would see in that forward) exceeds the original context, as HF's `longrope_frequency_update`."""
+
+    def __init__(self, rotary_dim: int, theta: float, scaling: dict[str, Any] | None, max_positions: int):
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        self.rotary_dim = rotary_dim
+        self.long_after: int | None = None
         positions = torch.arange(max_positions, dtype=torch.float32)
+        inv_freq = rope_inv_freq(rotary_dim, theta, scaling)
+        factor = 1.0
+        if scaling and scaling["rope_type"] == "longrope":
+            factor = longrope_attention_factor(scaling)
+            self.long_after = int(scaling["original_max_position_embeddings"])
+            long = torch.outer(positions, longrope_inv_freq(rotary_dim, theta, scaling, long=True))
+            self.register_buffer("cos_long", long.cos() * factor, persistent=False)
+            self.register_buffer("sin_long", long.sin() * factor, persistent=False)
         freqs = torch.outer(positions, inv_freq)
         # Precomputed table: a decode step only gathers rows instead of computing sin/cos.
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.register_buffer("cos", freqs.cos() * factor, persistent=False)
+        self.register_buffer("sin", freqs.sin() * factor, persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin rows [T, 1, D/2] for absolute positions [T]."""
-        return self.cos.index_select(0, positions).unsqueeze(1), self.sin.index_select(0, positions).unsqueeze(1)
+    def cos_sin(self, positions: torch.Tensor, rope_lens: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows [T, 1, rotary_dim/2] for absolute positions [T] (`rope_lens` [T]: see the class)."""
+        cos, sin = self.cos.index_select(0, positions), self.sin.index_select(0, positions)
+        if self.long_after is not None:
+            lens = positions + 1 if rope_lens is None else rope_lens
+            use_long = (lens > self.long_after).unsqueeze(1)
+            cos = torch.where(use_long, self.cos_long.index_select(0, positions), cos)
+            sin = torch.where(use_long, self.sin_long.index_select(0, positions), sin)
+        return cos.unsqueeze(1), sin.unsqueeze(1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate heads x [T, heads, D] (HF `rotate_half` layout) by the angles of their rows."""
+    """Rotate heads x [T, heads, D] (HF `rotate_half` layout) by the angles of their rows; with tables of
+    fewer than D/2 columns only the first 2 x columns rotate (partial rotary) and the rest pass unchanged."""
+    rotary = 2 * cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
     # Same arithmetic as HF (x*cos + rotate_half(x)*sin with cos/sin duplicated over both halves),
     # computed in float32 so results match the reference.
     half = x.shape[-1] // 2

@@ -36,10 +36,14 @@ def write_peft_adapter(path: Path, model_cfg, rank: int, targets: list[str], see
     return path
 
 
-def save_tiny_hf_model(path: Path, vocab_size: int, model_type: str = "llama", seed: int = 0, **overrides):
+def save_tiny_hf_model(path: Path, vocab_size: int, model_type: str = "llama", seed: int = 0, *,
+                       weight_scale: float = 1.0, tokenizer=None, **overrides):
     """Write a small random HF checkpoint (safetensors) of the given family; return the HF model. Defaults:
     2 layers, hidden 64, intermediate 128, 4 heads (2 KV heads), 512 positions, untied embeddings;
-    `overrides` replace any config field. Biases (where the family has them) are random, not zero."""
+    `overrides` replace any config field. Biases (where the family has them) are random, not zero, and so
+    are norm weights (HF starts them at 1, or 0 for Gemma's 1 + w), so a norm loaded wrong shows.
+    `weight_scale` multiplies every matrix (random init is small: x8 makes greedy tokens differ between
+    prompts); `tokenizer`, when given, is saved beside the weights, which makes the directory servable."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -54,5 +58,11 @@ def save_tiny_hf_model(path: Path, vocab_size: int, model_type: str = "llama", s
         for name, param in model.named_parameters():
             if name.endswith("bias"):
                 param.normal_(0, 0.5)
+            elif param.dim() == 1:
+                param.add_(torch.randn_like(param) * 0.1)
+            elif weight_scale != 1.0:
+                param.mul_(weight_scale)
     model.save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
     return model
