@@ -8,6 +8,11 @@ layer changes the KV of the same text, so blocks are never shared across adapter
 sequence whose leading full blocks hash the same reuses them read-only and skips their prefill.
 Unreferenced cached blocks stay in an LRU pool and count as free: they are evicted (their hash
 forgotten) only when an allocation needs the room.
+
+With a sliding window on every layer (Mistral v0.1), a block whose tokens every later query is too far from
+to see is released while its sequence runs (`release_out_of_window`): its table entry becomes
+`RELEASED` (the runner reads it as its scratch block, which attention masks) and the block goes back to
+the pool, or to the cache's LRU when hashed, so a later prompt with the same prefix can still reuse it.
 """
 from __future__ import annotations
 
@@ -16,6 +21,9 @@ from array import array
 from collections import OrderedDict, deque
 
 from loramux.engine.sequence import Sequence
+
+
+RELEASED = -1  # a block-table entry whose block left the sliding window and went back to the pool
 
 
 class OutOfBlocksError(RuntimeError):
@@ -31,12 +39,15 @@ def chain_hash(parent: bytes, token_ids, salt: str) -> bytes:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 sliding_window: int | None = None):
+        """`sliding_window`: the window of every layer of the model, when they all have one (see the module)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
         self.ref_counts = [0] * num_blocks
         self.free_blocks: deque[int] = deque(range(num_blocks))  # no reusable content
         self.block_hash: list[bytes | None] = [None] * num_blocks
@@ -88,14 +99,35 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Release every block of `seq` (idempotent); cached blocks stay reusable until evicted."""
         for block in reversed(seq.block_table):
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                if self.block_hash[block] is not None:
-                    self.evictable[block] = None
-                else:
-                    self.free_blocks.append(block)
+            if block != RELEASED:
+                self._unref(block)
         seq.block_table = []
         seq.block_hashes = []
+        seq.num_released_blocks = 0
+
+    def _unref(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            if self.block_hash[block] is not None:
+                self.evictable[block] = None
+            else:
+                self.free_blocks.append(block)
+
+    def release_out_of_window(self, seq: Sequence) -> int:
+        """Give back the blocks of `seq` no query from its next token on can see (all their positions are
+        at least `sliding_window` before it); returns how many were released. Call after `commit`."""
+        if self.sliding_window is None:
+            return 0
+        # The next query is at position num_computed_tokens; it sees keys > that - window.
+        first_visible = seq.num_computed_tokens - self.sliding_window + 1
+        done = max(0, min(first_visible // self.block_size, len(seq.block_table)))
+        released = 0
+        for i in range(seq.num_released_blocks, done):
+            self._unref(seq.block_table[i])
+            seq.block_table[i] = RELEASED
+            released += 1
+        seq.num_released_blocks = max(seq.num_released_blocks, done)
+        return released
 
     # -- prefix caching ----------------------------------------------------------------------------
     def match_prefix(self, seq: Sequence) -> list[int]:
@@ -164,7 +196,8 @@ class BlockManager:
         counts = [0] * self.num_blocks
         for seq in live:
             for block in seq.block_table:
-                counts[block] += 1
+                if block != RELEASED:
+                    counts[block] += 1
         assert counts == self.ref_counts, "reference counts disagree with the live block tables"
         free = set(self.free_blocks)
         assert len(free) == len(self.free_blocks), "a block is on the free list twice"

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from loramux.engine.block_manager import RELEASED
 from loramux.kernels.bgmv import StaticLoRA
 from loramux.model.attention import AttentionMetadata
 
@@ -248,7 +249,7 @@ class DecodeGraphs:
         for bucket in self._buckets:
             data += [loc[1] if loc is not None and loc[0] == bucket else -1 for loc in locations] + [-1] * pad
         for seq, k in zip(seqs, needed):
-            data += seq.block_table[:k] + [scratch] * (nb - k)
+            data += [scratch if b == RELEASED else b for b in seq.block_table[:k]] + [scratch] * (nb - k)
         data += [scratch] * (pad * nb)
         self._buffer[:len(data)].copy_(torch.tensor(data, dtype=torch.long))
 

@@ -67,7 +67,7 @@ class LLMEngine:
             num_blocks = max(1, config.kv_cache_bytes // per_block)
         # A sequence must fit the whole KV pool on its own, or it could be preempted forever.
         self.max_model_len = min(config.max_model_len, mcfg.max_position_embeddings, num_blocks * config.block_size)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_caching)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_caching, mcfg.sliding_window)
         self.load_histogram = DurationHistogram()  # host RAM -> device copies
         self.pool = self.adapters = None  # the device adapter pool and the one owner of what is in it
         if config.max_lora_rank > 0:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loramux.engine.block_manager import RELEASED
 from loramux.engine.decode_groups import plan_decode_groups
 from loramux.engine.scheduler import ScheduledBatch
 from loramux.engine.sequence import Sequence
@@ -68,6 +69,14 @@ class ModelRunner:
     def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
 
+    def _live(self, table: list[int]) -> list[int]:
+        """A block table with released entries (left the sliding window) pointing at the scratch block: their
+        keys are masked by the window, so what the scratch block holds is never seen."""
+        return [self.scratch_block if b == RELEASED else b for b in table] if RELEASED in table[:1] else table
+
+    def _table(self, table: list[int]) -> torch.Tensor:
+        return self._tensor(self._live(table))
+
     def prepare(self, batch: ScheduledBatch):
         """Build (input_ids, positions, metadata, rows to sample, sequences sampled)."""
         bs = self.block_size
@@ -89,7 +98,7 @@ class ModelRunner:
             positions.extend(range(start, end))
             lora_rows.extend([where[seq]] * n)
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            chunks.append(PrefillChunk(row0, row0 + n, end, self._tensor(table), rope_len=seq.num_tokens))
+            chunks.append(PrefillChunk(row0, row0 + n, end, self._table(table), rope_len=seq.num_tokens))
             if end == seq.num_tokens:
                 sampled.append((seq, len(sample_rows), 1))
                 sample_rows.append(len(tokens) - 1)
@@ -109,7 +118,7 @@ class ModelRunner:
             positions.extend(range(start, end))
             lora_rows.extend([where[seq]] * len(chunk))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            chunks.append(PrefillChunk(row0, row0 + len(chunk), end, self._tensor(table)))
+            chunks.append(PrefillChunk(row0, row0 + len(chunk), end, self._table(table)))
             sampled.append((seq, len(sample_rows), len(chunk)))
             sample_rows.extend(range(row0, row0 + len(chunk)))
         num_prefill_tokens = len(tokens)
@@ -124,7 +133,7 @@ class ModelRunner:
                 tokens.append(seq.last_token())
                 positions.append(p)
                 slots.append(seq.block_table[p // bs] * bs + p % bs)
-                tables.append(seq.block_table)
+                tables.append(self._live(seq.block_table))
                 context_lens.append(p + 1)
                 sampled.append((seq, len(sample_rows), 1))
                 sample_rows.append(len(tokens) - 1)

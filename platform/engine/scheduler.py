@@ -188,10 +188,12 @@ class Scheduler:
             if not seq.is_finished:
                 seq.num_computed_tokens += n
                 self.blocks.commit(seq)
+                self.blocks.release_out_of_window(seq)
         for seq in batch.decodes:
             if not seq.is_finished:
                 seq.num_computed_tokens += 1 + accepted.get(seq, 0)  # KV of rejected drafts is overwritten later
                 self.blocks.commit(seq)
+                self.blocks.release_out_of_window(seq)
 
     @staticmethod
     def _chunk(seq: Sequence, context: int, budget: int, plan: StepPlan | None) -> int:

@@ -70,7 +70,8 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # when params.top_logprobs
-    block_table: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)  # entries may be block_manager.RELEASED (windowed)
+    num_released_blocks: int = 0  # leading blocks given back because they left the sliding window
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (first admission)
     cache_salt: str = ""  # prefix-cache namespace: adapter version digest (+ tenant when isolated)
