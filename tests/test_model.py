@@ -108,8 +108,14 @@ def test_bfloat16_model_runs_close_to_float32(tmp_path):
 def test_unsupported_architectures_are_refused_clearly():
     base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
             "num_attention_heads": 2}
-    with pytest.raises(UnsupportedModelError, match="gpt2"):
+    with pytest.raises(UnsupportedModelError) as refused:
         ModelConfig.from_hf({**base, "model_type": "gpt2"})
+    assert str(refused.value) == ("model_type 'gpt2' is not supported; supported: llama, mistral, qwen2, qwen3, "
+                                  "gemma2, gemma3_text, phi3")
+    with pytest.raises(UnsupportedModelError, match="gemma3_text"):  # the multimodal checkpoint: name the text one
+        ModelConfig.from_hf({**base, "model_type": "gemma3"})
+    with pytest.raises(UnsupportedModelError, match="relu2"):
+        ModelConfig.from_hf({**base, "model_type": "llama", "hidden_act": "relu2"})
     with pytest.raises(UnsupportedModelError, match="yarn"):
         ModelConfig.from_hf({**base, "model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4}})
 

@@ -166,11 +166,18 @@ def dequantized_float_model(model_dir: Path, quantized):
     return ref
 
 
+INT8_FAMILIES = {  # the int8 base covers every family: only the linear layers change
+    "llama-tied": ("llama", {"tie_word_embeddings": True}), "llama-untied": ("llama", {}),
+    "qwen2-bias": ("qwen2", {}), "qwen3": ("qwen3", {"head_dim": 32}), "phi3": ("phi3", {"pad_token_id": 0}),
+    "gemma3": ("gemma3_text", {"head_dim": 16, "sliding_window": 8}),
+}
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("family", ["llama-tied", "llama-untied", "qwen2-bias"])
+@pytest.mark.parametrize("family", sorted(INT8_FAMILIES))
 def test_quantized_logits_match_the_dequantized_float_model(tmp_path, kernel, family):
-    model_type = "qwen2" if family == "qwen2-bias" else "llama"
-    save_tiny_hf_model(tmp_path, VOCAB, model_type, tie_word_embeddings=family == "llama-tied")
+    model_type, overrides = INT8_FAMILIES[family]
+    save_tiny_hf_model(tmp_path, VOCAB, model_type, **overrides)
     model, _ = build_model(tmp_path, torch.float32, torch.device("cpu"), quantization="int8", int8_kernel=kernel)
     assert all(m.weight is None and m.int8.kernel == kernel for m in model.modules() if isinstance(m, MergedLinear))
     ref = dequantized_float_model(tmp_path, model)
