@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 import torch
 
-from loramux.engine.block_manager import RELEASED
 from loramux.engine.decode_groups import plan_decode_groups
 from loramux.engine.scheduler import ScheduledBatch
 from loramux.engine.sequence import Sequence
@@ -69,13 +68,12 @@ class ModelRunner:
     def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)
 
-    def _live(self, table: list[int]) -> list[int]:
-        """A block table with released entries (left the sliding window) pointing at the scratch block: their
-        keys are masked by the window, so what the scratch block holds is never seen."""
-        return [self.scratch_block if b == RELEASED else b for b in table] if RELEASED in table[:1] else table
-
-    def _table(self, table: list[int]) -> torch.Tensor:
-        return self._tensor(self._live(table))
+    def _context(self, seq: Sequence, end: int) -> tuple[int, torch.Tensor]:
+        """(keys attended, block table) of a chunk of `seq` ending at token `end`: the blocks it still holds.
+        Blocks released from the sliding window (leading ones) are left out and positions count from the first
+        block held: attention depends only on distances, which stay the same."""
+        skip = seq.num_released_blocks
+        return end - skip * self.block_size, self._tensor(seq.block_table[skip:])
 
     def prepare(self, batch: ScheduledBatch):
         """Build (input_ids, positions, metadata, rows to sample, sequences sampled)."""
@@ -98,7 +96,7 @@ class ModelRunner:
             positions.extend(range(start, end))
             lora_rows.extend([where[seq]] * n)
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            chunks.append(PrefillChunk(row0, row0 + n, end, self._table(table), rope_len=seq.num_tokens))
+            chunks.append(PrefillChunk(row0, row0 + n, *self._context(seq, end), rope_len=seq.num_tokens))
             if end == seq.num_tokens:
                 sampled.append((seq, len(sample_rows), 1))
                 sample_rows.append(len(tokens) - 1)
@@ -118,7 +116,7 @@ class ModelRunner:
             positions.extend(range(start, end))
             lora_rows.extend([where[seq]] * len(chunk))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            chunks.append(PrefillChunk(row0, row0 + len(chunk), end, self._table(table)))
+            chunks.append(PrefillChunk(row0, row0 + len(chunk), *self._context(seq, end)))
             sampled.append((seq, len(sample_rows), len(chunk)))
             sample_rows.extend(range(row0, row0 + len(chunk)))
         num_prefill_tokens = len(tokens)
@@ -133,8 +131,9 @@ class ModelRunner:
                 tokens.append(seq.last_token())
                 positions.append(p)
                 slots.append(seq.block_table[p // bs] * bs + p % bs)
-                tables.append(self._live(seq.block_table))
-                context_lens.append(p + 1)
+                skip = seq.num_released_blocks
+                tables.append(seq.block_table[skip:])
+                context_lens.append(p + 1 - skip * bs)
                 sampled.append((seq, len(sample_rows), 1))
                 sample_rows.append(len(tokens) - 1)
             decode_tables, decode_mask, decode_groups = self._decode_attention_inputs(tables, context_lens)
