@@ -40,7 +40,8 @@ FAMILIES = {
     "phi3": ("phi3", {"pad_token_id": 0}),
     "phi3-longrope-partial": ("phi3", {"pad_token_id": 0, "original_max_position_embeddings": 16,
                                        "partial_rotary_factor": 0.75,
-                                       "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                                       "rope_scaling": {"rope_type": "longrope",
+                                                        "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
                                                         "long_factor": [1.5, 2.0, 3.0, 4.0, 6.0, 8.0]}}),
 }
 

@@ -22,7 +22,6 @@ from collections import OrderedDict, deque
 
 from loramux.engine.sequence import Sequence
 
-
 RELEASED = -1  # a block-table entry whose block left the sliding window and went back to the pool
 
 
