@@ -143,3 +143,22 @@ def test_fixed_shape_decode_steps_give_the_same_tokens(family, tokenizer):
     got = run_all(engine, {f"{i}/{a}": (ids, a) for i, ids in enumerate(prompts) for a in (None, "lora")})
     assert got == {f"{i}/{a}": expected[(i, a)] for i, _ in enumerate(prompts) for a in (None, "lora")}, name
     assert engine.runner.graphs.steps > 0, "decode steps should have taken the fixed-shape path"
+
+
+def test_longrope_sequences_switch_factors_exactly_as_hf(tmp_path, tokenizer):
+    """Phi-3 LongRoPE as HF generates: a sequence that outgrows the original context (16 here) is recomputed
+    whole with the long factors (HF drops its cache there), a prompt past it is computed with the long factors
+    throughout, and a prefix cached under the short factors is never reused for it. Speculation on."""
+    factors = [1.0 + 0.3 * i for i in range(8)]
+    hf = save_tiny_hf_model(tmp_path, len(tokenizer), "phi3", weight_scale=4.0, pad_token_id=0,
+                            original_max_position_embeddings=16,
+                            rope_scaling={"rope_type": "longrope", "short_factor": factors,
+                                          "long_factor": [4 * f for f in factors]})
+    hf.generation_config.eos_token_id = None
+    short = list(range(500, 512))  # 12 tokens: short factors
+    long = short + list(range(700, 720))  # 32 tokens: long factors, sharing the short prompt's 3 blocks
+    engine = make_family_engine(tmp_path, tokenizer)
+    for prompt in (short, long):
+        with torch.inference_mode():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(prompt):]
+        assert run_all(engine, {"r": (prompt, None)})["r"] == want.tolist()

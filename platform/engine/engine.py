@@ -78,8 +78,11 @@ class LLMEngine:
             self.adapters = AdapterResidency(self.pool, config.max_loras, config.adapter_min_residency_s,
                                              config.adapter_drain_after_s, on_load=self.load_histogram.observe)
         self.step_budget = step_budget_for(config.step_target_ms, device.type, min_chunk=config.block_size)
+        long_after = [rope.long_after for rope in model.ropes if rope.long_after is not None]
+        self.long_rope_after = min(long_after) if long_after else None
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.adapters, aging_s=config.priority_aging_s, step_budget=self.step_budget)
+                                   self.adapters, aging_s=config.priority_aging_s, step_budget=self.step_budget,
+                                   long_rope_after=self.long_rope_after)
         self.runner = ModelRunner(model, num_blocks, config.block_size, dtype, device,
                                   self.pool.wrapper if self.pool else None,
                                   self.adapters.location if self.adapters else None, config, self.max_model_len)
@@ -131,6 +134,7 @@ class LLMEngine:
         turn (`loramux.engine.tokens.chat_template_ids`)."""
         return chat_template_ids(self.tokenizer, messages, tools)
 
+
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     priority: int = 0, arrival: float | None = None,
                     adapter: str | LoRAAdapter | None = None, cache_salt: str | None = None,
@@ -153,6 +157,11 @@ class LLMEngine:
         seq = Sequence(request_id, ids, params, priority=priority, adapter=lora.digest if lora else None,
                        cache_salt=f"{lora.digest if lora else 'base'}|{cache_salt or ''}",
                        **({"arrival": arrival} if arrival is not None else {}))
+        if self.long_rope_after is not None and len(ids) > self.long_rope_after:
+            # LongRoPE computes a prompt past the original context with the long factors throughout (as HF
+            # does): its blocks never mix with those of a shorter prompt, computed with the short ones.
+            seq.long_rope = True
+            seq.cache_salt += "|longrope"
         generator = Sampler.make_generator(params.seed) if params.seed is not None else None
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         try:  # the grammar decides when a constrained request stops: its EOS ends it even with ignore_eos

@@ -58,7 +58,11 @@ def rank_key(seq: Sequence, aging_s: float) -> tuple:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 adapters=None, aging_s: float = 10.0, step_budget: StepBudget | None = None):
+                 adapters=None, aging_s: float = 10.0, step_budget: StepBudget | None = None,
+                 long_rope_after: int | None = None):
+        """`long_rope_after`: a LongRoPE model's original context (Phi-3). A sequence that outgrows it while
+        computed with the short factors is recomputed whole with the long ones, as HF's Phi-3 generation
+        drops its cache at that point; drafts stop short of it."""
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs so every decode fits a step")
         self.blocks = block_manager
@@ -69,6 +73,7 @@ class Scheduler:
             raise ValueError("aging_s must be > 0")
         self.aging_s = aging_s
         self.step_budget = step_budget  # None: each step is bounded by max_num_batched_tokens alone
+        self.long_rope_after = long_rope_after
         self._waiting: list[tuple[tuple, Sequence]] = []  # heap by _rank
         self.running: list[Sequence] = []
 
@@ -122,6 +127,14 @@ class Scheduler:
         for seq in [s for s in self.running if not s.is_prefill]:
             if seq.status is not SequenceStatus.RUNNING:
                 continue
+            if self.long_rope_after is not None and not seq.long_rope:
+                room = self.long_rope_after - seq.num_computed_tokens - 1  # drafts the short factors still cover
+                if room < 0:
+                    seq.long_rope = True
+                    seq.cache_salt += "|longrope"
+                    self._preempt(seq, batch)  # recomputed from the prompt on, with the long factors
+                    continue
+                del seq.draft_token_ids[room:]
             draft = seq.draft_token_ids
             if draft and (1 + len(draft) > budget or not self.blocks.can_allocate(seq, 1 + len(draft))):
                 seq.draft_token_ids = draft = []  # speculation never preempts anyone

@@ -75,6 +75,7 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (first admission)
     cache_salt: str = ""  # prefix-cache namespace: adapter version digest (+ tenant when isolated)
+    long_rope: bool = False  # LongRoPE: computed with the long factors (see Scheduler's long_rope_after)
     block_hashes: list[bytes] = field(default_factory=list)  # content hashes of the full blocks so far
     draft_token_ids: list[int] = field(default_factory=list)  # speculative tokens to verify this step
     spec_misses: int = 0  # consecutive proposals rejected outright (speculation pauses after a few)

@@ -55,7 +55,8 @@ class RotaryEmbedding(torch.nn.Module):
     """RoPE tables; `cos_sin(positions)` once per step, then `apply_rope` in every layer that uses them.
 
     LongRoPE keeps two tables and picks one per row: the long factors when the row's `rope_lens` (the sequence
-    length HF would see in that forward) exceeds the original context, as HF's `longrope_frequency_update`."""
+    length HF would see in that forward) exceeds the original context, as HF's `longrope_frequency_update`.
+    A sequence that grows past it is recomputed with the long factors (the scheduler's `long_rope_after`)."""
 
     def __init__(self, rotary_dim: int, theta: float, scaling: dict[str, Any] | None, max_positions: int):
         super().__init__()
