@@ -47,6 +47,10 @@ class ModelRunner:
         # fixed-shape decode step write their KV into.
         self.scratch_block = num_blocks
         self.kv = KVCache(cfg.num_layers, num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+        # The windows of local layers in a model that also has global ones (Gemma); a model windowed on every
+        # layer gives back the blocks that left the window instead (block_manager.release_out_of_window).
+        self.local_windows = sorted({w for w in cfg.layer_windows if w is not None}) \
+            if cfg.sliding_window is None else []
         self.lora_wrapper = lora_wrapper
         self.locate_adapter = locate_adapter
         self.max_model_len = min(max_model_len or num_blocks * block_size, model.rope.cos.shape[0])
@@ -141,9 +145,25 @@ class ModelRunner:
 
         meta = AttentionMetadata(self._tensor(slots), chunks, num_prefill_tokens, decode_tables, decode_mask,
                                  decode_groups, decode_lens)
+        if plain_decodes and self.local_windows:
+            meta.window_decodes = self._window_decodes(tables, context_lens)
         if self.lora_wrapper is not None:
             self.lora_wrapper.set_batch(lora_rows)
         return self._tensor(tokens), self._tensor(positions), meta, sample_rows, sampled
+
+    def _window_decodes(self, tables: list[list[int]], context_lens: list[int]) -> dict:
+        """For each window of a model's local layers (Gemma): the decode rows' tables cut to the blocks the
+        window reaches, with their mask and context lengths counted from the first block kept, so a local
+        layer gathers its window, not the whole context. Windows every row still fits are left out."""
+        bs, cuts = self.block_size, {}
+        for window in self.local_windows:
+            firsts = [max(0, n - window) // bs for n in context_lens]
+            if not any(firsts):
+                continue
+            lens = [n - f * bs for n, f in zip(context_lens, firsts)]
+            padded, mask = self._padded_tables_and_mask([t[f:] for t, f in zip(tables, firsts)], lens)
+            cuts[window] = (padded, mask, self._tensor(lens))
+        return cuts
 
     def _decode_attention_inputs(self, tables: list[list[int]], context_lens: list[int]):
         """(tables, mask, None) for one attention call over every decode row, or (None, None, groups) when rows

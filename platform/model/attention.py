@@ -60,6 +60,9 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None  # [D] long, rows of decode_block_tables (sliding windows)
     # Masks of windowed layers, made by the first such layer of a step and reused by the rest.
     window_masks: dict = field(default_factory=dict)
+    # window -> (tables, mask, context lens) of the decode rows cut to what that window reaches (local layers
+    # of a model with global ones too; see ModelRunner._window_decodes). Absent: the full tables, masked.
+    window_decodes: dict = field(default_factory=dict)
 
     @property
     def has_decodes(self) -> bool:
@@ -185,6 +188,9 @@ def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, which: str = "k") -
 def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None,
                       softcap: float | None) -> torch.Tensor:
     """One query per sequence against its gathered blocks; q [D, H, Dh] -> [D, H, Dh]."""
+    if window in meta.window_decodes:
+        tables, mask, lens = meta.window_decodes[window]
+        return _attend_blocks(q, k_cache, v_cache, tables, _windowed(meta, "cut", mask, lens, window), scale, softcap)
     if not meta.decode_groups:
         mask = _windowed(meta, -1, meta.decode_mask, meta.decode_context_lens, window)
         return _attend_blocks(q, k_cache, v_cache, meta.decode_block_tables, mask, scale, softcap)
