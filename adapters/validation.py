@@ -66,11 +66,17 @@ from loramux.model.config import ModelConfig
 
 __all__ = ["TARGETS", "ALLOWED_FILENAMES", "CONFIG_FILE", "WEIGHTS_FILE", "AdapterFormatError",
            "AdapterValidationError", "UploadLimits", "ValidatedAdapter", "check_base_model", "module_names",
-           "projection_shapes", "validate_config", "validate_adapter_files"]
+           "projection_shapes", "validate_config", "validate_adapter_files", "base_targets", "checkpoint_shapes",
+           "FUSED_TARGETS", "split_fused"]
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # what the engine serves
+# Phi-3 fuses projections in its checkpoint, so its adapters target the fused modules: a fused LoRA is the
+# sub-projections' LoRAs with one shared A and B cut by rows (q, k, v / gate, up), exactly.
+FUSED_TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+FUSED_BASE_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 _SECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-             "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+             "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp", "qkv_proj": "self_attn",
+             "gate_up_proj": "mlp"}
 MAX_TARGET_PATTERN_CHARS = 1000
 _PATTERN_DEADLINE_S = 1.0  # matching is linear and bounded by construction; this is a second guard
 _RE2_MAX_MEM = 8 << 20  # bytes RE2 may use for one compiled pattern (a larger program fails to compile)
@@ -113,9 +119,36 @@ def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
             "o_proj": (cfg.q_size, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
 
+def base_targets(cfg: ModelConfig) -> tuple[str, ...]:
+    """The LoRA-targetable modules of the base model by its own (checkpoint, PEFT) names."""
+    return FUSED_BASE_TARGETS if cfg.fused_projections else TARGETS
+
+
+def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(d_in, d_out) of each module of `base_targets(cfg)`."""
+    shapes = projection_shapes(cfg)
+    for fused, parts in FUSED_TARGETS.items():
+        shapes[fused] = (shapes[parts[0]][0], sum(shapes[p][1] for p in parts))
+    return {t: shapes[t] for t in base_targets(cfg)}
+
+
 def module_names(cfg: ModelConfig) -> dict[tuple[int, str], str]:
     """The base model's own name of each LoRA-targetable module (what PEFT matches a regex against)."""
-    return {(layer, t): f"model.layers.{layer}.{_SECTIONS[t]}.{t}" for layer in range(cfg.num_layers) for t in TARGETS}
+    return {(layer, t): f"model.layers.{layer}.{_SECTIONS[t]}.{t}"
+            for layer in range(cfg.num_layers) for t in base_targets(cfg)}
+
+
+def split_fused(tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], cfg: ModelConfig
+                ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """Fused-module LoRA weights as the engine's per-projection ones: A shared, B cut into its row blocks."""
+    shapes, out = projection_shapes(cfg), {}
+    for (layer, target), (a, b) in tensors.items():
+        if target not in FUSED_TARGETS:
+            out[(layer, target)] = (a, b)
+            continue
+        for part, rows in zip(FUSED_TARGETS[target], b.split([shapes[p][1] for p in FUSED_TARGETS[target]])):
+            out[(layer, part)] = (a, rows.contiguous())
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- file names
@@ -171,13 +204,13 @@ def _compile_target_pattern(pattern: str) -> _TargetPattern:
     return _TargetPattern(pattern, compiled)
 
 
-def _targets_from_config(config: Mapping) -> set[str] | _TargetPattern:
+def _targets_from_config(config: Mapping, base: ModelConfig | None = None) -> set[str] | _TargetPattern:
     targets = config.get("target_modules")
     if targets is None:
         raise fail("bad_option", f"{CONFIG_FILE} has no target_modules")
     if isinstance(targets, str):
         if targets == "all-linear":  # PEFT's shorthand: every linear layer but the output head
-            return set(TARGETS)
+            return set(base_targets(base)) if base is not None else set(TARGETS) | set(FUSED_TARGETS)
         return _compile_target_pattern(targets)  # a regex over module names, as in PEFT
     if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
         raise fail("bad_option", f"target_modules must be a list of module names or a regex string, got "
@@ -310,7 +343,8 @@ def check_base_model(claimed, base_model_id: str | None, allow_mismatch: bool = 
 
 def _check_entries(entries: list[TensorEntry], base: ModelConfig, rank: int, declared: set[str] | _TargetPattern
                    ) -> tuple[list[str], dict[tuple[int, str], dict[str, TensorEntry]]]:
-    shapes = projection_shapes(base)
+    shapes = checkpoint_shapes(base)
+    names = base_targets(base)
     found: dict[tuple[int, str], dict[str, TensorEntry]] = {}
     for entry in entries:
         match = _TENSOR_NAME.match(entry.name)
@@ -318,11 +352,11 @@ def _check_entries(entries: list[TensorEntry], base: ModelConfig, rank: int, dec
             if "embed_tokens" in entry.name or "lm_head" in entry.name:
                 raise fail("unsupported_target", "embedding / lm_head LoRA targets are not supported yet")
             raise fail("unknown_tensor", f"unexpected tensor {show(entry.name)}: only LoRA A/B weights of "
-                                          f"{', '.join(TARGETS)} are accepted")
+                                          f"{', '.join(names)} are accepted")
         layer, target, kind = int(match.group(1)), match.group(2), match.group(3)
         if target not in shapes:
             raise fail("unsupported_target", f"tensor {show(entry.name)} targets {show(target)}; supported "
-                                              f"targets: {', '.join(TARGETS)}")
+                                              f"targets: {', '.join(names)}{_fusion_hint(base, target)}")
         if layer >= base.num_layers:
             raise fail("layer_out_of_range", f"tensor {show(entry.name)} is for layer {layer}, the base model "
                                               f"has {base.num_layers} layers")
@@ -338,15 +372,15 @@ def _check_entries(entries: list[TensorEntry], base: ModelConfig, rank: int, dec
         pair[kind] = entry
     if not found:
         raise fail("no_lora_weights", f"{WEIGHTS_FILE} holds no LoRA weights")
-    targets = sorted({t for _, t in found}, key=TARGETS.index)
+    targets = sorted({t for _, t in found}, key=names.index)
     if isinstance(declared, set):
-        if set(targets) != declared & set(TARGETS) or declared - set(TARGETS):
+        if set(targets) != declared & set(names) or declared - set(names):
             raise fail("target_mismatch", f"weights target {targets} but {CONFIG_FILE} declares "
                                            f"{sorted(declared)}; they must be the same projections")
     else:
         selected = _pattern_targets(declared, base)
         if set(targets) != set(selected):
-            chosen = sorted(selected, key=TARGETS.index)
+            chosen = sorted(selected, key=names.index)
             raise fail("target_mismatch", f"weights target {targets} but the target_modules pattern "
                                            f"{show(declared.source)} selects {chosen} of this base model; they must "
                                            f"be the same projections ({_PATTERN_HELP})")
@@ -389,7 +423,7 @@ def validate_adapter_files(files: Mapping[str, bytes | Path], base: ModelConfig,
                                           f"({WEIGHTS_FILE} holds a {kind} file)")
         config = validate_config(config_src.read(0, config_src.size), limits.max_rank)
         claimed_base = check_base_model(config.get("base_model_name_or_path"), base_model_id, allow_base_mismatch)
-        rank, declared = config["r"], _targets_from_config(config)
+        rank, declared = config["r"], _targets_from_config(config, base)
 
         entries, data_start = parse_header(weights_src, limits)
         targets, found = _check_entries(entries, base, rank, declared)
@@ -399,6 +433,19 @@ def validate_adapter_files(files: Mapping[str, bytes | Path], base: ModelConfig,
             b = read_tensor(weights_src, data_start, found[key]["B"])
             tensors[key] = (a, b)
             nbytes += a.numel() * a.element_size() + b.numel() * b.element_size()
+    if base.fused_projections:
+        tensors = split_fused(tensors, base)
+        targets = [t for t in TARGETS if any(part == t for _, part in tensors)]
     return ValidatedAdapter(config=config, rank=rank, alpha=float(config["lora_alpha"]),
                             use_rslora=bool(config.get("use_rslora", False)), target_modules=tuple(targets),
                             tensors=tensors, nbytes=nbytes, base_model=claimed_base)
+
+
+def _fusion_hint(base: ModelConfig, target: str) -> str:
+    if base.fused_projections and target in _SECTIONS:
+        return (f" (model_type {base.model_type!r} fuses q/k/v into qkv_proj and gate/up into gate_up_proj: "
+                "train the adapter on those modules)")
+    if not base.fused_projections and target in FUSED_TARGETS:
+        return (f" ({target} is a fused module of Phi-3; model_type {base.model_type!r} has "
+                f"{', '.join(FUSED_TARGETS[target])} instead)")
+    return ""

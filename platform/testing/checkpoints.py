@@ -6,20 +6,22 @@ from pathlib import Path
 
 # Where each projection sits in a Llama-style decoder layer (the PEFT tensor names include it).
 PROJECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-               "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+               "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
+               "qkv_proj": "self_attn", "gate_up_proj": "mlp"}  # the last two: Phi-3's fused modules
 
 
 def write_peft_adapter(path: Path, model_cfg, rank: int, targets: list[str], seed: int, alpha: float | None = None,
                        use_rslora: bool = False, b_std: float = 0.05, dtype: str = "float32") -> Path:
     """Write a random PEFT LoRA adapter (B non-zero) for a model config, in PEFT's on-disk format; return
     `path`. A ~ N(0, 1/d_in), B ~ N(0, b_std^2), drawn in float32 from `seed` (layer by layer, target by
-    target, A then B) and stored as `dtype` (a torch dtype name); lora_alpha defaults to 2 * rank."""
+    target, A then B) and stored as `dtype` (a torch dtype name); lora_alpha defaults to 2 * rank. `targets` are
+    the base model's own module names (for Phi-3: qkv_proj, o_proj, gate_up_proj, down_proj)."""
     import torch
     from safetensors.torch import save_file
 
-    from loramux.adapters.peft_format import projection_shapes
+    from loramux.adapters.validation import checkpoint_shapes, projection_shapes
 
-    shapes = projection_shapes(model_cfg)
+    shapes = {**projection_shapes(model_cfg), **checkpoint_shapes(model_cfg)}
     g, weight_dtype, tensors = torch.Generator().manual_seed(seed), getattr(torch, dtype), {}
     for layer in range(model_cfg.num_layers):
         for target in targets:
