@@ -81,6 +81,7 @@ class AdapterVersionInfo:
     base_model: str  # the model this server served at upload
     created_at: datetime
     claimed_base_model: str | None = None  # base_model_name_or_path from the adapter's config
+    base_family: str | None = None  # model_type of the base it was validated against (None: not recorded)
 
     @property
     def label(self) -> str:
@@ -92,7 +93,7 @@ def _version_info(a: Adapter, v: AdapterVersion) -> AdapterVersionInfo:
         adapter_id=a.id, tenant_id=a.tenant_id, name=a.name, visibility=a.visibility, version=v.version,
         digest=v.digest, storage_key=v.storage_key, size_bytes=v.size_bytes, rank=v.rank, alpha=v.alpha,
         use_rslora=v.use_rslora, target_modules=tuple(v.target_modules), base_model=v.base_model,
-        created_at=v.created_at, claimed_base_model=v.claimed_base_model)
+        created_at=v.created_at, claimed_base_model=v.claimed_base_model, base_family=v.base_family)
 
 
 def _check_visibility(visibility: str) -> None:
@@ -179,7 +180,8 @@ class AdapterRegistry:
                         adapter_id=adapter.id, version=latest + 1, digest=digest, storage_key=key, size_bytes=size,
                         rank=meta.rank, alpha=meta.alpha, use_rslora=meta.use_rslora,
                         target_modules=list(meta.target_modules), base_model=self.base_model_id,
-                        claimed_base_model=claimed_base, status="ready")
+                        claimed_base_model=claimed_base, base_family=self.base_config.model_type,
+                        status="ready")
                     s.add(version)
                     s.flush()
                     return _version_info(adapter, version)

@@ -98,6 +98,7 @@ def test_an_adapter_trained_from_a_local_copy_uploads_and_shows_its_claimed_base
     assert local.status_code == 201, local.text
     shown = admin.get(f"/admin/adapters/{local.json()['id']}").json()["versions"][0]
     assert shown["claimed_base_model"] == "/home/alice/models/smol-copy"
+    assert shown["base_family"] == "llama"
     assert shown["base_model"] == server.services.registry.base_model_id
 
     other = adapter_dir(stack, "other", 3, base_model_name_or_path="meta-llama/Llama-2-7b-hf")

@@ -53,7 +53,7 @@ def test_migrations_match_the_models_and_downgrade_cleanly(database):
     with database.engine.connect() as conn:
         diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata)
     assert diff == []
-    assert database.current_revision() == "0008"
+    assert database.current_revision() == "0009"
     limits = {t.name: t.max_choices for t in Tenancy(database).tiers()}
     assert limits == {"free": 2, "standard": 8, "premium": 16}
     database.downgrade("base")
@@ -61,6 +61,8 @@ def test_migrations_match_the_models_and_downgrade_cleanly(database):
     database.upgrade()
     assert {"tenants", "adapters", "adapter_versions", "tiers", "api_keys", "admin_keys", "prices", "ledger",
             "adapter_blobs"} <= set(inspect(database.engine).get_table_names())
+    database.downgrade("0008")  # 0009 alone goes down and up again
+    assert "base_family" not in {c["name"] for c in inspect(database.engine).get_columns("adapter_versions")}
     database.downgrade("0007")  # 0008 alone goes down and up again
     assert "console_revoked_sessions" not in set(inspect(database.engine).get_table_names())
     database.downgrade("0006")  # 0007 alone goes down and up again
@@ -72,7 +74,7 @@ def test_migrations_match_the_models_and_downgrade_cleanly(database):
     database.downgrade("0003")  # 0004 alone goes down and up again
     assert "adapter_blobs" not in inspect(database.engine).get_table_names()
     database.upgrade()
-    assert database.current_revision() == "0008"
+    assert database.current_revision() == "0009"
     assert {"end_user", "replica"} <= {c["name"] for c in inspect(database.engine).get_columns("ledger")}
 
 
@@ -385,6 +387,7 @@ def test_the_claimed_base_model_is_recorded_and_a_mismatch_can_be_allowed(regist
     (path / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": "/home/a/tiny"}))
     local = registry.register(acme.id, "local", files_of(path))
     assert (local.base_model, local.claimed_base_model) == ("tiny-llama", "/home/a/tiny")
+    assert local.base_family == registry.resolve(acme.id, "local").base_family == "llama"
     assert registry.resolve(acme.id, "local").claimed_base_model == "/home/a/tiny"
     (path / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": "org/other-model",
                                                           "r": 4, "lora_alpha": 3}))

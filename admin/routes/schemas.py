@@ -80,6 +80,9 @@ class AdapterVersion(UploadedAdapter):
     claimed_base_model: str | None = Field(
         default=None, description="base_model_name_or_path from the adapter's config (a hub id or the local path "
                                   "it was trained from); null when the config names none")
+    base_family: str | None = Field(
+        default=None, description="model_type of the base model the weights were validated against (llama, "
+                                  "qwen3, gemma3_text, phi3, ...); null for versions uploaded before it was recorded")
     created_at: IsoDatetime
 
 

@@ -165,6 +165,8 @@ class AdapterVersion(Base):
     base_model: Mapped[str] = mapped_column(String(200))  # the model this server served at upload
     # base_model_name_or_path as the adapter's config claims it (a hub id, a local path or None).
     claimed_base_model: Mapped[str | None] = mapped_column(String(500), nullable=True, default=None)
+    # The base model's family (HF model_type) the weights were validated against; NULL before 0009.
+    base_family: Mapped[str | None] = mapped_column(String(32), nullable=True, default=None)
     status: Mapped[str] = mapped_column(String(16), default="ready")  # ready | deleted
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
