@@ -74,7 +74,7 @@ def cmd_generate(args, settings: Settings) -> int:
 def cmd_plan(args, settings: Settings) -> int:
     from loramux.model.config import ModelConfig
     from loramux.model.loader import read_model_config, resolve_model_dir
-    from loramux.plan import DTYPE_BYTES, fmt_bytes, parse_bytes, plan_memory
+    from loramux.plan import DTYPE_BYTES, fmt_bytes, kv_tokens_held, parse_bytes, plan_memory
 
     if args.config:
         cfg = ModelConfig.from_hf(json.loads(Path(args.config).read_text()))
@@ -92,13 +92,22 @@ def cmd_plan(args, settings: Settings) -> int:
         return 2
     quantization = args.quantization or settings.quantization
     plan = plan_memory(cfg, DTYPE_BYTES[dtype], args.context_len, args.batch_size, pool, args.adapter_rank,
-                       quantization)
+                       quantization, settings.block_size)
+    held = kv_tokens_held(cfg, args.context_len, settings.block_size)
     print(f"model: {cfg.model_type}, {cfg.num_parameters() / 1e6:.1f}M parameters, {cfg.num_layers} layers, "
           f"{cfg.num_kv_heads} KV heads x {cfg.head_dim}, dtype {dtype}"
           + (", int8 linear weights" if quantization == "int8" else ""))
     print(f"weights        {fmt_bytes(plan.weights):>12}")
     print(f"KV cache       {fmt_bytes(plan.kv_cache):>12}   ({fmt_bytes(plan.kv_per_token)}/token x "
-          f"{args.context_len} tokens x {args.batch_size} sequences)")
+          f"{held} tokens x {args.batch_size} sequences)")
+    local = sum(w is not None for w in cfg.layer_windows)
+    if cfg.sliding_window is not None:
+        print(f"               sliding window of {cfg.sliding_window} on every layer: a sequence holds at most "
+              f"{held} tokens of KV, whatever its context")
+    elif local:
+        print(f"               {local} of {cfg.num_layers} layers are local (window "
+              f"{max(w for w in cfg.layer_windows if w)}): they attend less, but the cache holds every layer "
+              "at every token")
     print(f"adapter pool   {fmt_bytes(plan.adapter_pool):>12}   ({plan.adapters_fit} adapters of rank "
           f"{args.adapter_rank} on all 7 projections at {fmt_bytes(plan.adapter_bytes)} each; each adapter "
           f"takes its own rank's share; LORAMUX_ADAPTER_POOL_BYTES, default LORAMUX_KV_CACHE_BYTES)")

@@ -61,11 +61,21 @@ def weight_bytes(cfg: ModelConfig, dtype_bytes: int, quantization: str = "none")
     return float_params * dtype_bytes + linear + v * h + 4 * scales
 
 
+def kv_tokens_held(cfg: ModelConfig, context_len: int, block_size: int = 16) -> int:
+    """KV tokens one sequence of `context_len` holds. A model windowed on every layer (Mistral v0.1) gives back
+    the blocks that left the window, keeping at most the window plus two blocks (the partial blocks at either
+    end); a model with any global layer (Gemma's mix, Llama, Qwen) holds every layer at every token, local
+    layers included, since the paged cache has one block table per sequence for all layers."""
+    window = cfg.sliding_window
+    return context_len if window is None else min(context_len, window + 2 * block_size)
+
+
 def plan_memory(cfg: ModelConfig, dtype_bytes: int, context_len: int, batch_size: int, adapter_pool: int,
-                adapter_rank: int, quantization: str = "none") -> MemoryPlan:
-    """weights: see `weight_bytes`; KV per token = 2 x layers x kv_heads x head_dim x bytes; an
-    adapter = rank x sum over the 7 projections of (d_in + d_out) x layers x bytes (the device pool holds
-    each adapter at its own rank, so this is exact for one targeting every projection)."""
+                adapter_rank: int, quantization: str = "none", block_size: int = 16) -> MemoryPlan:
+    """weights: see `weight_bytes`; KV per token = 2 x layers x kv_heads x head_dim x bytes, times the
+    tokens a sequence holds (`kv_tokens_held`); an adapter = rank x sum over the 7 projections of
+    (d_in + d_out) x layers x bytes (the device pool holds each adapter at its own rank, so this is exact for
+    one targeting every projection)."""
     h, i = cfg.hidden_size, cfg.intermediate_size
     dims = [(h, cfg.q_size), (h, cfg.kv_size), (h, cfg.kv_size), (cfg.q_size, h), (h, i), (h, i), (i, h)]
     per_slot = adapter_rank * sum(a + b for a, b in dims) * cfg.num_layers * dtype_bytes
@@ -73,7 +83,7 @@ def plan_memory(cfg: ModelConfig, dtype_bytes: int, context_len: int, batch_size
     return MemoryPlan(
         weights=weight_bytes(cfg, dtype_bytes, quantization),
         kv_per_token=kv_token,
-        kv_cache=kv_token * context_len * batch_size,
+        kv_cache=kv_token * kv_tokens_held(cfg, context_len, block_size) * batch_size,
         adapter_bytes=per_slot,
         adapter_pool=adapter_pool,
     )

@@ -47,3 +47,46 @@ def test_bad_model_and_settings_give_a_clear_error(capsys, monkeypatch, tmp_path
     monkeypatch.setenv("LORAMUX_ADAPTERS", "oops")
     assert main(["serve", "--model", str(tmp_path / "nope")]) == 2
     assert "name=/path/to/adapter" in capsys.readouterr().err
+
+
+PLAN_FAMILIES = {
+    "qwen3": ("qwen3", {"head_dim": 32}),
+    "gemma2": ("gemma2", {"head_dim": 16}),
+    "gemma3": ("gemma3_text", {"head_dim": 16, "num_hidden_layers": 6, "sliding_window": 64}),
+    "phi3": ("phi3", {"pad_token_id": 0}),
+    "qwen2": ("qwen2", {}),
+    "mistral-window": ("mistral", {"sliding_window": 64}),
+}
+
+
+@pytest.mark.parametrize("family", sorted(PLAN_FAMILIES))
+def test_each_family_counts_its_parameters_as_hf_does(family):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, overrides = PLAN_FAMILIES[family]
+    config = AutoConfig.for_model(model_type, **{"vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
+                                                 "num_hidden_layers": 2, "num_attention_heads": 4,
+                                                 "num_key_value_heads": 2, **overrides})
+    hf = AutoModelForCausalLM.from_config(config)
+    ours = ModelConfig.from_hf(config.to_dict())
+    assert ours.num_parameters() == sum(p.numel() for p in hf.parameters())  # tied weights counted once
+
+
+def test_the_plan_names_the_family_and_caps_windowed_kv(tmp_path, capsys):
+    from transformers import AutoConfig
+
+    for model_type, overrides, expect in [
+        ("mistral", {"sliding_window": 512}, "sliding window of 512 on every layer: a sequence holds at most 544"),
+        ("gemma3_text", {"sliding_window": 512}, "5 of 6 layers are local (window 512)"),
+    ]:
+        config = AutoConfig.for_model(model_type, vocab_size=1000, hidden_size=256, intermediate_size=512,
+                                      num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                                      **overrides)
+        path = tmp_path / f"{model_type}.json"
+        path.write_text(json.dumps(config.to_dict()))
+        assert main(["plan", "--config", str(path), "--context-len", "4096", "--batch-size", "2"]) == 0
+        out = capsys.readouterr().out
+        assert f"model: {model_type}," in out and expect in out, out
+    cfg = ModelConfig.from_hf(json.loads((tmp_path / "mistral.json").read_text()))
+    full = plan_memory(cfg, 2, 4096, 2, 0, 16, block_size=16)
+    assert full.kv_cache == full.kv_per_token * (512 + 32) * 2
