@@ -27,6 +27,7 @@ import concurrent.futures
 import threading
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -44,14 +45,25 @@ def _a_buffer(num_slots: int, rows: int, d_in: int, dtype: torch.dtype, device: 
     return torch.zeros(num_slots, rows, d_in, dtype=dtype, device=device)
 
 
-BucketKey = tuple[int, tuple[str, ...]]  # (rank, merged projection paths targeted, in model order)
+class BucketKey(NamedTuple):
+    """The shape every slot of a bucket has; adapters of equal keys share a bucket. A tuple, so keys order
+    (decode rows sort by bucket) and hash. Fields past `paths` default to "the plain case", so a plain LoRA
+    adapter's key is (rank, paths) with the defaults; each adapter format that changes a slot's shape or
+    what a row computes records it in its own field."""
+
+    rank: int  # the rank of every targeted (layer, projection) unless `layer_ranks` says otherwise
+    paths: tuple[str, ...]  # merged projection paths targeted, in model order
+    layer_ranks: tuple = ()  # per-module ranks / layer subsets (empty: every layer of `paths` at `rank`)
+    dora: bool = False  # slots carry DoRA's per-output-channel magnitude scale
+    extras: tuple = ()  # per-slot tensors outside the decoder projections (embedding LoRA, trained heads)
 
 
 class _Bucket:
     """The slot stacks of one bucket: per layer, per projection path it covers, its LoRALayerWeights."""
 
     def __init__(self, model: LlamaModel, key: BucketKey, capacity: int, dtype: torch.dtype, device: torch.device):
-        (rank, paths), self.capacity = key, capacity
+        key = BucketKey(*key)
+        rank, paths, self.capacity = key.rank, key.paths, capacity
         self.rank = rank
         self.scale = torch.zeros(capacity, dtype=torch.float32, device=device)  # one per slot, all projections
         self.weights: dict[tuple[int, str], LoRALayerWeights] = {}
@@ -106,12 +118,12 @@ class DevicePool:
     def bucket_of(self, adapter: LoRAAdapter) -> BucketKey:
         """The bucket an adapter belongs in: its rank and the merged projections it targets."""
         paths = {PROJECTION_SLICES[target][0] for _, target in adapter.weights}
-        return adapter.rank, tuple(p for p in LORA_MODULES if p in paths)
+        return BucketKey(adapter.rank, tuple(p for p in LORA_MODULES if p in paths))
 
     def slot_bytes(self, key: BucketKey) -> int:
         """Device bytes one slot of bucket `key` occupies (its projections, every layer)."""
-        rank, paths = key
-        return rank * sum(self.bytes_per_rank[p] for p in paths)
+        key = BucketKey(*key)
+        return key.rank * sum(self.bytes_per_rank[p] for p in key.paths)
 
     def capacity(self, key: BucketKey) -> int:
         bucket = self.buckets.get(key)

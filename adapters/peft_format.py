@@ -51,6 +51,15 @@ class LoRAAdapter:
     target_modules: tuple[str, ...]
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
     digest: str = ""
+    # Formats beyond one r / lora_alpha on whole projections; each empty for a plain adapter.
+    module_scales: dict[tuple[int, str], float] = field(default_factory=dict)  # where a module's scale != `scale`
+    magnitudes: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict, repr=False)  # DoRA m [d_out]
+    embedding: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)  # LoRA on embed_tokens
+    heads: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)  # modules_to_save: name -> weight
+
+    def scale_of(self, key: tuple[int, str]) -> float:
+        """The scale of module `key` = (layer, target): its own under rank/alpha patterns, else `scale`."""
+        return self.module_scales.get(key, self.scale)
 
     @property
     def scale(self) -> float:
