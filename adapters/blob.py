@@ -1,7 +1,8 @@
 """The stored form of one adapter version: a single canonical safetensors blob, addressed by its sha256.
 
-Tensors are named `layers.<i>.<target>.lora_A|B` and keep their uploaded dtype; the normalised LoRA
-config (r, lora_alpha, use_rslora, target_modules) rides in the safetensors metadata. Every download is
+Tensors are named `layers.<i>.<target>.lora_A|B` (an embedding LoRA `embed_tokens.lora_A|B`, trained heads
+`heads.<name>`: see `pack`) and keep their uploaded dtype; the normalised LoRA config (r, lora_alpha,
+use_rslora, target_modules) rides in the safetensors metadata. Every download is
 checked against the digest before it is parsed, so a corrupt or substituted object is never served.
 """
 from __future__ import annotations
@@ -12,7 +13,7 @@ import json
 import torch
 from safetensors.torch import load as load_safetensors_bytes
 
-from loramux.adapters.peft_format import TARGETS, AdapterFormatError, LoRAAdapter
+from loramux.adapters.peft_format import TARGETS, AdapterFormatError, LoRAAdapter, float_heads
 
 FORMAT = "loramux-lora/1"
 
@@ -25,20 +26,38 @@ def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def pack(rank: int, alpha: float, use_rslora: bool, target_modules, tensors) -> tuple[bytes, str]:
-    """Serialise validated weights {(layer, target): (A, B)}; returns (blob, sha256 hex digest)."""
+def pack(rank: int, alpha: float, use_rslora: bool, target_modules, tensors, *, embedding=None,
+         heads=None) -> tuple[bytes, str]:
+    """Serialise validated weights {(layer, target): (A, B)}; returns (blob, sha256 hex digest).
+    `embedding` (A, B) and `heads` {name: tensor} are an adapter's embedding LoRA and trained heads (see
+    adapters/heads.py): stored as `embed_tokens.lora_A|B` and `heads.<name>`; a head that is the same tensor
+    as another (a tied head) is stored once and named in the metadata's `aliases`."""
     config = {"r": int(rank), "lora_alpha": float(alpha), "use_rslora": bool(use_rslora),
               "target_modules": [t for t in TARGETS if t in set(target_modules)]}
     header: dict = {"__metadata__": {"config": json.dumps(config, sort_keys=True), "format": FORMAT}}
+    named = [(f"layers.{layer}.{target}.lora_{kind}", tensor)
+             for (layer, target), (a, b) in sorted(tensors.items(), key=lambda kv: (kv[0][0], TARGETS.index(kv[0][1])))
+             for kind, tensor in (("A", a), ("B", b))]
+    if embedding is not None:
+        named += [("embed_tokens.lora_A", embedding[0]), ("embed_tokens.lora_B", embedding[1])]
+    aliases, flags, first = {}, [], {}
+    for name, tensor in sorted((heads or {}).items()):
+        if tensor.numel() == 0:  # a marker (e.g. heads.TIED_LORA)
+            flags.append(name)
+        elif id(tensor) in first:
+            aliases[name] = first[id(tensor)]
+        else:
+            first[id(tensor)] = name
+            named.append((f"heads.{name}", tensor))
+    if aliases or flags:
+        header["__metadata__"]["heads"] = json.dumps({"aliases": aliases, "flags": flags}, sort_keys=True)
     chunks, offset = [], 0
-    for (layer, target), (a, b) in sorted(tensors.items(), key=lambda kv: (kv[0][0], TARGETS.index(kv[0][1]))):
-        for kind, tensor in (("A", a), ("B", b)):
-            data = tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
-            header[f"layers.{layer}.{target}.lora_{kind}"] = {
-                "dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape),
-                "data_offsets": [offset, offset + len(data)]}
-            chunks.append(data)
-            offset += len(data)
+    for name, tensor in named:
+        data = tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+        header[name] = {"dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + len(data)]}
+        chunks.append(data)
+        offset += len(data)
     # Written by hand, not with safetensors.save: its header order is not stable across processes, and
     # the digest must be a function of the content alone.
     text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
@@ -47,7 +66,7 @@ def pack(rank: int, alpha: float, use_rslora: bool, target_modules, tensors) -> 
     return blob, sha256_hex(blob)
 
 
-_DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+_DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64"}
 
 
 def unpack(blob: bytes, name: str, digest: str | None = None) -> LoRAAdapter:
@@ -65,10 +84,17 @@ def unpack(blob: bytes, name: str, digest: str | None = None) -> LoRAAdapter:
     tensors = load_safetensors_bytes(blob)
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     for key in tensors:
-        if key.endswith(".lora_A"):
+        if key.startswith("layers.") and key.endswith(".lora_A"):
             _, layer, target, _ = key.split(".")
             b = tensors[key[:-1] + "B"]
             weights[(int(layer), target)] = (tensors[key].float().contiguous(), b.float().contiguous())
+    embedding = (tensors["embed_tokens.lora_A"], tensors["embed_tokens.lora_B"]) \
+        if "embed_tokens.lora_A" in tensors else None
+    heads = {key[len("heads."):]: tensor for key, tensor in tensors.items() if key.startswith("heads.")}
+    extra = json.loads(metadata.get("heads", "{}"))
+    heads.update({alias: heads[source] for alias, source in extra.get("aliases", {}).items()})
+    heads.update({flag: torch.empty(0) for flag in extra.get("flags", [])})
+    embedding, heads = float_heads(embedding, heads)
     return LoRAAdapter(name=name, rank=config["r"], alpha=config["lora_alpha"], use_rslora=config["use_rslora"],
                        target_modules=tuple(config["target_modules"]), weights=weights,
-                       digest=digest or sha256_hex(blob))
+                       digest=digest or sha256_hex(blob), embedding=embedding, heads=heads)

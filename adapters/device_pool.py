@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 import torch
 
+from loramux.adapters import head_slots
 from loramux.adapters.peft_format import LoRAAdapter
 from loramux.kernels.wrapper import LoRALayerWeights, LoRAWrapper
 from loramux.model.llama import LORA_MODULES, PROJECTION_SLICES, LlamaModel
@@ -78,6 +79,9 @@ class _Bucket:
                    for _, size in module.slices],
                 offsets=[module.slice_range(name)[0] for name, _ in module.slices],
                 scale=self.scale, names=[name for name, _ in module.slices], targeted=[False] * capacity)
+        # Embedding LoRA and trained heads (adapters/head_slots.py): one stack per buffer, slots first.
+        cfg = model.config
+        self.extras = head_slots.allocate(key.extras, capacity, cfg.vocab_size, cfg.hidden_size, dtype, device)
 
     def copy_slot(self, src: _Bucket, src_slot: int, dst_slot: int) -> None:
         for key, weights in self.weights.items():
@@ -87,6 +91,8 @@ class _Bucket:
                 b[dst_slot].copy_(other_b[src_slot])
             weights.set_targeted(dst_slot, other.targeted[src_slot])
         self.scale[dst_slot] = src.scale[src_slot]
+        for name, stack in self.extras.items():
+            stack[dst_slot].copy_(src.extras[name][src_slot])
 
 
 class DevicePool:
@@ -104,6 +110,9 @@ class DevicePool:
         self.wrapper = LoRAWrapper(lora_impl, self.device, self._weights_of)
         for layer, path, module in model.lora_modules():
             module.lora_wrapper, module.lora_key = self.wrapper, (layer, path)
+        # Embedding LoRA and trained heads: the model asks the same wrapper, which reads the slots' extras.
+        self.wrapper.extras_of = self._extras_of
+        model.lora_wrapper = self.wrapper
         self._lock = threading.Lock()  # one copy at a time into the pool: loads, swaps, resizes
         # One copy thread. On CPU it copies with one OpenMP thread: a second team of intra-op threads next
         # to the engine's would contend for the same cores (measured: 6x slower decode steps while both
@@ -118,12 +127,17 @@ class DevicePool:
     def bucket_of(self, adapter: LoRAAdapter) -> BucketKey:
         """The bucket an adapter belongs in: its rank and the merged projections it targets."""
         paths = {PROJECTION_SLICES[target][0] for _, target in adapter.weights}
-        return BucketKey(adapter.rank, tuple(p for p in LORA_MODULES if p in paths))
+        head_slots.absorb_base_copies(adapter, self.model)  # once: PEFT's saved copies of the base embedding
+        extras = head_slots.extras_of(adapter)
+        key = BucketKey(adapter.rank, tuple(p for p in LORA_MODULES if p in paths))
+        return key._replace(extras=extras) if extras else key
 
     def slot_bytes(self, key: BucketKey) -> int:
-        """Device bytes one slot of bucket `key` occupies (its projections, every layer)."""
+        """Device bytes one slot of bucket `key` occupies (its projections, every layer, and its extras)."""
         key = BucketKey(*key)
-        return key.rank * sum(self.bytes_per_rank[p] for p in key.paths)
+        cfg = self.model.config
+        return key.rank * sum(self.bytes_per_rank[p] for p in key.paths) + \
+            head_slots.extras_bytes(key.extras, cfg.vocab_size, cfg.hidden_size, torch.finfo(self.dtype).bits // 8)
 
     def capacity(self, key: BucketKey) -> int:
         bucket = self.buckets.get(key)
@@ -138,6 +152,10 @@ class DevicePool:
     def _weights_of(self, key: BucketKey, module: tuple[int, str]) -> LoRALayerWeights | None:
         bucket = self.buckets.get(key)
         return None if bucket is None else bucket.weights.get(module)
+
+    def _extras_of(self, key: BucketKey) -> dict[str, torch.Tensor]:
+        bucket = self.buckets.get(key)
+        return {} if bucket is None else bucket.extras
 
     # -- operations (called by the residency) ------------------------------------------------------
     def resize(self, key: BucketKey, capacity: int, keep: list[int], then: Callable[[], None] = lambda: None) -> None:
@@ -170,6 +188,8 @@ class DevicePool:
                 weights.set_targeted(i, flag_j)
                 weights.set_targeted(j, flag_i)
             bucket.scale[[i, j]] = bucket.scale[[j, i]]
+            for stack in bucket.extras.values():
+                stack[[i, j]] = stack[[j, i]]
             then()
 
     def load(self, key: BucketKey, slot_of: Callable[[], int], adapter: LoRAAdapter) -> concurrent.futures.Future:
@@ -212,6 +232,7 @@ class DevicePool:
             weights.b[index][slot].copy_(b, non_blocking=True)
             weights.set_targeted(slot, True)
         bucket.scale[slot] = adapter.scale
+        head_slots.write(bucket.extras, slot, adapter)
 
     def shutdown(self) -> None:
         if self._loader is not None:

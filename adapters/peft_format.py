@@ -1,8 +1,10 @@
 """Reading a PEFT LoRA adapter (`adapter_config.json` + `adapter_model.safetensors`) for a base model.
 
 Supported: peft_type LORA, r, lora_alpha, use_rslora, target_modules any subset of the q/k/v/o/gate/up/down
-projections (names or a regex, as PEFT accepts). Refused with a clear message for now: DoRA, embedding /
-lm_head targets, per-module rank or alpha patterns, layer subsets, fan_in_fan_out, trained biases.
+projections (names or a regex, as PEFT accepts); LoRA on embed_tokens, modules_to_save of lm_head /
+embed_tokens and trainable_token_indices (`embedding` and `heads`: see adapters/heads.py). Refused with a
+clear message for now: DoRA, LoRA on lm_head, added tokens (a resized vocabulary), per-module rank or alpha
+patterns, layer subsets, fan_in_fan_out, trained biases.
 Every check lives in `validation.py` (the same path as uploads, base-model rule included: give
 `base_model_id`, the served model's name, to have `base_model_name_or_path` checked exactly as an upload's);
 this module turns a validated adapter into the float32 `LoRAAdapter` the engine serves, with its content digest.
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from loramux.adapters.heads import heads_nbytes
 from loramux.adapters.validation import (
     ALLOWED_FILENAMES,
     TARGETS,
@@ -55,7 +58,7 @@ class LoRAAdapter:
     module_scales: dict[tuple[int, str], float] = field(default_factory=dict)  # where a module's scale != `scale`
     magnitudes: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict, repr=False)  # DoRA m [d_out]
     embedding: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)  # LoRA on embed_tokens
-    heads: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)  # modules_to_save: name -> weight
+    heads: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)  # trained heads: adapters/heads.py
 
     def scale_of(self, key: tuple[int, str]) -> float:
         """The scale of module `key` = (layer, target): its own under rank/alpha patterns, else `scale`."""
@@ -68,7 +71,8 @@ class LoRAAdapter:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values()) \
+            + heads_nbytes(self.embedding, self.heads)
 
 
 def parse_config(raw: bytes | str) -> dict:
@@ -92,8 +96,24 @@ def build_adapter(name: str, config_raw: bytes | str, weights_raw: bytes, cfg: M
 def _to_lora_adapter(name: str, validated: ValidatedAdapter, weights_sha256: bytes) -> LoRAAdapter:
     weights = {key: (a.float().contiguous(), b.float().contiguous()) for key, (a, b) in validated.tensors.items()}
     digest = hashlib.sha256(hashlib.sha256(_canonical(validated.config)).digest() + weights_sha256)
+    embedding, heads = float_heads(validated.embedding, validated.heads)
     return LoRAAdapter(name=name, rank=validated.rank, alpha=validated.alpha, use_rslora=validated.use_rslora,
-                       target_modules=validated.target_modules, weights=weights, digest=digest.hexdigest())
+                       target_modules=validated.target_modules, weights=weights, digest=digest.hexdigest(),
+                       embedding=embedding, heads=heads)
+
+
+def float_heads(embedding, heads):
+    """The embedding LoRA and head tensors as served on the host: float32 (token indices stay int64), a
+    tensor shared by two heads (a tied head) still shared."""
+    done: dict[int, torch.Tensor] = {}
+
+    def conv(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in done:
+            done[id(t)] = t.contiguous() if not t.is_floating_point() else t.float().contiguous()
+        return done[id(t)]
+
+    return (None if embedding is None else (conv(embedding[0]), conv(embedding[1])),
+            {name: conv(t) for name, t in heads.items()})
 
 
 def _canonical(config: Mapping) -> bytes:

@@ -20,6 +20,9 @@ with a stable `code`:
              bad_alpha, base_model_mismatch
   weights    unknown_tensor, unsupported_target, layer_out_of_range, shape_mismatch, duplicate_tensor,
              no_lora_weights, target_mismatch, missing_tensor, non_finite
+  heads      vocab_mismatch (an embedding or head with another vocabulary: added tokens), head_too_large
+             (above `UploadLimits.max_head_bytes`); embed_tokens / lm_head tensors the config does not ask for
+             are unknown_tensor, a LoRA on lm_head unsupported_target (see adapters/heads.py)
 
 Messages never contain server paths (file contents given as paths are only ever named by their upload name).
 
@@ -41,7 +44,7 @@ import os
 import re
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -51,6 +54,18 @@ try:  # linear-time regex engine for client-given target_modules patterns (see t
 except ImportError:  # pragma: no cover - google-re2 is a dependency; without it regex targets are refused
     re2 = None
 
+from loramux.adapters.heads import (
+    EMBED,
+    HEAD,
+    HEAD_MODULES,
+    assemble,
+    check_head_tensors,
+    drop_tied_copies,
+    head_config,
+    head_tensor,
+    heads_nbytes,
+    plan_heads,
+)
 from loramux.adapters.safetensors_header import ByteSource, TensorEntry, looks_like_pickle, parse_header, read_tensor
 from loramux.adapters.validation_common import (
     ALLOWED_FILENAMES,
@@ -100,7 +115,7 @@ _CODE_HOOK_KEYS = frozenset({"auto_map", "auto_class", "trust_remote_code", "cus
 @dataclass
 class ValidatedAdapter:
     """A validated upload. `tensors[(layer, target)] = (A [r, d_in], B [d_out, r])` in the file's dtype, on CPU,
-    contiguous and owning their memory; `nbytes` is the size of those tensors."""
+    contiguous and owning their memory; `nbytes` is the size of those tensors and of the head tensors."""
 
     config: dict
     rank: int
@@ -110,6 +125,9 @@ class ValidatedAdapter:
     tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
     nbytes: int
     base_model: str | None = None  # base_model_name_or_path as the config claims it (printable, capped)
+    # LoRA on embed_tokens (A [r, vocab], B [hidden, r]) and trained heads: see adapters/heads.py.
+    embedding: tuple[torch.Tensor, torch.Tensor] | None = None
+    heads: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -279,10 +297,7 @@ def validate_config(raw: bytes | str, max_rank: int | None = None) -> dict:
     if config.get("layers_to_transform") is not None:
         raise fail("unsupported_option",
                    "layers_to_transform is not supported yet; the adapter must cover every layer")
-    modules_to_save = config.get("modules_to_save")
-    if modules_to_save:
-        raise fail("unsupported_option",
-                   f"modules_to_save={show(modules_to_save)} (fully trained layers) is not supported")
+    head_config(config, embedding_targeted=False)  # modules_to_save / trainable_token_indices (adapters/heads.py)
     rank, alpha = config.get("r"), config.get("lora_alpha")
     if not isinstance(rank, int) or isinstance(rank, bool):
         raise fail("bad_rank", f"r must be a positive integer, got {show(rank)}")
@@ -341,18 +356,20 @@ def check_base_model(claimed, base_model_id: str | None, allow_mismatch: bool = 
 
 # ----------------------------------------------------------------------------------------------- weights
 
-def _check_entries(entries: list[TensorEntry], base: ModelConfig, rank: int, declared: set[str] | _TargetPattern
-                   ) -> tuple[list[str], dict[tuple[int, str], dict[str, TensorEntry]]]:
+def _check_entries(entries: list[TensorEntry], base: ModelConfig, rank: int, declared: set[str] | _TargetPattern,
+                   heads_only_ok: bool = False) -> tuple[list[str], dict[tuple[int, str], dict[str, TensorEntry]]]:
+    """The decoder-projection tensors (head-module tensors are checked by `_head_entries`); `heads_only_ok`:
+    the adapter changes the embedding or head, so it may target no projection at all."""
     shapes = checkpoint_shapes(base)
     names = base_targets(base)
     found: dict[tuple[int, str], dict[str, TensorEntry]] = {}
     for entry in entries:
         match = _TENSOR_NAME.match(entry.name)
         if match is None:
-            if "embed_tokens" in entry.name or "lm_head" in entry.name:
-                raise fail("unsupported_target", "embedding / lm_head LoRA targets are not supported yet")
             raise fail("unknown_tensor", f"unexpected tensor {show(entry.name)}: only LoRA A/B weights of "
-                                          f"{', '.join(names)} are accepted")
+                                          f"{', '.join(names)}, and of embed_tokens / lm_head as the config "
+                                          "asks (target_modules, modules_to_save, trainable_token_indices), "
+                                          "are accepted")
         layer, target, kind = int(match.group(1)), match.group(2), match.group(3)
         if target not in shapes:
             raise fail("unsupported_target", f"tensor {show(entry.name)} targets {show(target)}; supported "
@@ -370,10 +387,11 @@ def _check_entries(entries: list[TensorEntry], base: ModelConfig, rank: int, dec
             raise fail("duplicate_tensor", f"layer {layer} {target} has lora_{kind} twice (e.g. with and "
                                             "without an adapter-name suffix)")
         pair[kind] = entry
-    if not found:
+    if not found and not heads_only_ok:
         raise fail("no_lora_weights", f"{WEIGHTS_FILE} holds no LoRA weights")
     targets = sorted({t for _, t in found}, key=names.index)
     if isinstance(declared, set):
+        declared = declared - set(HEAD_MODULES)
         if set(targets) != declared & set(names) or declared - set(names):
             raise fail("target_mismatch", f"weights target {targets} but {CONFIG_FILE} declares "
                                            f"{sorted(declared)}; they must be the same projections")
@@ -426,7 +444,10 @@ def validate_adapter_files(files: Mapping[str, bytes | Path], base: ModelConfig,
         rank, declared = config["r"], _targets_from_config(config, base)
 
         entries, data_start = parse_header(weights_src, limits)
-        targets, found = _check_entries(entries, base, rank, declared)
+        hc = head_config(config, _embedding_targeted(declared))
+        head_entries, entries = _head_entries(entries, hc, rank, base, limits)
+        targets, found = _check_entries(entries, base, rank, declared, heads_only_ok=hc.any)
+        head_tensors = {key: read_tensor(weights_src, data_start, entry) for key, entry in head_entries.items()}
         tensors, nbytes = {}, 0
         for key in [(layer, t) for layer in range(base.num_layers) for t in targets]:
             a = read_tensor(weights_src, data_start, found[key]["A"])
@@ -436,9 +457,58 @@ def validate_adapter_files(files: Mapping[str, bytes | Path], base: ModelConfig,
     if base.fused_projections:
         tensors = split_fused(tensors, base)
         targets = [t for t in TARGETS if any(part == t for _, part in tensors)]
+    embedding, heads = None, {}
+    if head_tensors:
+        plan = plan_heads(hc, rank, base.vocab_size, base.hidden_size, base.tie_word_embeddings)
+        drop_tied_copies(head_tensors, plan)
+        embedding, heads = assemble(head_tensors, plan, hc)
     return ValidatedAdapter(config=config, rank=rank, alpha=float(config["lora_alpha"]),
                             use_rslora=bool(config.get("use_rslora", False)), target_modules=tuple(targets),
-                            tensors=tensors, nbytes=nbytes, base_model=claimed_base)
+                            tensors=tensors, nbytes=nbytes + heads_nbytes(embedding, heads), base_model=claimed_base,
+                            embedding=embedding, heads=heads)
+
+
+def _embedding_targeted(declared: set[str] | _TargetPattern) -> bool:
+    """Whether target_modules selects embed_tokens (PEFT: a name matches as the key or its last part; a regex
+    matches the whole module name) and refuse a LoRA on lm_head (PEFT's Linear LoRA on the output head)."""
+    if isinstance(declared, set):
+        hits = {m for m in HEAD_MODULES if m in declared}
+    else:
+        hits = {m for m, name in ((EMBED, "model.embed_tokens"), (HEAD, "lm_head")) if declared.matches(name)}
+    if HEAD in hits:
+        raise fail("unsupported_target", "target_modules selects lm_head: LoRA on the output head is not supported; "
+                                          "train it with modules_to_save=[\"lm_head\"] (a full head) or "
+                                          "trainable_token_indices (a few token rows) instead")
+    return EMBED in hits
+
+
+def _head_entries(entries: list[TensorEntry], hc, rank: int, base: ModelConfig, limits: UploadLimits
+                  ) -> tuple[dict[tuple[str, str], TensorEntry], list[TensorEntry]]:
+    """Split off the embed_tokens / lm_head tensors, check them against the config (adapters/heads.py) and the
+    head size limit; returns ({(module, kind): entry}, the other entries)."""
+    heads: dict[tuple[str, str], TensorEntry] = {}
+    rest = []
+    for entry in entries:
+        key = head_tensor(entry.name)
+        if key is None:
+            rest.append(entry)
+            continue
+        if key in heads:
+            raise fail("duplicate_tensor", f"{key[0]} has {key[1]} twice ({show(heads[key].name)} and "
+                                            f"{show(entry.name)})")
+        heads[key] = entry
+    plan = plan_heads(hc, rank, base.vocab_size, base.hidden_size, base.tie_word_embeddings)
+    check_head_tensors({k: (e.name, e.shape) for k, e in heads.items()}, plan, hc, base.vocab_size, base.hidden_size)
+    size = sum(e.end - e.begin for e in heads.values())
+    if limits.max_head_bytes is not None and size > limits.max_head_bytes:
+        copies = [e.name for (_, kind), e in heads.items() if kind == "base"]
+        hint = (f" ({show(copies[0])} is PEFT's copy of the base embedding: save with save_embedding_layers=False "
+                "to leave it out)") if copies else ""
+        raise fail("head_too_large", f"the adapter's embedding and head tensors hold {size} bytes, above this "
+                                      f"server's limit of {limits.max_head_bytes} bytes for trained heads "
+                                      f"(LORAMUX_MAX_ADAPTER_HEAD_BYTES){hint}; use trainable_token_indices for a "
+                                      "few tokens instead of a full head, or ask the operator to raise the limit")
+    return heads, rest
 
 
 def _fusion_hint(base: ModelConfig, target: str) -> str:

@@ -33,6 +33,7 @@ class UploadLimits:
     max_header_bytes: int = 16 * 1024**2  # safetensors JSON header cap
     max_tensors: int = 4096  # tensor-count cap
     max_rank: int = 64
+    max_head_bytes: int | None = None  # embedding / head tensors (modules_to_save, ...) cap; None: none
 
 
 def fail(code: str, message: str) -> AdapterValidationError:

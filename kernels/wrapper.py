@@ -7,6 +7,10 @@ where rows without an adapter are left untouched. Adapters live in rank buckets 
 exactly, so each row costs its own adapter's rank. The engine sets each row's location (rank, slot) once per step; every
 layer then calls `apply` with its own key, and the wrapper runs the shared ops once per bucket present,
 on the span of rows that bucket's adapters cover.
+
+Adapters that change the embedding or the output head (embedding LoRA, trained lm_head / embed_tokens,
+trainable tokens) are served through the same wrapper: the model calls `embed` and `logits` when the
+step has such rows (`embeds`, `replaces_logits`); see loramux.kernels.head_rows for their semantics.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from loramux.kernels.head_rows import StepHeads
 from loramux.kernels.ops import LoRABatch, LoRACost, lora_shrink_expand, resolve_lora_impl
 
 Location = tuple[object, int]  # (bucket key, slot in it): see loramux.adapters.device_pool
@@ -73,12 +78,21 @@ class LoRAWrapper:
         self.weights_of = weights_of
         self.buckets: list[_BucketRows] = []
         self.cost = LoRACost()  # what the LoRA path touched since the last reset (tests)
+        # Embedding LoRA and trained heads: `extras_of(bucket)` gives a bucket's extra buffers (the device
+        # pool sets it); `heads` holds this step's rows of such buckets, None when the step has none.
+        self.extras_of: Callable[[object], dict] = lambda bucket: {}
+        self.heads: StepHeads | None = None
 
-    def set_batch(self, locations: Sequence[Location | None] | None) -> None:
-        """Per step: each row's adapter location, None for a base-model row (or no list at all)."""
+    def set_batch(self, locations: Sequence[Location | None] | None, logit_rows: Sequence[int] | None = None) -> None:
+        """Per step: each row's adapter location, None for a base-model row (or no list at all), and the rows
+        whose logits the step computes (`logit_rows`, in logits order: for trained heads)."""
         self.buckets = []
+        self.heads = None
         if not locations:
             return
+        if any(location is not None and getattr(location[0], "extras", ()) for location in locations):
+            self.heads = StepHeads(locations, self.extras_of, self.device)
+            self.heads.set_logit_rows(logit_rows or [])
         rows_of: dict[object, list[int]] = {}
         for row, location in enumerate(locations):
             if location is not None:
@@ -90,6 +104,25 @@ class LoRAWrapper:
                 slot_map[row - start] = locations[row][1]
             mask = sum(1 << slot for slot in {locations[row][1] for row in rows})
             self.buckets.append(_BucketRows(bucket, start, stop, LoRABatch.from_slot_map(slot_map, self.device), mask))
+
+    # -- embedding LoRA and trained heads (loramux.kernels.head_rows) ---------------------------------
+    @property
+    def embeds(self) -> bool:
+        """Whether this step has rows whose embedding an adapter changes (then the model calls `embed`)."""
+        return self.heads is not None and self.heads.embeds
+
+    @property
+    def replaces_logits(self) -> bool:
+        """Whether this step's logits rows include an adapter's trained head (then the model calls `logits`)."""
+        return self.heads is not None and self.heads.heads
+
+    def embed(self, x: torch.Tensor, ids: torch.Tensor, embed_scale: float | None) -> torch.Tensor:
+        """The step's embeddings with each row's adapter's changes, the model's `embed_scale` applied."""
+        return self.heads.embed(x, ids, embed_scale)
+
+    def logits(self, hidden: torch.Tensor, base_head: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Logits of the step's logits rows: each row's adapter's head where it has one, `base_head` else."""
+        return self.heads.logits(hidden, base_head)
 
     def apply(self, y: torch.Tensor, x: torch.Tensor, key: tuple[int, str] | None) -> torch.Tensor:
         """Add the LoRA deltas of this step's adapters to y = base(x), in place; returns y."""

@@ -111,6 +111,9 @@ def cmd_plan(args, settings: Settings) -> int:
     print(f"adapter pool   {fmt_bytes(plan.adapter_pool):>12}   ({plan.adapters_fit} adapters of rank "
           f"{args.adapter_rank} on all 7 projections at {fmt_bytes(plan.adapter_bytes)} each; each adapter "
           f"takes its own rank's share; LORAMUX_ADAPTER_POOL_BYTES, default LORAMUX_KV_CACHE_BYTES)")
+    print(f"               an adapter with a trained lm_head or embed_tokens (modules_to_save) holds "
+          f"{fmt_bytes(plan.head_bytes)} more per head; trainable tokens and an embedding LoRA cost only their "
+          "rows")
     print(f"total          {fmt_bytes(plan.total):>12}")
     if args.memory:
         try:

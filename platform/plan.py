@@ -34,6 +34,7 @@ class MemoryPlan:
     kv_cache: int
     adapter_bytes: int  # one adapter of the planned rank on all 7 projections
     adapter_pool: int
+    head_bytes: int = 0  # what a fully trained lm_head or embed_tokens (modules_to_save) adds to an adapter
 
     @property
     def adapters_fit(self) -> int:
@@ -86,4 +87,5 @@ def plan_memory(cfg: ModelConfig, dtype_bytes: int, context_len: int, batch_size
         kv_cache=kv_token * kv_tokens_held(cfg, context_len, block_size) * batch_size,
         adapter_bytes=per_slot,
         adapter_pool=adapter_pool,
+        head_bytes=cfg.vocab_size * h * dtype_bytes,  # the device pool holds it whole (adapters/head_slots.py)
     )

@@ -85,6 +85,9 @@ class Settings(BaseSettings):
     disk_cache_bytes: int = 4 * 1024**3  # local disk cache of adapter blobs
     host_cache_bytes: int = 2 * 1024**3  # adapters held in host RAM (unpinned ones evicted LRU)
     max_upload_bytes: int = 512 * 1024**2  # largest adapter_model.safetensors accepted
+    # Largest embedding / head part of an upload (modules_to_save of lm_head / embed_tokens, trainable token
+    # rows, embedding LoRA, PEFT's copy of the base embedding), in the file's bytes; 0 = none accepted.
+    max_adapter_head_bytes: int = Field(default=256 * 1024**2, ge=0)
     # Largest JSON request body on every route but uploads (which max_upload_bytes caps): 413 above it,
     # refused from Content-Length at once or while a chunked body streams in.
     max_request_bytes: int = Field(default=4 * 1024**2, gt=0)

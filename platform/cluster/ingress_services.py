@@ -107,7 +107,8 @@ def ingress_services(settings: Settings, engine_handle, ingress_id: str) -> Serv
     db = Database(settings.resolved_database_url())
     store = store_from_settings(settings)
     tenancy = Tenancy(db)
-    limits = UploadLimits(max_total_bytes=settings.max_upload_bytes, max_rank=settings.max_lora_rank)
+    limits = UploadLimits(max_total_bytes=settings.max_upload_bytes, max_rank=settings.max_lora_rank,
+                          max_head_bytes=settings.max_adapter_head_bytes)
     registry = AdapterRegistry(db, store, model_config, base_model_id(settings.model), limits,
                                shared_tenant=LOCAL_TENANT, tenancy=tenancy)
     directory = ReplicaDirectory(settings.redis_url, ttl_s=max(5.0, 5 * settings.cluster_snapshot_interval_s),

@@ -148,7 +148,7 @@ class ModelRunner:
         if plain_decodes and self.local_windows:
             meta.window_decodes = self._window_decodes(tables, context_lens)
         if self.lora_wrapper is not None:
-            self.lora_wrapper.set_batch(lora_rows)
+            self.lora_wrapper.set_batch(lora_rows, sample_rows)
         return self._tensor(tokens), self._tensor(positions), meta, sample_rows, sampled
 
     def _window_decodes(self, tables: list[list[int]], context_lens: list[int]) -> dict:
@@ -193,6 +193,10 @@ class ModelRunner:
         """A plain decode step from the fixed-shape buffers (see loramux.engine.cuda_graphs), or None when
         it fits no graph shape."""
         where = self._locations(batch.decodes)
+        if any(loc is not None and getattr(loc[0], "extras", ()) for loc in where.values()):
+            return None  # trained embeddings / heads run eagerly (their rows change the embedding and logits)
+        if self.lora_wrapper is not None:
+            self.lora_wrapper.set_batch(None)  # no per-row state of an earlier eager step in the graphed one
         seqs = sorted(batch.decodes, key=lambda s: _adapter_order(where[s]))
         logits = self.graphs.run(seqs, [where[s] for s in seqs])
         return None if logits is None else StepLogits(logits, [(seq, i, 1) for i, seq in enumerate(seqs)])

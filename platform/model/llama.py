@@ -201,6 +201,8 @@ class LlamaModel(nn.Module):
         self.rope = self.ropes[self.layer_rope[-1]]
         self.embed_scale = cfg.embed_scale
         self.final_softcap = cfg.final_softcap
+        # Set by the device adapter pool: the LoRA wrapper, for adapters that change the embedding or the head.
+        self.lora_wrapper = None
 
     def lora_modules(self):
         """(layer index, module path, MergedLinear) of every projection an adapter can target."""
@@ -237,7 +239,9 @@ class LlamaModel(nn.Module):
             x = self.lm_head.weight.index_select(1, input_ids).t()  # tied, unpacked: columns are tokens
         else:
             x = self.embed_tokens(input_ids)
-        if self.embed_scale is not None:
+        if self.lora_wrapper is not None and self.lora_wrapper.embeds:  # adapters' embedding changes, then the scale
+            x = self.lora_wrapper.embed(x, input_ids, self.embed_scale)
+        elif self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # rounded to the model's dtype, as HF does
         rope_lens = _rope_lens(positions, meta) if any(r.long_after is not None for r in self.ropes) else None
         tables = [rope.cos_sin(positions, rope_lens) for rope in self.ropes]
@@ -248,7 +252,10 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
+        if self.lora_wrapper is not None and self.lora_wrapper.replaces_logits:  # adapters' trained heads
+            logits = self.lora_wrapper.logits(hidden, self.lm_head)
+        else:
+            logits = self.lm_head(hidden)
         if self.final_softcap is not None:  # Gemma 2: cap * tanh(logits / cap)
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

@@ -59,7 +59,8 @@ class Services:
             db.upgrade()
         store = store_from_settings(settings)
         llm = engine if engine is not None else LLMEngine.from_settings(settings, load_adapters=False)
-        limits = UploadLimits(max_total_bytes=settings.max_upload_bytes, max_rank=settings.max_lora_rank)
+        limits = UploadLimits(max_total_bytes=settings.max_upload_bytes, max_rank=settings.max_lora_rank,
+                              max_head_bytes=settings.max_adapter_head_bytes)
         tenancy = Tenancy(db)
         registry = AdapterRegistry(db, store, llm.model.config, base_model_id(settings.model), limits,
                                    shared_tenant=LOCAL_TENANT, tenancy=tenancy)
