@@ -5,6 +5,8 @@ which holds, for each of those projections in every layer, a stack of `capacity`
 rank (`LoRALayerWeights`). So an adapter occupies, and each of its rows costs, its own rank on its own
 projections: a rank-8 adapter next to a rank-64 one never does rank-64 work, and one on q/v only never
 touches the MLP. (Within a merged projection every slice is held: a q/v adapter also holds zeros for k.)
+A slot also holds its adapter's embedding LoRA and trained heads when it has them (`BucketKey.extras`, see
+`loramux.adapters.head_slots`), counted in `slot_bytes` like the projections.
 The buckets share one byte budget; which adapter sits where, and when buckets grow or shrink, is decided by
 `loramux.adapters.residency` (torch-free), which calls the operations here, each on the bucket named by
 its `key` (`BucketKey`: the rank and the projections targeted); `then`, where taken, runs under the pool

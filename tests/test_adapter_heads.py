@@ -315,3 +315,60 @@ def test_a_duplicated_head_tensor_is_refused(head_files):
     err = refused(tampered(files, tensors=lambda t: {**t, **{k.replace(".weight", ".default.weight"): v.clone()
                                                              for k, v in t.items() if "lm_head" in k}}), cfg)
     assert err.code == "duplicate_tensor"
+
+
+# ------------------------------------------------------------------------------------------- SmolLM2
+
+@pytest.mark.real_model
+def test_smollm2_heads_equal_peft_in_one_mixed_batch(smol_dir, tokenizer, tmp_path):
+    """The embedded model (tied embeddings): a trained lm_head, trainable tokens and an embed_tokens LoRA next
+    to a plain adapter and the base model, alone and in one batch, equal to PEFT token for token."""
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from loramux.model.loader import read_model_config
+
+    cfg, _ = read_model_config(smol_dir)
+    engine = make_engine(smol_dir, tokenizer, max_num_batched_tokens=256, max_model_len=512, adapter_pool_bytes=2 << 30)
+    prompts = [engine.encode_chat([{"role": "user", "content": q}])
+               for q in ("What is the capital of France?", "Name three colours. Name three colours.")]
+    tokens = sorted({prompts[0][-8], prompts[0][-9], prompts[1][-10], prompts[1][-12]})
+    configs = {"head": dict(target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"]),
+               "tokens": dict(target_modules=["q_proj"], trainable_token_indices=tokens),
+               "emb-lora": dict(target_modules=["embed_tokens", "v_proj"])}
+    dirs = {}
+    for i, (name, kwargs) in enumerate(configs.items()):
+        hf = AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32)
+        torch.manual_seed(300 + i)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            peft = get_peft_model(hf, LoraConfig(r=8, lora_alpha=16, init_lora_weights=False, **kwargs))
+            g = torch.Generator().manual_seed(400 + i)
+            with torch.no_grad():  # as trained: the copies moved away from the base, the embedding LoRA small
+                for pname, param in peft.named_parameters():
+                    if "modules_to_save" in pname or "trainable_tokens_delta" in pname:
+                        param.add_(torch.randn(param.shape, generator=g) * 0.05)
+                    elif "lora_embedding_B" in pname:
+                        param.mul_(0.01)
+            peft.save_pretrained(tmp_path / name)
+        dirs[name] = tmp_path / name
+    dirs["plain"] = write_peft_adapter(tmp_path / "plain", cfg, 8, ["q_proj", "v_proj"], seed=9)
+    expected = {}
+    for name in [None, *dirs]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for index, out in enumerate(peft_greedy(smol_dir, dirs.get(name), prompts)):
+                expected[(index, name)] = out
+    for name in configs:
+        assert any(expected[(i, name)] != expected[(i, None)] for i in range(len(prompts))), name
+    for name, path in dirs.items():
+        engine.load_adapter_dir(path, name)
+    for name in [None, *dirs]:
+        got = run_all(engine, {f"{i}": (ids, name) for i, ids in enumerate(prompts)})
+        assert got == {f"{i}": expected[(i, name)] for i in range(len(prompts))}, name
+    mixed = {f"{i}/{name}": (ids, name) for i, ids in enumerate(prompts) for name in [None, *dirs]}
+    assert run_all(engine, mixed) == {f"{i}/{n}": expected[(i, n)] for i in range(len(prompts)) for n in [None, *dirs]}
+    stats = engine.stats()
+    assert stats["prefix_cache_hit_blocks"] > 0 and stats["kv_blocks_used"] == 0
