@@ -372,3 +372,47 @@ def test_smollm2_heads_equal_peft_in_one_mixed_batch(smol_dir, tokenizer, tmp_pa
     assert run_all(engine, mixed) == {f"{i}/{n}": expected[(i, n)] for i in range(len(prompts)) for n in [None, *dirs]}
     stats = engine.stats()
     assert stats["prefix_cache_hit_blocks"] > 0 and stats["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
+def test_scaled_embeddings_and_softcap_follow_peft(family, tokenizer, tmp_path):
+    """Gemma scales embeddings by sqrt(hidden) inside the embedding module: PEFT scales the LoRA delta and
+    the replaced rows as well; Gemma 2 soft-caps logits after a replacement head as after the base one."""
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    overrides = {"gemma2": {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8,
+                            "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0},
+                 "gemma3_text": {"head_dim": 16, "num_hidden_layers": 3, "sliding_window": 8,
+                                 "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]}}[family]
+    model_dir = tmp_path / "model"
+    save_tiny_hf_model(model_dir, len(tokenizer), family, weight_scale=4.0, tokenizer=tokenizer,
+                       tie_word_embeddings=True, **overrides)
+    configs = {"emb-lora": dict(target_modules=["q_proj", "embed_tokens"]),
+               "tokens": dict(target_modules=["v_proj"], trainable_token_indices=TOKENS),
+               "head": dict(target_modules=["q_proj"], modules_to_save=["lm_head"])}
+    dirs = {}
+    for i, (name, kwargs) in enumerate(configs.items()):
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        torch.manual_seed(500 + i)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            peft = get_peft_model(hf, LoraConfig(r=8, lora_alpha=16, init_lora_weights=False, **kwargs))
+            train_like(peft, 600 + i)
+            peft.save_pretrained(tmp_path / name)
+        dirs[name] = tmp_path / name
+    expected = {}
+    for name in [None, *dirs]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for index, out in enumerate(peft_greedy(model_dir, dirs.get(name), PROMPTS)):
+                expected[(index, name)] = out
+    for name in dirs:
+        assert any(expected[(i, name)] != expected[(i, None)] for i in range(len(PROMPTS))), name
+    engine = make_engine(model_dir, tokenizer)
+    for name, path in dirs.items():
+        engine.load_adapter_dir(path, name)
+    mixed = {f"{i}/{name}": (ids, name) for i, ids in enumerate(PROMPTS) for name in [None, *dirs]}
+    assert run_all(engine, mixed) == {f"{i}/{n}": expected[(i, n)] for i in range(len(PROMPTS)) for n in [None, *dirs]}
