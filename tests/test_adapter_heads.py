@@ -416,3 +416,17 @@ def test_scaled_embeddings_and_softcap_follow_peft(family, tokenizer, tmp_path):
         engine.load_adapter_dir(path, name)
     mixed = {f"{i}/{name}": (ids, name) for i, ids in enumerate(PROMPTS) for name in [None, *dirs]}
     assert run_all(engine, mixed) == {f"{i}/{n}": expected[(i, n)] for i in range(len(PROMPTS)) for n in [None, *dirs]}
+
+
+def test_heads_next_to_triton_lora_kernels(heads_world, tokenizer):
+    """With the Triton LoRA kernels for the projections (TRITON_INTERPRET=1 on CPU), rows whose adapters carry
+    an embedding LoRA or a trained head still equal PEFT in one mixed batch: those parts are torch ops on any
+    device (loramux.kernels.head_ops), beside whichever projection kernels run."""
+    tied, model_dir, dirs, expected = heads_world
+    engine = make_engine(model_dir, tokenizer, lora_impl="triton")
+    names = ["emb-lora", "head", "tokens", "plain"]
+    for name in names:
+        engine.load_adapter_dir(dirs[name], name)
+    assert engine.pool.wrapper.impl == "triton"
+    mixed = {f"{i}/{name}": (ids, name) for i, ids in enumerate(PROMPTS[:2]) for name in [None, *names]}
+    assert run_all(engine, mixed) == {f"{i}/{n}": expected[(i, n)] for i in range(2) for n in [None, *names]}
