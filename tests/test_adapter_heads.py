@@ -430,3 +430,10 @@ def test_heads_next_to_triton_lora_kernels(heads_world, tokenizer):
     assert engine.pool.wrapper.impl == "triton"
     mixed = {f"{i}/{name}": (ids, name) for i, ids in enumerate(PROMPTS[:2]) for name in [None, *names]}
     assert run_all(engine, mixed) == {f"{i}/{n}": expected[(i, n)] for i in range(2) for n in [None, *names]}
+
+
+def test_plan_counts_a_trained_head(tiny_cfg):
+    from loramux.plan import plan_memory
+
+    plan = plan_memory(tiny_cfg, 2, context_len=128, batch_size=2, adapter_pool=1 << 30, adapter_rank=8)
+    assert plan.head_bytes == tiny_cfg.vocab_size * tiny_cfg.hidden_size * 2
