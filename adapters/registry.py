@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -82,6 +82,8 @@ class AdapterVersionInfo:
     created_at: datetime
     claimed_base_model: str | None = None  # base_model_name_or_path from the adapter's config
     base_family: str | None = None  # model_type of the base it was validated against (None: not recorded)
+    # What the adapter changes (adapters/summary.py); None for versions uploaded before it was recorded (0010).
+    summary: dict | None = field(default=None, hash=False, compare=False)
 
     @property
     def label(self) -> str:
@@ -93,7 +95,8 @@ def _version_info(a: Adapter, v: AdapterVersion) -> AdapterVersionInfo:
         adapter_id=a.id, tenant_id=a.tenant_id, name=a.name, visibility=a.visibility, version=v.version,
         digest=v.digest, storage_key=v.storage_key, size_bytes=v.size_bytes, rank=v.rank, alpha=v.alpha,
         use_rslora=v.use_rslora, target_modules=tuple(v.target_modules), base_model=v.base_model,
-        created_at=v.created_at, claimed_base_model=v.claimed_base_model, base_family=v.base_family)
+        created_at=v.created_at, claimed_base_model=v.claimed_base_model, base_family=v.base_family,
+        summary=v.summary)
 
 
 def _check_visibility(visibility: str) -> None:
