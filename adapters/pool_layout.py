@@ -38,6 +38,17 @@ def path_shapes(cfg: ModelConfig) -> dict[str, tuple[int, tuple[tuple[str, int],
     return {path: (d_in, tuple(slices)) for path, (d_in, slices) in out.items()}
 
 
+class LayerRanks(tuple):
+    """A per-module table that computes its hash once: bucket keys are looked up for every projection of
+    every step, and a tuple of a few hundred entries would be hashed anew each time (about 20 us)."""
+
+    def __hash__(self) -> int:
+        cached = self.__dict__.get("hash")
+        if cached is None:
+            cached = self.__dict__["hash"] = tuple.__hash__(self)
+        return cached
+
+
 def layer_ranks(adapter, shapes: PathShapes, num_layers: int) -> tuple:
     """The `layer_ranks` of `adapter`'s bucket key: () when it is plain, else its per-module table."""
     ranks = {key: a.shape[0] for key, (a, _) in adapter.weights.items()}
@@ -52,7 +63,7 @@ def layer_ranks(adapter, shapes: PathShapes, num_layers: int) -> tuple:
             row = tuple(ranks.get((layer, _target_of(path, name)), 0) for name, _ in shapes[path][1])
             if any(row):
                 table.append((layer, path, row))
-    return tuple(table)
+    return LayerRanks(table)
 
 
 def _target_of(path: str, slice_name: str) -> str:

@@ -214,9 +214,14 @@ def test_each_adapter_costs_its_own_shape_and_slot_bytes_are_exact(tiny3, tokeni
     model_dir, cfg = tiny3
     dirs, _ = adapters
     engine = make_engine(model_dir, tokenizer, speculative_tokens=0, prefix_caching=False)
-    loaded = {name: engine.load_adapter_dir(dirs[name], name) for name in ("layers", "regex-subset", "patterns")}
+    loaded = {name: engine.load_adapter_dir(dirs[name], name)
+              for name in ("layers", "regex-subset", "patterns", "plain-qv")}
     alone = {name: _decode_cost(engine, {name: name}) for name in loaded}
+    # A plain q/v adapter computes q, k and v of every layer at its rank (k's zeros included), as before.
+    assert alone["plain-qv"][0] == 8 * cfg.num_layers * (3 * cfg.hidden_size + cfg.q_size + 2 * cfg.kv_size)
     for name, adapter in loaded.items():
+        if name.startswith("plain"):
+            continue
         assert alone[name][0] == _own_shape(adapter), name  # no padded zeros, no uncovered module computed
         key = engine.pool.bucket_of(adapter)
         element = 4  # float32 pool
@@ -548,3 +553,29 @@ def test_per_slice_ranks_and_scales_in_fixed_shape_decode(impl):
     y, x, a, bs, offsets, scale, expected = _per_slice_case(slot_map, 11)
     bgmv_shrink_expand(y, x, a, bs, offsets, scale, torch.tensor(slot_map), impl=impl)
     torch.testing.assert_close(y.double(), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_fused_phi3_patterns_split_onto_the_engines_projections_exactly(tmp_path):
+    """Phi-3's fused qkv_proj / gate_up_proj with rank_pattern, alpha_pattern and a layer subset: each
+    sub-projection's scale * B @ A is PEFT's delta weight, and layers left out hold nothing."""
+    from peft import LoraConfig, get_peft_model
+
+    hf = save_tiny_hf_model(tmp_path / "phi3", 300, "phi3", pad_token_id=0)
+    cfg = ModelConfig.from_hf(json.loads((tmp_path / "phi3" / "config.json").read_text()))
+    torch.manual_seed(0)
+    peft = get_peft_model(hf, LoraConfig(r=8, lora_alpha=16, init_lora_weights=False, layers_to_transform=[1],
+                                         target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+                                         rank_pattern={"qkv_proj": 4}, alpha_pattern={"layers.1.mlp.down_proj": 3}))
+    peft.save_pretrained(tmp_path / "lora")
+    adapter = load_adapter_dir(tmp_path / "lora", cfg)
+    assert {layer for layer, _ in adapter.weights} == {1}
+    assert adapter.weights[(1, "k_proj")][0].shape[0] == 4 and adapter.scale_of((1, "v_proj")) == 4.0
+    assert adapter.scale_of((1, "down_proj")) == 3 / 8 and adapter.scale_of((1, "up_proj")) == 2.0
+    parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+             "o_proj": ("o_proj",), "down_proj": ("down_proj",)}
+    for fused, subs in parts.items():
+        section = "self_attn" if fused in ("qkv_proj", "o_proj") else "mlp"
+        delta = peft.base_model.model.model.layers[1].get_submodule(f"{section}.{fused}").get_delta_weight("default")
+        ours = torch.cat([adapter.scale_of((1, p)) * adapter.weights[(1, p)][1] @ adapter.weights[(1, p)][0]
+                          for p in subs])
+        torch.testing.assert_close(ours, delta, msg=fused)
