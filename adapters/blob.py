@@ -1,7 +1,9 @@
 """The stored form of one adapter version: a single canonical safetensors blob, addressed by its sha256.
 
-Tensors are named `layers.<i>.<target>.lora_A|B` and keep their uploaded dtype; the normalised LoRA
-config (r, lora_alpha, use_rslora, target_modules) rides in the safetensors metadata. Every download is
+Tensors are named `layers.<i>.<target>.lora_A|B` and keep their uploaded dtype (each module at its own
+rank: the shapes say it); the normalised LoRA config (r, lora_alpha, use_rslora, target_modules, and
+`module_scales` {"<layer>.<target>": scale} where rank_pattern / alpha_pattern gave a module another scale,
+absent otherwise so a plain adapter's blob is unchanged) rides in the safetensors metadata. Every download is
 checked against the digest before it is parsed, so a corrupt or substituted object is never served.
 """
 from __future__ import annotations
@@ -25,10 +27,15 @@ def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def pack(rank: int, alpha: float, use_rslora: bool, target_modules, tensors) -> tuple[bytes, str]:
-    """Serialise validated weights {(layer, target): (A, B)}; returns (blob, sha256 hex digest)."""
+def pack(rank: int, alpha: float, use_rslora: bool, target_modules, tensors,
+         module_scales: dict | None = None) -> tuple[bytes, str]:
+    """Serialise validated weights {(layer, target): (A, B)} and the modules' own scales {(layer, target):
+    scale} (where they differ from alpha / r); returns (blob, sha256 hex digest)."""
     config = {"r": int(rank), "lora_alpha": float(alpha), "use_rslora": bool(use_rslora),
               "target_modules": [t for t in TARGETS if t in set(target_modules)]}
+    if module_scales:  # floats round-trip through JSON exactly (repr)
+        config["module_scales"] = {f"{layer}.{target}": float(scale) for (layer, target), scale in
+                                   sorted(module_scales.items(), key=lambda kv: (kv[0][0], TARGETS.index(kv[0][1])))}
     header: dict = {"__metadata__": {"config": json.dumps(config, sort_keys=True), "format": FORMAT}}
     chunks, offset = [], 0
     for (layer, target), (a, b) in sorted(tensors.items(), key=lambda kv: (kv[0][0], TARGETS.index(kv[0][1]))):
@@ -69,6 +76,8 @@ def unpack(blob: bytes, name: str, digest: str | None = None) -> LoRAAdapter:
             _, layer, target, _ = key.split(".")
             b = tensors[key[:-1] + "B"]
             weights[(int(layer), target)] = (tensors[key].float().contiguous(), b.float().contiguous())
+    module_scales = {(int(key.split(".")[0]), key.split(".")[1]): float(scale)
+                     for key, scale in config.get("module_scales", {}).items()}
     return LoRAAdapter(name=name, rank=config["r"], alpha=config["lora_alpha"], use_rslora=config["use_rslora"],
                        target_modules=tuple(config["target_modules"]), weights=weights,
-                       digest=digest or sha256_hex(blob))
+                       digest=digest or sha256_hex(blob), module_scales=module_scales)

@@ -5,6 +5,11 @@ which holds, for each of those projections in every layer, a stack of `capacity`
 rank (`LoRALayerWeights`). So an adapter occupies, and each of its rows costs, its own rank on its own
 projections: a rank-8 adapter next to a rank-64 one never does rank-64 work, and one on q/v only never
 touches the MLP. (Within a merged projection every slice is held: a q/v adapter also holds zeros for k.)
+An adapter with per-module ranks or scales or a layer subset (rank_pattern, alpha_pattern,
+layers_to_transform, ...) goes to a bucket whose key lists its layout (`BucketKey.layer_ranks`, see
+`pool_layout`): there each (layer, projection) holds only the slices it covers, each at its own rank (A rows
+of slice i right after those of slice i-1, so the kernels take per-slice ranks; no zero padding, even within
+a merged projection) with its own scale ([n_slices, slots] scales), and modules it leaves alone hold nothing.
 The buckets share one byte budget; which adapter sits where, and when buckets grow or shrink, is decided by
 `loramux.adapters.residency` (torch-free), which calls the operations here, each on the bucket named by
 its `key` (`BucketKey`: the rank and the projections targeted); `then`, where taken, runs under the pool
@@ -31,6 +36,7 @@ from typing import NamedTuple
 
 import torch
 
+from loramux.adapters import pool_layout
 from loramux.adapters.peft_format import LoRAAdapter
 from loramux.kernels.wrapper import LoRALayerWeights, LoRAWrapper
 from loramux.model.llama import LORA_MODULES, PROJECTION_SLICES, LlamaModel
@@ -53,7 +59,9 @@ class BucketKey(NamedTuple):
 
     rank: int  # the rank of every targeted (layer, projection) unless `layer_ranks` says otherwise
     paths: tuple[str, ...]  # merged projection paths targeted, in model order
-    layer_ranks: tuple = ()  # per-module ranks / layer subsets (empty: every layer of `paths` at `rank`)
+    # per-module ranks / layer subsets: ((layer, path, (rank of each slice, 0 = not covered)), ...) for each
+    # (layer, path) covered (see pool_layout); empty: every layer of `paths` at `rank`, one scale per slot
+    layer_ranks: tuple = ()
     dora: bool = False  # slots carry DoRA's per-output-channel magnitude scale
     extras: tuple = ()  # per-slot tensors outside the decoder projections (embedding LoRA, trained heads)
 
@@ -65,8 +73,13 @@ class _Bucket:
         key = BucketKey(*key)
         rank, paths, self.capacity = key.rank, key.paths, capacity
         self.rank = rank
-        self.scale = torch.zeros(capacity, dtype=torch.float32, device=device)  # one per slot, all projections
         self.weights: dict[tuple[int, str], LoRALayerWeights] = {}
+        if key.layer_ranks:
+            self.scale = None
+            self.scales = self._patterned(model, key.layer_ranks, capacity, dtype, device)
+            return
+        self.scale = torch.zeros(capacity, dtype=torch.float32, device=device)  # one per slot, all projections
+        self.scales = [self.scale]  # every scale tensor of the bucket (slots on the last dimension)
         for layer, path, module in model.lora_modules():
             if path not in paths:
                 continue
@@ -79,6 +92,23 @@ class _Bucket:
                 offsets=[module.slice_range(name)[0] for name, _ in module.slices],
                 scale=self.scale, names=[name for name, _ in module.slices], targeted=[False] * capacity)
 
+    def _patterned(self, model: LlamaModel, table: tuple, capacity: int, dtype: torch.dtype,
+                   device: torch.device) -> list[torch.Tensor]:
+        """A patterned bucket's stacks: per listed (layer, path), its covered slices at their own ranks."""
+        modules = {(layer, path): module for layer, path, module in model.lora_modules()}
+        scales = []
+        for layer, path, ranks in table:
+            module = modules[(layer, path)]
+            live = [(name, size, r) for (name, size), r in zip(module.slices, ranks) if r]
+            scale = torch.zeros(len(live), capacity, dtype=torch.float32, device=device)
+            scales.append(scale)
+            self.weights[(layer, path)] = LoRALayerWeights(
+                a=_a_buffer(capacity, sum(r for _, _, r in live), module.in_features, dtype, device),
+                b=[torch.zeros(capacity, r, size, dtype=dtype, device=device).transpose(1, 2) for _, size, r in live],
+                offsets=[module.slice_range(name)[0] for name, _, _ in live],
+                scale=scale, names=[name for name, _, _ in live], targeted=[False] * capacity)
+        return scales
+
     def copy_slot(self, src: _Bucket, src_slot: int, dst_slot: int) -> None:
         for key, weights in self.weights.items():
             other = src.weights[key]
@@ -86,7 +116,8 @@ class _Bucket:
             for b, other_b in zip(weights.b, other.b):
                 b[dst_slot].copy_(other_b[src_slot])
             weights.set_targeted(dst_slot, other.targeted[src_slot])
-        self.scale[dst_slot] = src.scale[src_slot]
+        for scale, other in zip(self.scales, src.scales):
+            scale[..., dst_slot] = other[..., src_slot]
 
 
 class DevicePool:
@@ -96,6 +127,8 @@ class DevicePool:
         element = torch.finfo(dtype).bits // 8
         # Bytes one unit of rank costs per projection path: A rows and B columns of its slices, every layer.
         self.bytes_per_rank: dict[str, int] = {}
+        self.shapes = {path: (m.in_features, m.slices) for _, path, m in model.lora_modules()}
+        self.element = element
         for _, path, m in model.lora_modules():
             self.bytes_per_rank[path] = self.bytes_per_rank.get(path, 0) + \
                 (len(m.slices) * m.in_features + m.out_features) * element
@@ -118,11 +151,16 @@ class DevicePool:
     def bucket_of(self, adapter: LoRAAdapter) -> BucketKey:
         """The bucket an adapter belongs in: its rank and the merged projections it targets."""
         paths = {PROJECTION_SLICES[target][0] for _, target in adapter.weights}
-        return BucketKey(adapter.rank, tuple(p for p in LORA_MODULES if p in paths))
+        return BucketKey(adapter.rank, tuple(p for p in LORA_MODULES if p in paths),
+                         layer_ranks=pool_layout.layer_ranks(adapter, self.shapes, len(self.model.layers)))
 
     def slot_bytes(self, key: BucketKey) -> int:
-        """Device bytes one slot of bucket `key` occupies (its projections, every layer)."""
+        """Device bytes one slot of bucket `key` occupies (its projections, every layer; or, patterned, the
+        modules its `layer_ranks` lists, with their per-slice scales)."""
         key = BucketKey(*key)
+        if key.layer_ranks:
+            return pool_layout.lora_slot_bytes(key.rank, key.paths, key.layer_ranks, self.shapes,
+                                               len(self.model.layers), self.element)
         return key.rank * sum(self.bytes_per_rank[p] for p in key.paths)
 
     def capacity(self, key: BucketKey) -> int:
@@ -169,7 +207,8 @@ class DevicePool:
                 flag_i, flag_j = weights.targeted[i], weights.targeted[j]
                 weights.set_targeted(i, flag_j)
                 weights.set_targeted(j, flag_i)
-            bucket.scale[[i, j]] = bucket.scale[[j, i]]
+            for scale in bucket.scales:
+                scale[..., [i, j]] = scale[..., [j, i]]
             then()
 
     def load(self, key: BucketKey, slot_of: Callable[[], int], adapter: LoRAAdapter) -> concurrent.futures.Future:
@@ -198,7 +237,6 @@ class DevicePool:
 
     def _write(self, bucket: _Bucket, slot: int, adapter: LoRAAdapter) -> None:
         """Copy `adapter` into `slot`, zeroing whatever the previous occupant left there."""
-        r = bucket.rank
         for weights in bucket.weights.values():
             weights.a[slot].zero_()
             for b in weights.b:
@@ -208,10 +246,14 @@ class DevicePool:
             path, slice_name = PROJECTION_SLICES[target]
             weights = bucket.weights[(layer, path)]
             index = weights.names.index(slice_name)
-            weights.a[slot, index * r:(index + 1) * r].copy_(a, non_blocking=True)
+            start = sum(weights.ranks[:index])  # slice i's A rows follow those of the slices before it
+            weights.a[slot, start:start + a.shape[0]].copy_(a, non_blocking=True)
             weights.b[index][slot].copy_(b, non_blocking=True)
             weights.set_targeted(slot, True)
-        bucket.scale[slot] = adapter.scale
+            if weights.scale.dim() == 2:  # patterned: each module its own scale
+                weights.scale[index, slot] = adapter.scale_of((layer, target))
+        if bucket.scale is not None:
+            bucket.scale[slot] = adapter.scale
 
     def shutdown(self) -> None:
         if self._loader is not None:

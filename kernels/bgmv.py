@@ -55,19 +55,21 @@ def bgmv_expand(y: torch.Tensor, v: torch.Tensor, b: torch.Tensor, scale: torch.
 
 def bgmv_shrink_expand(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor], offsets: list[int],
                        scale: torch.Tensor, slots: torch.Tensor, impl: str = "torch") -> None:
-    """Stacked slices (as `lora_shrink_expand`): one shrink against A = [n_slots, n_slices * R, d_in], then one
-    expand per slice B_i [n_slots, d_out_i, R] into y's columns offsets[i]..."""
-    rank = bs[0].shape[2]
+    """Stacked slices (as `lora_shrink_expand`): one shrink against A = [n_slots, R_0 + R_1 + ..., d_in], then
+    one expand per slice B_i [n_slots, d_out_i, R_i] into y's columns offsets[i]...; `scale` [n_slots], or
+    [n_slices, n_slots] for a scale per slice."""
+    columns = [sum(b.shape[2] for b in bs[:i]) for i in range(len(bs))]
+    scales = [scale if scale.dim() == 1 else scale[i] for i in range(len(bs))]
     if impl == "triton":
         from loramux.kernels.triton_ops import bgmv_expand_triton, bgmv_shrink_triton
 
         v = bgmv_shrink_triton(x, a, slots)
-        for i, (b, offset) in enumerate(zip(bs, offsets)):
-            bgmv_expand_triton(y, v, b, scale, slots, offset, v_col=i * rank)
+        for b, offset, column, s in zip(bs, offsets, columns, scales):
+            bgmv_expand_triton(y, v, b, s, slots, offset, v_col=column)
         return
     v = bgmv_shrink_torch(x, a, slots)
-    for i, (b, offset) in enumerate(zip(bs, offsets)):
-        bgmv_expand_torch(y, v[:, i * rank:(i + 1) * rank], b, scale, slots, offset)
+    for b, offset, column, s in zip(bs, offsets, columns, scales):
+        bgmv_expand_torch(y, v[:, column:column + b.shape[2]], b, s, slots, offset)
 
 
 class StaticLoRA:

@@ -24,9 +24,11 @@ Location = tuple[object, int]  # (bucket key, slot in it): see loramux.adapters.
 class LoRALayerWeights:
     """Stacked adapter-slot buffers of one merged projection in one rank bucket.
 
-    a: [n_slots, n_slices * R, d_in]: the slices' A matrices stacked so one shrink serves them all.
-    b: one [n_slots, d_out_slice, R] per slice; offsets: the slice's first output column.
-    scale: [n_slots] (the adapter's alpha / r). Unused slices or slots hold zeros.
+    a: [n_slots, R_0 + R_1 + ..., d_in]: the slices' A matrices stacked so one shrink serves them all
+    (slice i's rows after those of the slices before it; in a plain bucket every R_i is the bucket's rank).
+    b: one [n_slots, d_out_slice, R_i] per slice; offsets: the slice's first output column.
+    scale: [n_slots] (the adapter's alpha / r), or [n_slices, n_slots] where each slice has its own
+    (rank_pattern / alpha_pattern). Unused slices or slots hold zeros.
     targeted: per slot, whether its adapter targets any slice of this projection (a bucket whose
     adapters in a step all leave the projection alone is skipped); `targeted_mask` holds the same as bits,
     so that check costs one AND per layer whatever the number of adapters. Set both with `set_targeted`.
@@ -51,7 +53,12 @@ class LoRALayerWeights:
 
     @property
     def rank(self) -> int:
+        """The first slice's rank (every slice's, in a plain bucket)."""
         return self.b[0].shape[2]
+
+    @property
+    def ranks(self) -> list[int]:
+        return [b.shape[2] for b in self.b]
 
 
 @dataclass

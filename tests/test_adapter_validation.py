@@ -272,8 +272,8 @@ CASES = {
                                       "target_mismatch", "matched whole (fullmatch, as PEFT does)"),
     "target-pattern-misses-a-target": case(lambda f, m: edit_config(f, target_modules=r".*\.(q_proj|v_proj)"),
                                            "target_mismatch", "selects ['q_proj', 'v_proj']"),
-    "target-pattern-layer-subset": case(lambda f, m: edit_config(f, target_modules=LAYER_0_ONLY), "unsupported_option",
-                                        "in only some layers"),
+    "target-pattern-layer-subset": case(lambda f, m: edit_config(f, target_modules=LAYER_0_ONLY), "target_mismatch",
+                                        "is for layer 1 "),  # layer 1's tensors: a module the regex leaves out
     "nan-weights": case(lambda f, m: edit_tensors(f, nan_in("layers.1.self_attn.v_proj.lora_B", float("nan"))),
                         "non_finite", "'base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight' has NaN"),
     "inf-weights": case(lambda f, m: edit_tensors(f, nan_in("layers.0.mlp.down_proj.lora_A", float("-inf"))),
