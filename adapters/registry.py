@@ -35,6 +35,7 @@ from sqlalchemy.orm import Session
 
 from loramux.adapters.blob import pack, unpack
 from loramux.adapters.store import ObjectStore, StoreError, blob_key
+from loramux.adapters.summary import describe
 from loramux.adapters.validation import UploadLimits, validate_adapter_files
 from loramux.db import Adapter, AdapterVersion, Database, Tenant
 from loramux.db.models import AdapterBlob, utcnow
@@ -107,8 +108,9 @@ def _check_visibility(visibility: str) -> None:
 class AdapterRegistry:
     def __init__(self, db: Database, store: ObjectStore, base_config: ModelConfig, base_model_id: str,
                  limits: UploadLimits = UploadLimits(), shared_tenant: str | None = None,
-                 tenancy: Tenancy | None = None):
+                 tenancy: Tenancy | None = None, device_dtype_bytes: int = 4):
         self.db = db
+        self.device_dtype_bytes = device_dtype_bytes  # the engine's adapter weights: what summaries count
         self.tenancy = tenancy or Tenancy(db)  # the owner of tenants: uploads check the tenant through it
         self.shared_tenant = shared_tenant  # its public adapters resolve by bare name for every tenant
         self.store = store
@@ -185,7 +187,7 @@ class AdapterRegistry:
                         rank=meta.rank, alpha=meta.alpha, use_rslora=meta.use_rslora,
                         target_modules=list(meta.target_modules), base_model=self.base_model_id,
                         claimed_base_model=claimed_base, base_family=self.base_config.model_type,
-                        status="ready")
+                        summary=describe(meta, self.base_config, self.device_dtype_bytes), status="ready")
                     s.add(version)
                     s.flush()
                     return _version_info(adapter, version)

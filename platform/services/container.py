@@ -62,7 +62,8 @@ class Services:
         limits = UploadLimits(max_total_bytes=settings.max_upload_bytes, max_rank=settings.max_lora_rank)
         tenancy = Tenancy(db)
         registry = AdapterRegistry(db, store, llm.model.config, base_model_id(settings.model), limits,
-                                   shared_tenant=LOCAL_TENANT, tenancy=tenancy)
+                                   shared_tenant=LOCAL_TENANT, tenancy=tenancy,
+                                   device_dtype_bytes=llm.pool.dtype.itemsize if llm.pool else 4)
         cache = AdapterCache(store, DiskCache(Path(settings.data_dir) / "adapter-cache", settings.disk_cache_bytes),
                              HostCache(settings.host_cache_bytes))
         async_engine = AsyncEngine(llm, stalled_reader_timeout_s=settings.stalled_reader_timeout_s,
