@@ -1,7 +1,8 @@
 """The stored form of one adapter version: a single canonical safetensors blob, addressed by its sha256.
 
-Tensors are named `layers.<i>.<target>.lora_A|B` and keep their uploaded dtype; the normalised LoRA
-config (r, lora_alpha, use_rslora, target_modules) rides in the safetensors metadata. Every download is
+Tensors are named `layers.<i>.<target>.lora_A|B` (and `.lora_magnitude` for DoRA) and keep their uploaded
+dtype; the normalised LoRA config (r, lora_alpha, use_rslora, target_modules, and use_dora: true only for a
+DoRA adapter, so plain blobs keep their bytes and digests) rides in the safetensors metadata. Every download is
 checked against the digest before it is parsed, so a corrupt or substituted object is never served.
 """
 from __future__ import annotations
@@ -25,16 +26,23 @@ def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def pack(rank: int, alpha: float, use_rslora: bool, target_modules, tensors) -> tuple[bytes, str]:
-    """Serialise validated weights {(layer, target): (A, B)}; returns (blob, sha256 hex digest)."""
+def pack(rank: int, alpha: float, use_rslora: bool, target_modules, tensors, magnitudes=None) -> tuple[bytes, str]:
+    """Serialise validated weights {(layer, target): (A, B)} and, for DoRA, `magnitudes` {(layer, target): m};
+    returns (blob, sha256 hex digest)."""
     config = {"r": int(rank), "lora_alpha": float(alpha), "use_rslora": bool(use_rslora),
               "target_modules": [t for t in TARGETS if t in set(target_modules)]}
+    magnitudes = magnitudes or {}
+    if magnitudes:
+        config["use_dora"] = True
     header: dict = {"__metadata__": {"config": json.dumps(config, sort_keys=True), "format": FORMAT}}
     chunks, offset = [], 0
     for (layer, target), (a, b) in sorted(tensors.items(), key=lambda kv: (kv[0][0], TARGETS.index(kv[0][1]))):
-        for kind, tensor in (("A", a), ("B", b)):
+        parts = (("lora_A", a), ("lora_B", b))
+        if (layer, target) in magnitudes:
+            parts += (("lora_magnitude", magnitudes[(layer, target)]),)
+        for kind, tensor in parts:
             data = tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
-            header[f"layers.{layer}.{target}.lora_{kind}"] = {
+            header[f"layers.{layer}.{target}.{kind}"] = {
                 "dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape),
                 "data_offsets": [offset, offset + len(data)]}
             chunks.append(data)
@@ -64,11 +72,16 @@ def unpack(blob: bytes, name: str, digest: str | None = None) -> LoRAAdapter:
     config = json.loads(metadata["config"])
     tensors = load_safetensors_bytes(blob)
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    magnitudes: dict[tuple[int, str], torch.Tensor] = {}
     for key in tensors:
-        if key.endswith(".lora_A"):
-            _, layer, target, _ = key.split(".")
+        _, layer, target, kind = key.split(".")
+        if kind == "lora_A":
             b = tensors[key[:-1] + "B"]
             weights[(int(layer), target)] = (tensors[key].float().contiguous(), b.float().contiguous())
+        elif kind == "lora_magnitude":
+            magnitudes[(int(layer), target)] = tensors[key].float().contiguous()
+    if bool(config.get("use_dora")) != bool(magnitudes) or (magnitudes and set(magnitudes) != set(weights)):
+        raise AdapterFormatError(f"adapter {name!r}: the blob's DoRA magnitudes do not match its config")
     return LoRAAdapter(name=name, rank=config["r"], alpha=config["lora_alpha"], use_rslora=config["use_rslora"],
                        target_modules=tuple(config["target_modules"]), weights=weights,
-                       digest=digest or sha256_hex(blob))
+                       digest=digest or sha256_hex(blob), magnitudes=magnitudes)

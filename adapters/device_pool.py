@@ -20,6 +20,11 @@ lock right after the change:
   of the stacks and copy any other set first (kernels/torch_ops.py), so the residency keeps a bucket's
   active adapters in its lowest slots (`needs_active_prefix`); on GPU the kernels read any slot and nothing
   is swapped.
+
+DoRA adapters live in their own buckets (`BucketKey.dora`, so plain buckets never pay): each of their slots
+also holds, per (layer, projection), DoRA's fixed per-output-channel scale g = m / ||W + s·B·A||_row
+(`LoRALayerWeights.dora_g`, 1 on slices the adapter does not cover), computed from the model's weights when
+the adapter is written (loramux.adapters.dora) and counted in `slot_bytes`.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ from typing import NamedTuple
 
 import torch
 
+from loramux.adapters.dora import dora_scale, unservable_reason
 from loramux.adapters.peft_format import LoRAAdapter
 from loramux.kernels.wrapper import LoRALayerWeights, LoRAWrapper
 from loramux.model.llama import LORA_MODULES, PROJECTION_SLICES, LlamaModel
@@ -77,7 +83,9 @@ class _Bucket:
                 b=[torch.zeros(capacity, rank, size, dtype=dtype, device=device).transpose(1, 2)
                    for _, size in module.slices],
                 offsets=[module.slice_range(name)[0] for name, _ in module.slices],
-                scale=self.scale, names=[name for name, _ in module.slices], targeted=[False] * capacity)
+                scale=self.scale, names=[name for name, _ in module.slices], targeted=[False] * capacity,
+                dora_g=torch.ones(capacity, module.out_features, dtype=dtype, device=device) if key.dora else None,
+                dora_bias=None if module.bias is None or not key.dora else module.bias.data)
 
     def copy_slot(self, src: _Bucket, src_slot: int, dst_slot: int) -> None:
         for key, weights in self.weights.items():
@@ -85,6 +93,8 @@ class _Bucket:
             weights.a[dst_slot].copy_(other.a[src_slot])
             for b, other_b in zip(weights.b, other.b):
                 b[dst_slot].copy_(other_b[src_slot])
+            if weights.dora_g is not None:
+                weights.dora_g[dst_slot].copy_(other.dora_g[src_slot])
             weights.set_targeted(dst_slot, other.targeted[src_slot])
         self.scale[dst_slot] = src.scale[src_slot]
 
@@ -96,9 +106,11 @@ class DevicePool:
         element = torch.finfo(dtype).bits // 8
         # Bytes one unit of rank costs per projection path: A rows and B columns of its slices, every layer.
         self.bytes_per_rank: dict[str, int] = {}
+        self.dora_bytes: dict[str, int] = {}  # bytes of one slot's DoRA scales per projection path, every layer
         for _, path, m in model.lora_modules():
             self.bytes_per_rank[path] = self.bytes_per_rank.get(path, 0) + \
                 (len(m.slices) * m.in_features + m.out_features) * element
+            self.dora_bytes[path] = self.dora_bytes.get(path, 0) + m.out_features * element
         self.buckets: dict[BucketKey, _Bucket] = {}
         self.needs_active_prefix = self.device.type == "cpu"
         self.wrapper = LoRAWrapper(lora_impl, self.device, self._weights_of)
@@ -118,12 +130,22 @@ class DevicePool:
     def bucket_of(self, adapter: LoRAAdapter) -> BucketKey:
         """The bucket an adapter belongs in: its rank and the merged projections it targets."""
         paths = {PROJECTION_SLICES[target][0] for _, target in adapter.weights}
-        return BucketKey(adapter.rank, tuple(p for p in LORA_MODULES if p in paths))
+        if adapter.magnitudes:
+            self._check_dora(adapter)
+        return BucketKey(adapter.rank, tuple(p for p in LORA_MODULES if p in paths), dora=bool(adapter.magnitudes))
+
+    def _check_dora(self, adapter: LoRAAdapter) -> None:
+        """ValueError (the message says what to do) where this model cannot serve DoRA exactly."""
+        for layer, target in adapter.magnitudes:
+            reason = unservable_reason(self.model.layers[layer].get_submodule(PROJECTION_SLICES[target][0]))
+            if reason:
+                raise ValueError(f"DoRA adapter {adapter.name!r} cannot be served exactly: {reason}")
 
     def slot_bytes(self, key: BucketKey) -> int:
         """Device bytes one slot of bucket `key` occupies (its projections, every layer)."""
         key = BucketKey(*key)
-        return key.rank * sum(self.bytes_per_rank[p] for p in key.paths)
+        return key.rank * sum(self.bytes_per_rank[p] for p in key.paths) + \
+            (sum(self.dora_bytes[p] for p in key.paths) if key.dora else 0)
 
     def capacity(self, key: BucketKey) -> int:
         bucket = self.buckets.get(key)
@@ -166,6 +188,8 @@ class DevicePool:
                     held = stack[i].clone()
                     stack[i].copy_(stack[j])
                     stack[j].copy_(held)
+                if weights.dora_g is not None:
+                    weights.dora_g[[i, j]] = weights.dora_g[[j, i]]
                 flag_i, flag_j = weights.targeted[i], weights.targeted[j]
                 weights.set_targeted(i, flag_j)
                 weights.set_targeted(j, flag_i)
@@ -203,6 +227,8 @@ class DevicePool:
             weights.a[slot].zero_()
             for b in weights.b:
                 b[slot].zero_()
+            if weights.dora_g is not None:
+                weights.dora_g[slot].fill_(1)
             weights.set_targeted(slot, False)
         for (layer, target), (a, b) in adapter.weights.items():
             path, slice_name = PROJECTION_SLICES[target]
@@ -211,6 +237,12 @@ class DevicePool:
             weights.a[slot, index * r:(index + 1) * r].copy_(a, non_blocking=True)
             weights.b[index][slot].copy_(b, non_blocking=True)
             weights.set_targeted(slot, True)
+            if (layer, target) in adapter.magnitudes:
+                module = self.model.layers[layer].get_submodule(path)
+                g = dora_scale(module, slice_name, a, b, adapter.scale_of((layer, target)),
+                               adapter.magnitudes[(layer, target)])
+                lo, hi = module.slice_range(slice_name)
+                weights.dora_g[slot, lo:hi].copy_(g)
         bucket.scale[slot] = adapter.scale
 
     def shutdown(self) -> None:

@@ -1,8 +1,10 @@
 """Reading a PEFT LoRA adapter (`adapter_config.json` + `adapter_model.safetensors`) for a base model.
 
 Supported: peft_type LORA, r, lora_alpha, use_rslora, target_modules any subset of the q/k/v/o/gate/up/down
-projections (names or a regex, as PEFT accepts). Refused with a clear message for now: DoRA, embedding /
-lm_head targets, per-module rank or alpha patterns, layer subsets, fan_in_fan_out, trained biases.
+projections (names or a regex, as PEFT accepts), and DoRA (use_dora: the magnitude vectors land in
+`LoRAAdapter.magnitudes`; the device pool turns them into DoRA's per-channel scale at load, see
+`adapters/dora.py`). Refused with a clear message for now: embedding / lm_head targets (and DoRA on them),
+per-module rank or alpha patterns, layer subsets, fan_in_fan_out, trained biases.
 Every check lives in `validation.py` (the same path as uploads, base-model rule included: give
 `base_model_id`, the served model's name, to have `base_model_name_or_path` checked exactly as an upload's);
 this module turns a validated adapter into the float32 `LoRAAdapter` the engine serves, with its content digest.
@@ -68,7 +70,8 @@ class LoRAAdapter:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values()) \
+            + sum(m.numel() * m.element_size() for m in self.magnitudes.values())
 
 
 def parse_config(raw: bytes | str) -> dict:
@@ -93,7 +96,8 @@ def _to_lora_adapter(name: str, validated: ValidatedAdapter, weights_sha256: byt
     weights = {key: (a.float().contiguous(), b.float().contiguous()) for key, (a, b) in validated.tensors.items()}
     digest = hashlib.sha256(hashlib.sha256(_canonical(validated.config)).digest() + weights_sha256)
     return LoRAAdapter(name=name, rank=validated.rank, alpha=validated.alpha, use_rslora=validated.use_rslora,
-                       target_modules=validated.target_modules, weights=weights, digest=digest.hexdigest())
+                       target_modules=validated.target_modules, weights=weights, digest=digest.hexdigest(),
+                       magnitudes={key: m.float().contiguous() for key, m in validated.magnitudes.items()})
 
 
 def _canonical(config: Mapping) -> bytes:

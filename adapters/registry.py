@@ -129,7 +129,8 @@ class AdapterRegistry:
         self.tenancy.tenant(tenant_id)
         valid = validate_adapter_files(files, self.base_config, self.limits, self.base_model_id, allow_base_mismatch)
         claimed_base = valid.base_model
-        blob, digest = pack(valid.rank, valid.alpha, valid.use_rslora, valid.target_modules, valid.tensors)
+        blob, digest = pack(valid.rank, valid.alpha, valid.use_rslora, valid.target_modules, valid.tensors,
+                            magnitudes=valid.magnitudes)
         del valid
         key = blob_key(digest)
         _reserve_blob(self.db, digest, key)

@@ -21,6 +21,10 @@ with a stable `code`:
   weights    unknown_tensor, unsupported_target, layer_out_of_range, shape_mismatch, duplicate_tensor,
              no_lora_weights, target_mismatch, missing_tensor, non_finite
 
+DoRA (`use_dora: true`) is accepted with its magnitude vectors, checked by `validation_dora` (same codes:
+a magnitude without use_dora, on a module without LoRA weights, of the wrong shape, missing or twice is
+refused naming the tensor; DoRA on embed_tokens / lm_head is refused as unsupported_option).
+
 Messages never contain server paths (file contents given as paths are only ever named by their upload name).
 
 A `target_modules` regex comes from the client, so it never runs on Python's backtracking `re` (a pattern
@@ -41,7 +45,7 @@ import os
 import re
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -62,12 +66,13 @@ from loramux.adapters.validation_common import (
     fail,
     show,
 )
+from loramux.adapters.validation_dora import check_dora_config, check_magnitudes, dora_enabled, split_magnitudes
 from loramux.model.config import ModelConfig
 
 __all__ = ["TARGETS", "ALLOWED_FILENAMES", "CONFIG_FILE", "WEIGHTS_FILE", "AdapterFormatError",
            "AdapterValidationError", "UploadLimits", "ValidatedAdapter", "check_base_model", "module_names",
            "projection_shapes", "validate_config", "validate_adapter_files", "base_targets", "checkpoint_shapes",
-           "FUSED_TARGETS", "split_fused"]
+           "FUSED_TARGETS", "split_fused", "split_fused_magnitudes"]
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # what the engine serves
 # Phi-3 fuses projections in its checkpoint, so its adapters target the fused modules: a fused LoRA is the
@@ -110,6 +115,8 @@ class ValidatedAdapter:
     tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
     nbytes: int
     base_model: str | None = None  # base_model_name_or_path as the config claims it (printable, capped)
+    # DoRA: (layer, target) -> magnitude m [d_out] in the file's dtype, one per key of `tensors` (else empty)
+    magnitudes: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
 
 
 def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -136,6 +143,20 @@ def module_names(cfg: ModelConfig) -> dict[tuple[int, str], str]:
     """The base model's own name of each LoRA-targetable module (what PEFT matches a regex against)."""
     return {(layer, t): f"model.layers.{layer}.{_SECTIONS[t]}.{t}"
             for layer in range(cfg.num_layers) for t in base_targets(cfg)}
+
+
+def split_fused_magnitudes(magnitudes: dict[tuple[int, str], torch.Tensor], cfg: ModelConfig
+                           ) -> dict[tuple[int, str], torch.Tensor]:
+    """Fused-module DoRA magnitudes as the engine's per-projection ones: cut by rows, as B (DoRA's norm is per
+    output row, so each sub-projection's rows keep their own magnitude and norm)."""
+    shapes, out = projection_shapes(cfg), {}
+    for (layer, target), m in magnitudes.items():
+        if target not in FUSED_TARGETS:
+            out[(layer, target)] = m
+            continue
+        for part, rows in zip(FUSED_TARGETS[target], m.split([shapes[p][1] for p in FUSED_TARGETS[target]])):
+            out[(layer, part)] = rows.contiguous()
+    return out
 
 
 def split_fused(tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], cfg: ModelConfig
@@ -266,8 +287,7 @@ def validate_config(raw: bytes | str, max_rank: int | None = None) -> dict:
                                  "it (adapters are data only and never run code on this server)")
     if str(config.get("peft_type", "")).upper() != "LORA":
         raise fail("not_lora", f"peft_type must be LORA, got {show(config.get('peft_type'))}")
-    if config.get("use_dora"):
-        raise fail("unsupported_option", "DoRA adapters (use_dora=true) are not supported yet")
+    check_dora_config(config)
     if config.get("fan_in_fan_out"):
         raise fail("unsupported_option", "fan_in_fan_out adapters (GPT-2 style Conv1D) are not supported")
     if config.get("bias", "none") != "none":
@@ -426,8 +446,13 @@ def validate_adapter_files(files: Mapping[str, bytes | Path], base: ModelConfig,
         rank, declared = config["r"], _targets_from_config(config, base)
 
         entries, data_start = parse_header(weights_src, limits)
+        entries, magnitude_entries = split_magnitudes(entries, dora_enabled(config))
         targets, found = _check_entries(entries, base, rank, declared)
-        tensors, nbytes = {}, 0
+        if dora_enabled(config):
+            check_magnitudes(magnitude_entries, set(found), checkpoint_shapes(base), base.num_layers)
+        magnitudes = {key: read_tensor(weights_src, data_start, entry) for key, entry in magnitude_entries.items()}
+        nbytes = sum(m.numel() * m.element_size() for m in magnitudes.values())
+        tensors = {}
         for key in [(layer, t) for layer in range(base.num_layers) for t in targets]:
             a = read_tensor(weights_src, data_start, found[key]["A"])
             b = read_tensor(weights_src, data_start, found[key]["B"])
@@ -435,10 +460,11 @@ def validate_adapter_files(files: Mapping[str, bytes | Path], base: ModelConfig,
             nbytes += a.numel() * a.element_size() + b.numel() * b.element_size()
     if base.fused_projections:
         tensors = split_fused(tensors, base)
+        magnitudes = split_fused_magnitudes(magnitudes, base)
         targets = [t for t in TARGETS if any(part == t for _, part in tensors)]
     return ValidatedAdapter(config=config, rank=rank, alpha=float(config["lora_alpha"]),
                             use_rslora=bool(config.get("use_rslora", False)), target_modules=tuple(targets),
-                            tensors=tensors, nbytes=nbytes, base_model=claimed_base)
+                            tensors=tensors, nbytes=nbytes, base_model=claimed_base, magnitudes=magnitudes)
 
 
 def _fusion_hint(base: ModelConfig, target: str) -> str:

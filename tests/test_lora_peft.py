@@ -92,4 +92,4 @@ def test_mixed_batch_equals_peft_per_adapter(smol_dir, tokenizer, adapter_dirs, 
         assert any(peft_outputs[(q, name)] != peft_outputs[(q, None)] for q in range(len(QUESTIONS))), name
     stats = engine.stats()
     assert stats["adapter_slots_pinned"] == 0 and stats["kv_blocks_used"] == 0
-    assert sorted(rank for rank, _ in engine.pool.buckets) == sorted(r for r, _, _ in ADAPTERS.values())
+    assert sorted(key.rank for key in engine.pool.buckets) == sorted(r for r, _, _ in ADAPTERS.values())
