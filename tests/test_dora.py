@@ -437,3 +437,42 @@ def test_smollm2_dora_equals_peft_in_a_mixed_batch(smol_dir, tokenizer, tmp_path
     assert_adapters_matter(expected, adapters, prompts)
     engine = serving_engine(smol_dir, tokenizer, adapters)
     assert engine_outputs(engine, prompts, [None, *adapters], mixed=True) == expected
+
+
+def test_phi3_fused_dora_splits_onto_the_engine_projections(tmp_path_factory, tokenizer):
+    """Phi-3's fused qkv_proj / gate_up_proj DoRA: the magnitude is cut by rows like B, and each sub-projection's
+    g equals PEFT's on the fused module's rows (the norm is per output row)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from loramux.adapters.dora import dora_scale
+    from loramux.model.llama import PROJECTION_SLICES
+    from loramux.model.loader import build_model
+
+    model_dir = tmp_path_factory.mktemp("dora-phi3")
+    save_tiny_hf_model(model_dir, 300, "phi3", pad_token_id=0)
+    fused = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    adapter_dir = make_peft_adapter(model_dir, tmp_path_factory.mktemp("dora-phi3-adapter") / "a", r=4,
+                                    targets=fused, seed=31)
+    model, cfg = build_model(model_dir, torch.float32, torch.device("cpu"))
+    adapter = load_adapter_dir(adapter_dir, cfg)
+    assert set(adapter.magnitudes) == set(adapter.weights) and len(adapter.weights) == 7 * cfg.num_layers
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                                     adapter_dir).eval()
+    parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+             "o_proj": ("o_proj",), "down_proj": ("down_proj",)}
+    for layer in range(cfg.num_layers):
+        for name in fused:
+            section = "self_attn" if name in ("qkv_proj", "o_proj") else "mlp"
+            module = peft.base_model.model.model.layers[layer].get_submodule(f"{section}.{name}")
+            dora = module.lora_magnitude_vector["default"]
+            lora_weight = module.lora_B["default"].weight @ module.lora_A["default"].weight
+            expected = dora.weight.detach() / dora.get_weight_norm(module.get_base_layer().weight, lora_weight,
+                                                                     module.scaling["default"])
+            ours = []
+            for part in parts[name]:
+                path, slice_name = PROJECTION_SLICES[part]
+                a, b = adapter.weights[(layer, part)]
+                ours.append(dora_scale(model.layers[layer].get_submodule(path), slice_name, a, b,
+                                       adapter.scale_of((layer, part)), adapter.magnitudes[(layer, part)]))
+            torch.testing.assert_close(torch.cat(ours), expected, rtol=2e-6, atol=0, msg=f"{layer} {name}")
