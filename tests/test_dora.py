@@ -282,7 +282,9 @@ def test_tiny_llama_dora_equals_peft_alone_and_mixed(llama_dir, tokenizer, llama
     assert alone == {k: v for k, v in llama_expected.items() if k[0] == 0}
     if static_decode:
         assert engine.runner.graphs.steps > 0
-    assert engine.stats()["kv_blocks_used"] == 0
+    stats = engine.stats()
+    assert stats["kv_blocks_used"] == 0
+    assert stats["prefix_cache_hit_blocks"] > 0 and stats["spec_proposed_tokens"] > 0, stats  # both exercised
     keys = sorted(engine.pool.buckets)
     assert [k.dora for k in keys].count(True) == 2 and [k.dora for k in keys].count(False) == 1
 
@@ -304,6 +306,8 @@ def test_qwen2_biases_are_left_out_of_the_rescale(tmp_path_factory, tokenizer):
     assert engine_outputs(engine, prompts, [None, *adapters], mixed=True) == expected
     assert engine_outputs(engine, prompts[:1], [None, *adapters], mixed=False) == \
         {k: v for k, v in expected.items() if k[0] == 0}
+    stats = engine.stats()
+    assert stats["prefix_cache_hit_blocks"] > 0 and stats["spec_proposed_tokens"] > 0, stats
 
 
 def test_dora_through_the_triton_kernels(llama_dir, tokenizer, llama_adapters, llama_prompts, llama_expected):
