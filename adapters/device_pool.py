@@ -25,6 +25,11 @@ lock right after the change:
   of the stacks and copy any other set first (kernels/torch_ops.py), so the residency keeps a bucket's
   active adapters in its lowest slots (`needs_active_prefix`); on GPU the kernels read any slot and nothing
   is swapped.
+
+DoRA adapters live in their own buckets (`BucketKey.dora`, so plain buckets never pay): each of their slots
+also holds, per (layer, projection), DoRA's fixed per-output-channel scale g = m / ||W + s·B·A||_row
+(`LoRALayerWeights.dora_g`, 1 on slices the adapter does not cover), computed from the model's weights when
+the adapter is written (loramux.adapters.dora) and counted in `slot_bytes`.
 """
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ from typing import NamedTuple
 import torch
 
 from loramux.adapters import pool_layout
+from loramux.adapters.dora import dora_scale, unservable_reason
 from loramux.adapters.peft_format import LoRAAdapter
 from loramux.kernels.wrapper import LoRALayerWeights, LoRAWrapper
 from loramux.model.llama import LORA_MODULES, PROJECTION_SLICES, LlamaModel
@@ -76,7 +82,7 @@ class _Bucket:
         self.weights: dict[tuple[int, str], LoRALayerWeights] = {}
         if key.layer_ranks:
             self.scale = None
-            self.scales = self._patterned(model, key.layer_ranks, capacity, dtype, device)
+            self.scales = self._patterned(model, key.layer_ranks, key.dora, capacity, dtype, device)
             return
         self.scale = torch.zeros(capacity, dtype=torch.float32, device=device)  # one per slot, all projections
         self.scales = [self.scale]  # every scale tensor of the bucket (slots on the last dimension)
@@ -90,9 +96,11 @@ class _Bucket:
                 b=[torch.zeros(capacity, rank, size, dtype=dtype, device=device).transpose(1, 2)
                    for _, size in module.slices],
                 offsets=[module.slice_range(name)[0] for name, _ in module.slices],
-                scale=self.scale, names=[name for name, _ in module.slices], targeted=[False] * capacity)
+                scale=self.scale, names=[name for name, _ in module.slices], targeted=[False] * capacity,
+                dora_g=torch.ones(capacity, module.out_features, dtype=dtype, device=device) if key.dora else None,
+                dora_bias=None if module.bias is None or not key.dora else module.bias.data)
 
-    def _patterned(self, model: LlamaModel, table: tuple, capacity: int, dtype: torch.dtype,
+    def _patterned(self, model: LlamaModel, table: tuple, dora: bool, capacity: int, dtype: torch.dtype,
                    device: torch.device) -> list[torch.Tensor]:
         """A patterned bucket's stacks: per listed (layer, path), its covered slices at their own ranks."""
         modules = {(layer, path): module for layer, path, module in model.lora_modules()}
@@ -106,7 +114,9 @@ class _Bucket:
                 a=_a_buffer(capacity, sum(r for _, _, r in live), module.in_features, dtype, device),
                 b=[torch.zeros(capacity, r, size, dtype=dtype, device=device).transpose(1, 2) for _, size, r in live],
                 offsets=[module.slice_range(name)[0] for name, _, _ in live],
-                scale=scale, names=[name for name, _, _ in live], targeted=[False] * capacity)
+                scale=scale, names=[name for name, _, _ in live], targeted=[False] * capacity,
+                dora_g=torch.ones(capacity, module.out_features, dtype=dtype, device=device) if dora else None,
+                dora_bias=None if module.bias is None or not dora else module.bias.data)
         return scales
 
     def copy_slot(self, src: _Bucket, src_slot: int, dst_slot: int) -> None:
@@ -115,6 +125,8 @@ class _Bucket:
             weights.a[dst_slot].copy_(other.a[src_slot])
             for b, other_b in zip(weights.b, other.b):
                 b[dst_slot].copy_(other_b[src_slot])
+            if weights.dora_g is not None:
+                weights.dora_g[dst_slot].copy_(other.dora_g[src_slot])
             weights.set_targeted(dst_slot, other.targeted[src_slot])
         for scale, other in zip(self.scales, src.scales):
             scale[..., dst_slot] = other[..., src_slot]
@@ -129,9 +141,11 @@ class DevicePool:
         self.bytes_per_rank: dict[str, int] = {}
         self.shapes = {path: (m.in_features, m.slices) for _, path, m in model.lora_modules()}
         self.element = element
+        self.dora_bytes: dict[str, int] = {}  # bytes of one slot's DoRA scales per projection path, every layer
         for _, path, m in model.lora_modules():
             self.bytes_per_rank[path] = self.bytes_per_rank.get(path, 0) + \
                 (len(m.slices) * m.in_features + m.out_features) * element
+            self.dora_bytes[path] = self.dora_bytes.get(path, 0) + m.out_features * element
         self.buckets: dict[BucketKey, _Bucket] = {}
         self.needs_active_prefix = self.device.type == "cpu"
         self.wrapper = LoRAWrapper(lora_impl, self.device, self._weights_of)
@@ -151,17 +165,32 @@ class DevicePool:
     def bucket_of(self, adapter: LoRAAdapter) -> BucketKey:
         """The bucket an adapter belongs in: its rank and the merged projections it targets."""
         paths = {PROJECTION_SLICES[target][0] for _, target in adapter.weights}
+        if adapter.magnitudes:
+            self._check_dora(adapter)
         return BucketKey(adapter.rank, tuple(p for p in LORA_MODULES if p in paths),
-                         layer_ranks=pool_layout.layer_ranks(adapter, self.shapes, len(self.model.layers)))
+                         layer_ranks=pool_layout.layer_ranks(adapter, self.shapes, len(self.model.layers)),
+                         dora=bool(adapter.magnitudes))
+
+    def _check_dora(self, adapter: LoRAAdapter) -> None:
+        """ValueError (the message says what to do) where this model cannot serve DoRA exactly."""
+        for layer, target in adapter.magnitudes:
+            reason = unservable_reason(self.model.layers[layer].get_submodule(PROJECTION_SLICES[target][0]))
+            if reason:
+                raise ValueError(f"DoRA adapter {adapter.name!r} cannot be served exactly: {reason}")
 
     def slot_bytes(self, key: BucketKey) -> int:
         """Device bytes one slot of bucket `key` occupies (its projections, every layer; or, patterned, the
         modules its `layer_ranks` lists, with their per-slice scales)."""
         key = BucketKey(*key)
         if key.layer_ranks:
-            return pool_layout.lora_slot_bytes(key.rank, key.paths, key.layer_ranks, self.shapes,
+            lora = pool_layout.lora_slot_bytes(key.rank, key.paths, key.layer_ranks, self.shapes,
                                                len(self.model.layers), self.element)
-        return key.rank * sum(self.bytes_per_rank[p] for p in key.paths)
+            # DoRA: one g row of the merged projection's width per (layer, path) the table lists.
+            dora = sum(sum(size for _, size in self.shapes[path][1]) for _, path, _ in key.layer_ranks) * self.element
+        else:
+            lora = key.rank * sum(self.bytes_per_rank[p] for p in key.paths)
+            dora = sum(self.dora_bytes[p] for p in key.paths)
+        return lora + (dora if key.dora else 0)
 
     def capacity(self, key: BucketKey) -> int:
         bucket = self.buckets.get(key)
@@ -204,6 +233,8 @@ class DevicePool:
                     held = stack[i].clone()
                     stack[i].copy_(stack[j])
                     stack[j].copy_(held)
+                if weights.dora_g is not None:
+                    weights.dora_g[[i, j]] = weights.dora_g[[j, i]]
                 flag_i, flag_j = weights.targeted[i], weights.targeted[j]
                 weights.set_targeted(i, flag_j)
                 weights.set_targeted(j, flag_i)
@@ -241,6 +272,8 @@ class DevicePool:
             weights.a[slot].zero_()
             for b in weights.b:
                 b[slot].zero_()
+            if weights.dora_g is not None:
+                weights.dora_g[slot].fill_(1)
             weights.set_targeted(slot, False)
         for (layer, target), (a, b) in adapter.weights.items():
             path, slice_name = PROJECTION_SLICES[target]
@@ -252,6 +285,12 @@ class DevicePool:
             weights.set_targeted(slot, True)
             if weights.scale.dim() == 2:  # patterned: each module its own scale
                 weights.scale[index, slot] = adapter.scale_of((layer, target))
+            if (layer, target) in adapter.magnitudes:
+                module = self.model.layers[layer].get_submodule(path)
+                g = dora_scale(module, slice_name, a, b, adapter.scale_of((layer, target)),
+                               adapter.magnitudes[(layer, target)])
+                lo, hi = module.slice_range(slice_name)
+                weights.dora_g[slot, lo:hi].copy_(g)
         if bucket.scale is not None:
             bucket.scale[slot] = adapter.scale
 

@@ -4,8 +4,9 @@ Supported: peft_type LORA, r, lora_alpha, use_rslora, target_modules any subset 
 projections (names or a regex, as PEFT accepts), per-module rank_pattern / alpha_pattern and layer subsets
 (layers_to_transform / layers_pattern, a regex or dotted names selecting some layers, exclude_modules), by
 PEFT's own matching rules (`module_selection`): each module keeps its own rank (the A / B shapes) and scale
-(`module_scales`). Refused with a clear message for now: DoRA, embedding / lm_head targets,
-fan_in_fan_out, trained biases.
+(`module_scales`); and DoRA (use_dora: the magnitude vectors land in `LoRAAdapter.magnitudes`; the device pool
+turns them into DoRA's per-channel scale at load, see `adapters/dora.py`). Refused with a clear message for
+now: embedding / lm_head targets (and DoRA on them), fan_in_fan_out, trained biases.
 Every check lives in `validation.py` (the same path as uploads, base-model rule included: give
 `base_model_id`, the served model's name, to have `base_model_name_or_path` checked exactly as an upload's);
 this module turns a validated adapter into the float32 `LoRAAdapter` the engine serves, with its content digest.
@@ -71,7 +72,8 @@ class LoRAAdapter:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values()) \
+            + sum(m.numel() * m.element_size() for m in self.magnitudes.values())
 
 
 def parse_config(raw: bytes | str) -> dict:
@@ -97,7 +99,8 @@ def _to_lora_adapter(name: str, validated: ValidatedAdapter, weights_sha256: byt
     digest = hashlib.sha256(hashlib.sha256(_canonical(validated.config)).digest() + weights_sha256)
     return LoRAAdapter(name=name, rank=validated.rank, alpha=validated.alpha, use_rslora=validated.use_rslora,
                        target_modules=validated.target_modules, weights=weights, digest=digest.hexdigest(),
-                       module_scales=dict(validated.module_scales))
+                       module_scales=dict(validated.module_scales),
+                       magnitudes={key: m.float().contiguous() for key, m in validated.magnitudes.items()})
 
 
 def _canonical(config: Mapping) -> bytes:

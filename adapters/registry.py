@@ -135,7 +135,7 @@ class AdapterRegistry:
         valid = validate_adapter_files(files, self.base_config, self.limits, self.base_model_id, allow_base_mismatch)
         claimed_base = valid.base_model
         blob, digest = pack(valid.rank, valid.alpha, valid.use_rslora, valid.target_modules, valid.tensors,
-                            module_scales=valid.module_scales)
+                            module_scales=valid.module_scales, magnitudes=valid.magnitudes)
         del valid
         key = blob_key(digest)
         _reserve_blob(self.db, digest, key)

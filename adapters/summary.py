@@ -27,6 +27,16 @@ def _tensor_bytes(tensors, dtype_bytes: int) -> int:
     return sum(t.numel() for t in tensors) * dtype_bytes
 
 
+def _dora_bytes(adapter: LoRAAdapter, paths, table, shapes, num_layers: int, dtype_bytes: int) -> int:
+    """DoRA's per-channel scales as the pool holds them: one row of the merged projection's width per (layer,
+    path) the slot covers (every layer of `paths`, or the patterned table's entries)."""
+    if not adapter.magnitudes:
+        return 0
+    width = {path: sum(size for _, size in slices) for path, (_, slices) in shapes.items()}
+    covered = [path for _, path, _ in table] if table else [p for p in paths for _ in range(num_layers)]
+    return sum(width[p] for p in covered) * dtype_bytes
+
+
 def describe(adapter: LoRAAdapter, cfg: ModelConfig, dtype_bytes: int) -> dict:
     """The adapter's summary (see the module docstring); plain Python types only."""
     modules: dict[str, dict] = {}
@@ -43,7 +53,7 @@ def describe(adapter: LoRAAdapter, cfg: ModelConfig, dtype_bytes: int) -> dict:
     paths = tuple(p for p in LORA_MODULES if any(PROJECTION_SLICES[t][0] == p for t in modules))
     device = {
         "lora": lora_slot_bytes(adapter.rank, paths, table, shapes, cfg.num_layers, dtype_bytes),
-        "dora": _tensor_bytes(adapter.magnitudes.values(), dtype_bytes),
+        "dora": _dora_bytes(adapter, paths, table, shapes, cfg.num_layers, dtype_bytes),
         "embedding": _tensor_bytes(adapter.embedding or (), dtype_bytes),
         "heads": _tensor_bytes(adapter.heads.values(), dtype_bytes),
     }

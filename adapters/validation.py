@@ -26,6 +26,10 @@ target_modules names or regex, exclude_modules, layers_to_transform / layers_pat
 alpha_pattern). The weights must hold exactly those modules, each at its own rank: every tensor is either
 served or refused by name (`target_mismatch` names a tensor of a module the config does not select).
 
+DoRA (`use_dora: true`) is accepted with its magnitude vectors, checked by `validation_dora` (same codes:
+a magnitude without use_dora, on a module without LoRA weights, of the wrong shape, missing or twice is
+refused naming the tensor; DoRA on embed_tokens / lm_head is refused as unsupported_option).
+
 Messages never contain server paths (file contents given as paths are only ever named by their upload name).
 
 A `target_modules` regex comes from the client, so it never runs on Python's backtracking `re` (a pattern
@@ -73,12 +77,13 @@ from loramux.adapters.validation_common import (
     fail,
     show,
 )
+from loramux.adapters.validation_dora import check_dora_config, check_magnitudes, dora_enabled, split_magnitudes
 from loramux.model.config import ModelConfig
 
 __all__ = ["TARGETS", "ALLOWED_FILENAMES", "CONFIG_FILE", "WEIGHTS_FILE", "AdapterFormatError",
            "AdapterValidationError", "UploadLimits", "ValidatedAdapter", "check_base_model", "module_names",
            "projection_shapes", "validate_config", "validate_adapter_files", "base_targets", "checkpoint_shapes",
-           "FUSED_TARGETS", "split_fused"]
+           "FUSED_TARGETS", "split_fused", "split_fused_magnitudes"]
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # what the engine serves
 # Phi-3 fuses projections in its checkpoint, so its adapters target the fused modules: a fused LoRA is the
@@ -122,6 +127,8 @@ class ValidatedAdapter:
     base_model: str | None = None  # base_model_name_or_path as the config claims it (printable, capped)
     # (layer, target) -> its scale where rank_pattern / alpha_pattern make it differ from r / lora_alpha's
     module_scales: dict[tuple[int, str], float] = field(default_factory=dict)
+    # DoRA: (layer, target) -> magnitude m [d_out] in the file's dtype, one per key of `tensors` (else empty)
+    magnitudes: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
 
 
 def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -148,6 +155,20 @@ def module_names(cfg: ModelConfig) -> dict[tuple[int, str], str]:
     """The base model's own name of each LoRA-targetable module (what PEFT matches a regex against)."""
     return {(layer, t): f"model.layers.{layer}.{_SECTIONS[t]}.{t}"
             for layer in range(cfg.num_layers) for t in base_targets(cfg)}
+
+
+def split_fused_magnitudes(magnitudes: dict[tuple[int, str], torch.Tensor], cfg: ModelConfig
+                           ) -> dict[tuple[int, str], torch.Tensor]:
+    """Fused-module DoRA magnitudes as the engine's per-projection ones: cut by rows, as B (DoRA's norm is per
+    output row, so each sub-projection's rows keep their own magnitude and norm)."""
+    shapes, out = projection_shapes(cfg), {}
+    for (layer, target), m in magnitudes.items():
+        if target not in FUSED_TARGETS:
+            out[(layer, target)] = m
+            continue
+        for part, rows in zip(FUSED_TARGETS[target], m.split([shapes[p][1] for p in FUSED_TARGETS[target]])):
+            out[(layer, part)] = rows.contiguous()
+    return out
 
 
 def split_fused(tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], cfg: ModelConfig
@@ -265,8 +286,7 @@ def validate_config(raw: bytes | str, max_rank: int | None = None) -> dict:
                                  "it (adapters are data only and never run code on this server)")
     if str(config.get("peft_type", "")).upper() != "LORA":
         raise fail("not_lora", f"peft_type must be LORA, got {show(config.get('peft_type'))}")
-    if config.get("use_dora"):
-        raise fail("unsupported_option", "DoRA adapters (use_dora=true) are not supported yet")
+    check_dora_config(config)
     if config.get("fan_in_fan_out"):
         raise fail("unsupported_option", "fan_in_fan_out adapters (GPT-2 style Conv1D) are not supported")
     if config.get("bias", "none") != "none":
@@ -434,8 +454,13 @@ def validate_adapter_files(files: Mapping[str, bytes | Path], base: ModelConfig,
         expected = module_rank_alpha(config, {key: names[key] for key in select_modules(config, names)})
 
         entries, data_start = parse_header(weights_src, limits)
+        entries, magnitude_entries = split_magnitudes(entries, dora_enabled(config))
         targets, found = _check_entries(entries, base, config, expected)
-        tensors, nbytes = {}, 0
+        if dora_enabled(config):
+            check_magnitudes(magnitude_entries, set(found), checkpoint_shapes(base), base.num_layers)
+        magnitudes = {key: read_tensor(weights_src, data_start, entry) for key, entry in magnitude_entries.items()}
+        nbytes = sum(m.numel() * m.element_size() for m in magnitudes.values())
+        tensors = {}
         for key in expected:
             a = read_tensor(weights_src, data_start, found[key]["A"])
             b = read_tensor(weights_src, data_start, found[key]["B"])
@@ -449,10 +474,11 @@ def validate_adapter_files(files: Mapping[str, bytes | Path], base: ModelConfig,
         tensors = split_fused(tensors, base)
         module_scales = {(layer, part): s for (layer, t), s in module_scales.items()
                          for part in FUSED_TARGETS.get(t, (t,))}
+        magnitudes = split_fused_magnitudes(magnitudes, base)
         targets = [t for t in TARGETS if any(part == t for _, part in tensors)]
     return ValidatedAdapter(config=config, rank=rank, alpha=float(config["lora_alpha"]), use_rslora=use_rslora,
                             target_modules=tuple(targets), tensors=tensors, nbytes=nbytes, base_model=claimed_base,
-                            module_scales=module_scales)
+                            module_scales=module_scales, magnitudes=magnitudes)
 
 
 def _fusion_hint(base: ModelConfig, target: str) -> str:

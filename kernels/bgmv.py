@@ -7,6 +7,7 @@ adapter in that bucket, or is padding), and the ops' shapes depend only on the r
 
     bgmv_shrink: v[t] = x[t] @ A[slots[t]]^T                                   (0 where slots[t] < 0)
     bgmv_expand: y[t, off:off+d_out] += (v[t] @ B[slots[t]]^T) * scale[slots[t]]  (rows with slots[t] >= 0)
+    then, DoRA buckets only: y[t] = g[slots[t]] * (y[t] - bias) + bias             (rows with slots[t] >= 0)
 
 the same semantics as `lora_shrink` / `lora_expand` with the per-token slot map. Triton on CUDA
 (`loramux.kernels.triton_ops`), the gather + batched mat-vec below otherwise; both are capturable.
@@ -17,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
+from loramux.kernels.dora import dora_rescale_torch
 
 
 def bgmv_shrink_torch(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -72,6 +75,17 @@ def bgmv_shrink_expand(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: li
         bgmv_expand_torch(y, v[:, column:column + b.shape[2]], b, s, slots, offset)
 
 
+def dora_rescale_rows(y: torch.Tensor, g: torch.Tensor, bias: torch.Tensor | None, slots: torch.Tensor,
+                      impl: str = "torch") -> None:
+    """DoRA's rescale over a per-token slot index (loramux.kernels.dora); capturable either way."""
+    if impl == "triton":
+        from loramux.kernels.dora_triton import dora_rescale_triton
+
+        dora_rescale_triton(y, g, bias, slots)
+        return
+    dora_rescale_torch(y, g, bias, slots)
+
+
 class StaticLoRA:
     """The LoRA wrapper's `apply` over fixed-shape metadata, for a decode step run from static buffers.
 
@@ -91,4 +105,6 @@ class StaticLoRA:
             weights = self.weights_of(bucket, key)
             if weights is not None:
                 bgmv_shrink_expand(y, x, weights.a, weights.b, weights.offsets, weights.scale, slots, self.impl)
+                if weights.dora_g is not None:  # DoRA buckets (see loramux.kernels.dora)
+                    dora_rescale_rows(y, weights.dora_g, weights.dora_bias, slots, self.impl)
         return y

@@ -225,7 +225,7 @@ CASES = {
     "trust-remote-code": case(lambda f, m: edit_config(f, trust_remote_code=True), "code_hook", "trust_remote_code"),
     "hydra-target": case(lambda f, m: edit_config(f, init={"_target_": "os.system"}), "code_hook", "'_target_'"),
     "not-lora": case(lambda f, m: edit_config(f, peft_type="IA3"), "not_lora", "peft_type must be LORA, got 'IA3'"),
-    "dora": case(lambda f, m: edit_config(f, use_dora=True), "unsupported_option", "DoRA"),
+    "dora-without-magnitudes": case(lambda f, m: edit_config(f, use_dora=True), "missing_tensor", "DoRA magnitude"),
     "rank-zero": case(lambda f, m: edit_config(f, r=0), "rank_out_of_range", "r must be a positive integer, got 0"),
     "rank-above-max": case(lambda f, m: edit_config(f, r=65), "rank_out_of_range",
                            "rank 65 is above this server's maximum LoRA rank 64"),
