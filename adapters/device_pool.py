@@ -5,6 +5,11 @@ which holds, for each of those projections in every layer, a stack of `capacity`
 rank (`LoRALayerWeights`). So an adapter occupies, and each of its rows costs, its own rank on its own
 projections: a rank-8 adapter next to a rank-64 one never does rank-64 work, and one on q/v only never
 touches the MLP. (Within a merged projection every slice is held: a q/v adapter also holds zeros for k.)
+An adapter with per-module ranks or scales or a layer subset (rank_pattern, alpha_pattern,
+layers_to_transform, ...) goes to a bucket whose key lists its layout (`BucketKey.layer_ranks`, see
+`pool_layout`): there each (layer, projection) holds only the slices it covers, each at its own rank (A rows
+of slice i right after those of slice i-1, so the kernels take per-slice ranks; no zero padding, even within
+a merged projection) with its own scale ([n_slices, slots] scales), and modules it leaves alone hold nothing.
 A slot also holds its adapter's embedding LoRA and trained heads when it has them (`BucketKey.extras`, see
 `loramux.adapters.head_slots`), counted in `slot_bytes` like the projections.
 The buckets share one byte budget; which adapter sits where, and when buckets grow or shrink, is decided by
@@ -22,6 +27,11 @@ lock right after the change:
   of the stacks and copy any other set first (kernels/torch_ops.py), so the residency keeps a bucket's
   active adapters in its lowest slots (`needs_active_prefix`); on GPU the kernels read any slot and nothing
   is swapped.
+
+DoRA adapters live in their own buckets (`BucketKey.dora`, so plain buckets never pay): each of their slots
+also holds, per (layer, projection), DoRA's fixed per-output-channel scale g = m / ||W + s·B·A||_row
+(`LoRALayerWeights.dora_g`, 1 on slices the adapter does not cover), computed from the model's weights when
+the adapter is written (loramux.adapters.dora) and counted in `slot_bytes`.
 """
 from __future__ import annotations
 
@@ -33,7 +43,8 @@ from typing import NamedTuple
 
 import torch
 
-from loramux.adapters import head_slots
+from loramux.adapters import head_slots, pool_layout
+from loramux.adapters.dora import dora_scale, unservable_reason
 from loramux.adapters.peft_format import LoRAAdapter
 from loramux.kernels.wrapper import LoRALayerWeights, LoRAWrapper
 from loramux.model.llama import LORA_MODULES, PROJECTION_SLICES, LlamaModel
@@ -56,7 +67,9 @@ class BucketKey(NamedTuple):
 
     rank: int  # the rank of every targeted (layer, projection) unless `layer_ranks` says otherwise
     paths: tuple[str, ...]  # merged projection paths targeted, in model order
-    layer_ranks: tuple = ()  # per-module ranks / layer subsets (empty: every layer of `paths` at `rank`)
+    # per-module ranks / layer subsets: ((layer, path, (rank of each slice, 0 = not covered)), ...) for each
+    # (layer, path) covered (see pool_layout); empty: every layer of `paths` at `rank`, one scale per slot
+    layer_ranks: tuple = ()
     dora: bool = False  # slots carry DoRA's per-output-channel magnitude scale
     extras: tuple = ()  # per-slot tensors outside the decoder projections (embedding LoRA, trained heads)
 
@@ -68,8 +81,16 @@ class _Bucket:
         key = BucketKey(*key)
         rank, paths, self.capacity = key.rank, key.paths, capacity
         self.rank = rank
-        self.scale = torch.zeros(capacity, dtype=torch.float32, device=device)  # one per slot, all projections
         self.weights: dict[tuple[int, str], LoRALayerWeights] = {}
+        # Embedding LoRA and trained heads (adapters/head_slots.py): one stack per buffer, slots first.
+        cfg = model.config
+        self.extras = head_slots.allocate(key.extras, capacity, cfg.vocab_size, cfg.hidden_size, dtype, device)
+        if key.layer_ranks:
+            self.scale = None
+            self.scales = self._patterned(model, key.layer_ranks, key.dora, capacity, dtype, device)
+            return
+        self.scale = torch.zeros(capacity, dtype=torch.float32, device=device)  # one per slot, all projections
+        self.scales = [self.scale]  # every scale tensor of the bucket (slots on the last dimension)
         for layer, path, module in model.lora_modules():
             if path not in paths:
                 continue
@@ -80,10 +101,28 @@ class _Bucket:
                 b=[torch.zeros(capacity, rank, size, dtype=dtype, device=device).transpose(1, 2)
                    for _, size in module.slices],
                 offsets=[module.slice_range(name)[0] for name, _ in module.slices],
-                scale=self.scale, names=[name for name, _ in module.slices], targeted=[False] * capacity)
-        # Embedding LoRA and trained heads (adapters/head_slots.py): one stack per buffer, slots first.
-        cfg = model.config
-        self.extras = head_slots.allocate(key.extras, capacity, cfg.vocab_size, cfg.hidden_size, dtype, device)
+                scale=self.scale, names=[name for name, _ in module.slices], targeted=[False] * capacity,
+                dora_g=torch.ones(capacity, module.out_features, dtype=dtype, device=device) if key.dora else None,
+                dora_bias=None if module.bias is None or not key.dora else module.bias.data)
+
+    def _patterned(self, model: LlamaModel, table: tuple, dora: bool, capacity: int, dtype: torch.dtype,
+                   device: torch.device) -> list[torch.Tensor]:
+        """A patterned bucket's stacks: per listed (layer, path), its covered slices at their own ranks."""
+        modules = {(layer, path): module for layer, path, module in model.lora_modules()}
+        scales = []
+        for layer, path, ranks in table:
+            module = modules[(layer, path)]
+            live = [(name, size, r) for (name, size), r in zip(module.slices, ranks) if r]
+            scale = torch.zeros(len(live), capacity, dtype=torch.float32, device=device)
+            scales.append(scale)
+            self.weights[(layer, path)] = LoRALayerWeights(
+                a=_a_buffer(capacity, sum(r for _, _, r in live), module.in_features, dtype, device),
+                b=[torch.zeros(capacity, r, size, dtype=dtype, device=device).transpose(1, 2) for _, size, r in live],
+                offsets=[module.slice_range(name)[0] for name, _, _ in live],
+                scale=scale, names=[name for name, _, _ in live], targeted=[False] * capacity,
+                dora_g=torch.ones(capacity, module.out_features, dtype=dtype, device=device) if dora else None,
+                dora_bias=None if module.bias is None or not dora else module.bias.data)
+        return scales
 
     def copy_slot(self, src: _Bucket, src_slot: int, dst_slot: int) -> None:
         for key, weights in self.weights.items():
@@ -91,8 +130,11 @@ class _Bucket:
             weights.a[dst_slot].copy_(other.a[src_slot])
             for b, other_b in zip(weights.b, other.b):
                 b[dst_slot].copy_(other_b[src_slot])
+            if weights.dora_g is not None:
+                weights.dora_g[dst_slot].copy_(other.dora_g[src_slot])
             weights.set_targeted(dst_slot, other.targeted[src_slot])
-        self.scale[dst_slot] = src.scale[src_slot]
+        for scale, other in zip(self.scales, src.scales):
+            scale[..., dst_slot] = other[..., src_slot]
         for name, stack in self.extras.items():
             stack[dst_slot].copy_(src.extras[name][src_slot])
 
@@ -104,9 +146,13 @@ class DevicePool:
         element = torch.finfo(dtype).bits // 8
         # Bytes one unit of rank costs per projection path: A rows and B columns of its slices, every layer.
         self.bytes_per_rank: dict[str, int] = {}
+        self.shapes = {path: (m.in_features, m.slices) for _, path, m in model.lora_modules()}
+        self.element = element
+        self.dora_bytes: dict[str, int] = {}  # bytes of one slot's DoRA scales per projection path, every layer
         for _, path, m in model.lora_modules():
             self.bytes_per_rank[path] = self.bytes_per_rank.get(path, 0) + \
                 (len(m.slices) * m.in_features + m.out_features) * element
+            self.dora_bytes[path] = self.dora_bytes.get(path, 0) + m.out_features * element
         self.buckets: dict[BucketKey, _Bucket] = {}
         self.needs_active_prefix = self.device.type == "cpu"
         self.wrapper = LoRAWrapper(lora_impl, self.device, self._weights_of)
@@ -129,17 +175,35 @@ class DevicePool:
     def bucket_of(self, adapter: LoRAAdapter) -> BucketKey:
         """The bucket an adapter belongs in: its rank and the merged projections it targets."""
         paths = {PROJECTION_SLICES[target][0] for _, target in adapter.weights}
+        if adapter.magnitudes:
+            self._check_dora(adapter)
         head_slots.absorb_base_copies(adapter, self.model)  # once: PEFT's saved copies of the base embedding
-        extras = head_slots.extras_of(adapter)
-        key = BucketKey(adapter.rank, tuple(p for p in LORA_MODULES if p in paths))
-        return key._replace(extras=extras) if extras else key
+        return BucketKey(adapter.rank, tuple(p for p in LORA_MODULES if p in paths),
+                         layer_ranks=pool_layout.layer_ranks(adapter, self.shapes, len(self.model.layers)),
+                         dora=bool(adapter.magnitudes), extras=head_slots.extras_of(adapter))
+
+    def _check_dora(self, adapter: LoRAAdapter) -> None:
+        """ValueError (the message says what to do) where this model cannot serve DoRA exactly."""
+        for layer, target in adapter.magnitudes:
+            reason = unservable_reason(self.model.layers[layer].get_submodule(PROJECTION_SLICES[target][0]))
+            if reason:
+                raise ValueError(f"DoRA adapter {adapter.name!r} cannot be served exactly: {reason}")
 
     def slot_bytes(self, key: BucketKey) -> int:
-        """Device bytes one slot of bucket `key` occupies (its projections, every layer, and its extras)."""
+        """Device bytes one slot of bucket `key` occupies (its projections, every layer; or, patterned, the
+        modules its `layer_ranks` lists, with their per-slice scales)."""
         key = BucketKey(*key)
+        if key.layer_ranks:
+            lora = pool_layout.lora_slot_bytes(key.rank, key.paths, key.layer_ranks, self.shapes,
+                                               len(self.model.layers), self.element)
+            # DoRA: one g row of the merged projection's width per (layer, path) the table lists.
+            dora = sum(sum(size for _, size in self.shapes[path][1]) for _, path, _ in key.layer_ranks) * self.element
+        else:
+            lora = key.rank * sum(self.bytes_per_rank[p] for p in key.paths)
+            dora = sum(self.dora_bytes[p] for p in key.paths)
         cfg = self.model.config
-        return key.rank * sum(self.bytes_per_rank[p] for p in key.paths) + \
-            head_slots.extras_bytes(key.extras, cfg.vocab_size, cfg.hidden_size, torch.finfo(self.dtype).bits // 8)
+        extras = head_slots.extras_bytes(key.extras, cfg.vocab_size, cfg.hidden_size, self.element)
+        return lora + (dora if key.dora else 0) + extras
 
     def capacity(self, key: BucketKey) -> int:
         bucket = self.buckets.get(key)
@@ -186,10 +250,13 @@ class DevicePool:
                     held = stack[i].clone()
                     stack[i].copy_(stack[j])
                     stack[j].copy_(held)
+                if weights.dora_g is not None:
+                    weights.dora_g[[i, j]] = weights.dora_g[[j, i]]
                 flag_i, flag_j = weights.targeted[i], weights.targeted[j]
                 weights.set_targeted(i, flag_j)
                 weights.set_targeted(j, flag_i)
-            bucket.scale[[i, j]] = bucket.scale[[j, i]]
+            for scale in bucket.scales:
+                scale[..., [i, j]] = scale[..., [j, i]]
             for stack in bucket.extras.values():
                 stack[[i, j]] = stack[[j, i]]
             then()
@@ -220,20 +287,31 @@ class DevicePool:
 
     def _write(self, bucket: _Bucket, slot: int, adapter: LoRAAdapter) -> None:
         """Copy `adapter` into `slot`, zeroing whatever the previous occupant left there."""
-        r = bucket.rank
         for weights in bucket.weights.values():
             weights.a[slot].zero_()
             for b in weights.b:
                 b[slot].zero_()
+            if weights.dora_g is not None:
+                weights.dora_g[slot].fill_(1)
             weights.set_targeted(slot, False)
         for (layer, target), (a, b) in adapter.weights.items():
             path, slice_name = PROJECTION_SLICES[target]
             weights = bucket.weights[(layer, path)]
             index = weights.names.index(slice_name)
-            weights.a[slot, index * r:(index + 1) * r].copy_(a, non_blocking=True)
+            start = sum(weights.ranks[:index])  # slice i's A rows follow those of the slices before it
+            weights.a[slot, start:start + a.shape[0]].copy_(a, non_blocking=True)
             weights.b[index][slot].copy_(b, non_blocking=True)
             weights.set_targeted(slot, True)
-        bucket.scale[slot] = adapter.scale
+            if weights.scale.dim() == 2:  # patterned: each module its own scale
+                weights.scale[index, slot] = adapter.scale_of((layer, target))
+            if (layer, target) in adapter.magnitudes:
+                module = self.model.layers[layer].get_submodule(path)
+                g = dora_scale(module, slice_name, a, b, adapter.scale_of((layer, target)),
+                               adapter.magnitudes[(layer, target)])
+                lo, hi = module.slice_range(slice_name)
+                weights.dora_g[slot, lo:hi].copy_(g)
+        if bucket.scale is not None:
+            bucket.scale[slot] = adapter.scale
         head_slots.write(bucket.extras, slot, adapter)
 
     def shutdown(self) -> None:

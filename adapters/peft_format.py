@@ -1,10 +1,14 @@
 """Reading a PEFT LoRA adapter (`adapter_config.json` + `adapter_model.safetensors`) for a base model.
 
 Supported: peft_type LORA, r, lora_alpha, use_rslora, target_modules any subset of the q/k/v/o/gate/up/down
-projections (names or a regex, as PEFT accepts); LoRA on embed_tokens, modules_to_save of lm_head /
-embed_tokens and trainable_token_indices (`embedding` and `heads`: see adapters/heads.py). Refused with a
-clear message for now: DoRA, LoRA on lm_head, added tokens (a resized vocabulary), per-module rank or alpha
-patterns, layer subsets, fan_in_fan_out, trained biases.
+projections (names or a regex, as PEFT accepts), per-module rank_pattern / alpha_pattern and layer subsets
+(layers_to_transform / layers_pattern, a regex or dotted names selecting some layers, exclude_modules), by
+PEFT's own matching rules (`module_selection`): each module keeps its own rank (the A / B shapes) and scale
+(`module_scales`); DoRA (use_dora: the magnitude vectors land in `LoRAAdapter.magnitudes`; the device pool
+turns them into DoRA's per-channel scale at load, see `adapters/dora.py`); LoRA on embed_tokens,
+modules_to_save of lm_head / embed_tokens and trainable_token_indices (`embedding` and `heads`: see
+adapters/heads.py). Refused with a clear message for now: LoRA on lm_head (and DoRA on embed_tokens), added
+tokens (a resized vocabulary), fan_in_fan_out, trained biases.
 Every check lives in `validation.py` (the same path as uploads, base-model rule included: give
 `base_model_id`, the served model's name, to have `base_model_name_or_path` checked exactly as an upload's);
 this module turns a validated adapter into the float32 `LoRAAdapter` the engine serves, with its content digest.
@@ -72,6 +76,7 @@ class LoRAAdapter:
     @property
     def nbytes(self) -> int:
         return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values()) \
+            + sum(m.numel() * m.element_size() for m in self.magnitudes.values()) \
             + heads_nbytes(self.embedding, self.heads)
 
 
@@ -99,6 +104,8 @@ def _to_lora_adapter(name: str, validated: ValidatedAdapter, weights_sha256: byt
     embedding, heads = float_heads(validated.embedding, validated.heads)
     return LoRAAdapter(name=name, rank=validated.rank, alpha=validated.alpha, use_rslora=validated.use_rslora,
                        target_modules=validated.target_modules, weights=weights, digest=digest.hexdigest(),
+                       module_scales=dict(validated.module_scales),
+                       magnitudes={key: m.float().contiguous() for key, m in validated.magnitudes.items()},
                        embedding=embedding, heads=heads)
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -35,6 +35,7 @@ from sqlalchemy.orm import Session
 
 from loramux.adapters.blob import pack, unpack
 from loramux.adapters.store import ObjectStore, StoreError, blob_key
+from loramux.adapters.summary import describe
 from loramux.adapters.validation import UploadLimits, validate_adapter_files
 from loramux.db import Adapter, AdapterVersion, Database, Tenant
 from loramux.db.models import AdapterBlob, utcnow
@@ -82,6 +83,8 @@ class AdapterVersionInfo:
     created_at: datetime
     claimed_base_model: str | None = None  # base_model_name_or_path from the adapter's config
     base_family: str | None = None  # model_type of the base it was validated against (None: not recorded)
+    # What the adapter changes (adapters/summary.py); None for versions uploaded before it was recorded (0010).
+    summary: dict | None = field(default=None, hash=False, compare=False)
 
     @property
     def label(self) -> str:
@@ -93,7 +96,8 @@ def _version_info(a: Adapter, v: AdapterVersion) -> AdapterVersionInfo:
         adapter_id=a.id, tenant_id=a.tenant_id, name=a.name, visibility=a.visibility, version=v.version,
         digest=v.digest, storage_key=v.storage_key, size_bytes=v.size_bytes, rank=v.rank, alpha=v.alpha,
         use_rslora=v.use_rslora, target_modules=tuple(v.target_modules), base_model=v.base_model,
-        created_at=v.created_at, claimed_base_model=v.claimed_base_model, base_family=v.base_family)
+        created_at=v.created_at, claimed_base_model=v.claimed_base_model, base_family=v.base_family,
+        summary=v.summary)
 
 
 def _check_visibility(visibility: str) -> None:
@@ -104,8 +108,9 @@ def _check_visibility(visibility: str) -> None:
 class AdapterRegistry:
     def __init__(self, db: Database, store: ObjectStore, base_config: ModelConfig, base_model_id: str,
                  limits: UploadLimits = UploadLimits(), shared_tenant: str | None = None,
-                 tenancy: Tenancy | None = None):
+                 tenancy: Tenancy | None = None, device_dtype_bytes: int = 4):
         self.db = db
+        self.device_dtype_bytes = device_dtype_bytes  # the engine's adapter weights: what summaries count
         self.tenancy = tenancy or Tenancy(db)  # the owner of tenants: uploads check the tenant through it
         self.shared_tenant = shared_tenant  # its public adapters resolve by bare name for every tenant
         self.store = store
@@ -130,6 +135,7 @@ class AdapterRegistry:
         valid = validate_adapter_files(files, self.base_config, self.limits, self.base_model_id, allow_base_mismatch)
         claimed_base = valid.base_model
         blob, digest = pack(valid.rank, valid.alpha, valid.use_rslora, valid.target_modules, valid.tensors,
+                            module_scales=valid.module_scales, magnitudes=valid.magnitudes,
                             embedding=valid.embedding, heads=valid.heads)
         del valid
         key = blob_key(digest)
@@ -182,7 +188,7 @@ class AdapterRegistry:
                         rank=meta.rank, alpha=meta.alpha, use_rslora=meta.use_rslora,
                         target_modules=list(meta.target_modules), base_model=self.base_model_id,
                         claimed_base_model=claimed_base, base_family=self.base_config.model_type,
-                        status="ready")
+                        summary=describe(meta, self.base_config, self.device_dtype_bytes), status="ready")
                     s.add(version)
                     s.flush()
                     return _version_info(adapter, version)

@@ -24,6 +24,15 @@ with a stable `code`:
              (above `UploadLimits.max_head_bytes`); embed_tokens / lm_head tensors the config does not ask for
              are unknown_tensor, a LoRA on lm_head unsupported_target (see adapters/heads.py)
 
+Which modules a config selects, and each one's rank and alpha, follow PEFT's own rules (`module_selection`:
+target_modules names or regex, exclude_modules, layers_to_transform / layers_pattern, rank_pattern /
+alpha_pattern). The weights must hold exactly those modules, each at its own rank: every tensor is either
+served or refused by name (`target_mismatch` names a tensor of a module the config does not select).
+
+DoRA (`use_dora: true`) is accepted with its magnitude vectors, checked by `validation_dora` (same codes:
+a magnitude without use_dora, on a module without LoRA weights, of the wrong shape, missing or twice is
+refused naming the tensor; DoRA on embed_tokens / lm_head is refused as unsupported_option).
+
 Messages never contain server paths (file contents given as paths are only ever named by their upload name).
 
 A `target_modules` regex comes from the client, so it never runs on Python's backtracking `re` (a pattern
@@ -42,7 +51,6 @@ import json
 import math
 import os
 import re
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,6 +74,13 @@ from loramux.adapters.heads import (
     heads_nbytes,
     plan_heads,
 )
+from loramux.adapters.module_selection import (
+    check_pattern_values,
+    check_selection_options,
+    module_rank_alpha,
+    scale_of,
+    select_modules,
+)
 from loramux.adapters.safetensors_header import ByteSource, TensorEntry, looks_like_pickle, parse_header, read_tensor
 from loramux.adapters.validation_common import (
     ALLOWED_FILENAMES,
@@ -77,12 +92,13 @@ from loramux.adapters.validation_common import (
     fail,
     show,
 )
+from loramux.adapters.validation_dora import check_dora_config, check_magnitudes, dora_enabled, split_magnitudes
 from loramux.model.config import ModelConfig
 
 __all__ = ["TARGETS", "ALLOWED_FILENAMES", "CONFIG_FILE", "WEIGHTS_FILE", "AdapterFormatError",
            "AdapterValidationError", "UploadLimits", "ValidatedAdapter", "check_base_model", "module_names",
            "projection_shapes", "validate_config", "validate_adapter_files", "base_targets", "checkpoint_shapes",
-           "FUSED_TARGETS", "split_fused"]
+           "FUSED_TARGETS", "split_fused", "split_fused_magnitudes"]
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # what the engine serves
 # Phi-3 fuses projections in its checkpoint, so its adapters target the fused modules: a fused LoRA is the
@@ -93,7 +109,6 @@ _SECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn"
              "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp", "qkv_proj": "self_attn",
              "gate_up_proj": "mlp"}
 MAX_TARGET_PATTERN_CHARS = 1000
-_PATTERN_DEADLINE_S = 1.0  # matching is linear and bounded by construction; this is a second guard
 _RE2_MAX_MEM = 8 << 20  # bytes RE2 may use for one compiled pattern (a larger program fails to compile)
 _PATTERN_HELP = ("patterns use RE2 syntax (no lookaround or backreferences, repetition counts up to 1000) and "
                  "are matched whole (fullmatch, as PEFT does) against module names such as "
@@ -115,7 +130,7 @@ _CODE_HOOK_KEYS = frozenset({"auto_map", "auto_class", "trust_remote_code", "cus
 @dataclass
 class ValidatedAdapter:
     """A validated upload. `tensors[(layer, target)] = (A [r, d_in], B [d_out, r])` in the file's dtype, on CPU,
-    contiguous and owning their memory; `nbytes` is the size of those tensors and of the head tensors."""
+    contiguous and owning their memory; `nbytes` is the size of those tensors."""
 
     config: dict
     rank: int
@@ -125,6 +140,10 @@ class ValidatedAdapter:
     tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
     nbytes: int
     base_model: str | None = None  # base_model_name_or_path as the config claims it (printable, capped)
+    # (layer, target) -> its scale where rank_pattern / alpha_pattern make it differ from r / lora_alpha's
+    module_scales: dict[tuple[int, str], float] = field(default_factory=dict)
+    # DoRA: (layer, target) -> magnitude m [d_out] in the file's dtype, one per key of `tensors` (else empty)
+    magnitudes: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
     # LoRA on embed_tokens (A [r, vocab], B [hidden, r]) and trained heads: see adapters/heads.py.
     embedding: tuple[torch.Tensor, torch.Tensor] | None = None
     heads: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -154,6 +173,20 @@ def module_names(cfg: ModelConfig) -> dict[tuple[int, str], str]:
     """The base model's own name of each LoRA-targetable module (what PEFT matches a regex against)."""
     return {(layer, t): f"model.layers.{layer}.{_SECTIONS[t]}.{t}"
             for layer in range(cfg.num_layers) for t in base_targets(cfg)}
+
+
+def split_fused_magnitudes(magnitudes: dict[tuple[int, str], torch.Tensor], cfg: ModelConfig
+                           ) -> dict[tuple[int, str], torch.Tensor]:
+    """Fused-module DoRA magnitudes as the engine's per-projection ones: cut by rows, as B (DoRA's norm is per
+    output row, so each sub-projection's rows keep their own magnitude and norm)."""
+    shapes, out = projection_shapes(cfg), {}
+    for (layer, target), m in magnitudes.items():
+        if target not in FUSED_TARGETS:
+            out[(layer, target)] = m
+            continue
+        for part, rows in zip(FUSED_TARGETS[target], m.split([shapes[p][1] for p in FUSED_TARGETS[target]])):
+            out[(layer, part)] = rows.contiguous()
+    return out
 
 
 def split_fused(tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], cfg: ModelConfig
@@ -227,26 +260,13 @@ def _targets_from_config(config: Mapping, base: ModelConfig | None = None) -> se
     if targets is None:
         raise fail("bad_option", f"{CONFIG_FILE} has no target_modules")
     if isinstance(targets, str):
-        if targets == "all-linear":  # PEFT's shorthand: every linear layer but the output head
+        if targets.lower() == "all-linear":  # PEFT's shorthand: every linear layer but the output head
             return set(base_targets(base)) if base is not None else set(TARGETS) | set(FUSED_TARGETS)
         return _compile_target_pattern(targets)  # a regex over module names, as in PEFT
     if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
         raise fail("bad_option", f"target_modules must be a list of module names or a regex string, got "
                                   f"{show(targets)}")
     return {t.split(".")[-1] for t in targets}
-
-
-def _pattern_targets(pattern: _TargetPattern, base: ModelConfig) -> dict[str, set[int]]:
-    """target -> the layers whose module the pattern matches, within `_PATTERN_DEADLINE_S`."""
-    deadline = time.monotonic() + _PATTERN_DEADLINE_S
-    selected: dict[str, set[int]] = {}
-    for (layer, target), name in module_names(base).items():
-        if time.monotonic() > deadline:
-            raise fail("bad_option", f"target_modules pattern {show(pattern.source)} took too long to match; "
-                                      f"{_PATTERN_HELP}")
-        if pattern.matches(name):
-            selected.setdefault(target, set()).add(layer)
-    return selected
 
 
 def _find_code_hook(value, depth: int = 0) -> str | None:
@@ -284,19 +304,12 @@ def validate_config(raw: bytes | str, max_rank: int | None = None) -> dict:
                                  "it (adapters are data only and never run code on this server)")
     if str(config.get("peft_type", "")).upper() != "LORA":
         raise fail("not_lora", f"peft_type must be LORA, got {show(config.get('peft_type'))}")
-    if config.get("use_dora"):
-        raise fail("unsupported_option", "DoRA adapters (use_dora=true) are not supported yet")
+    check_dora_config(config)
     if config.get("fan_in_fan_out"):
         raise fail("unsupported_option", "fan_in_fan_out adapters (GPT-2 style Conv1D) are not supported")
     if config.get("bias", "none") != "none":
         raise fail("unsupported_option",
                    f"adapters that train biases (bias={show(config.get('bias'))}) are not supported")
-    for key in ("rank_pattern", "alpha_pattern"):
-        if config.get(key):
-            raise fail("unsupported_option", f"per-module {key} is not supported yet; give one r and lora_alpha")
-    if config.get("layers_to_transform") is not None:
-        raise fail("unsupported_option",
-                   "layers_to_transform is not supported yet; the adapter must cover every layer")
     head_config(config, embedding_targeted=False)  # modules_to_save / trainable_token_indices (adapters/heads.py)
     rank, alpha = config.get("r"), config.get("lora_alpha")
     if not isinstance(rank, int) or isinstance(rank, bool):
@@ -310,6 +323,8 @@ def validate_config(raw: bytes | str, max_rank: int | None = None) -> dict:
     if config.get("use_rslora") not in (None, True, False):
         raise fail("bad_option", f"use_rslora must be true or false, got {show(config.get('use_rslora'))}")
     _targets_from_config(config)
+    check_selection_options(config)  # layers_to_transform, layers_pattern, exclude_modules, patterns
+    check_pattern_values(config, max_rank)
     return config
 
 
@@ -356,10 +371,13 @@ def check_base_model(claimed, base_model_id: str | None, allow_mismatch: bool = 
 
 # ----------------------------------------------------------------------------------------------- weights
 
-def _check_entries(entries: list[TensorEntry], base: ModelConfig, rank: int, declared: set[str] | _TargetPattern,
-                   heads_only_ok: bool = False) -> tuple[list[str], dict[tuple[int, str], dict[str, TensorEntry]]]:
-    """The decoder-projection tensors (head-module tensors are checked by `_head_entries`); `heads_only_ok`:
-    the adapter changes the embedding or head, so it may target no projection at all."""
+def _check_entries(entries: list[TensorEntry], base: ModelConfig, config: Mapping,
+                   expected: Mapping[tuple[int, str], tuple[int, float]], heads_only_ok: bool = False
+                   ) -> tuple[list[str], dict[tuple[int, str], dict[str, TensorEntry]]]:
+    """Every tensor against the modules the config selects (`expected`: (layer, target) -> (r, alpha)): each
+    is a LoRA A or B of a selected module at that module's rank, and each selected module has both. Head-module
+    tensors are checked by `_head_entries`; `heads_only_ok`: the adapter changes the embedding or head, so it
+    may target no projection at all."""
     shapes = checkpoint_shapes(base)
     names = base_targets(base)
     found: dict[tuple[int, str], dict[str, TensorEntry]] = {}
@@ -377,11 +395,6 @@ def _check_entries(entries: list[TensorEntry], base: ModelConfig, rank: int, dec
         if layer >= base.num_layers:
             raise fail("layer_out_of_range", f"tensor {show(entry.name)} is for layer {layer}, the base model "
                                               f"has {base.num_layers} layers")
-        d_in, d_out = shapes[target]
-        expected = (rank, d_in) if kind == "A" else (d_out, rank)
-        if entry.shape != expected:
-            raise fail("shape_mismatch", f"tensor {show(entry.name)} has shape {entry.shape}, expected "
-                                          f"{expected} for r={rank} on this base model")
         pair = found.setdefault((layer, target), {})
         if kind in pair:
             raise fail("duplicate_tensor", f"layer {layer} {target} has lora_{kind} twice (e.g. with and "
@@ -390,29 +403,42 @@ def _check_entries(entries: list[TensorEntry], base: ModelConfig, rank: int, dec
     if not found and not heads_only_ok:
         raise fail("no_lora_weights", f"{WEIGHTS_FILE} holds no LoRA weights")
     targets = sorted({t for _, t in found}, key=names.index)
-    if isinstance(declared, set):
-        declared = declared - set(HEAD_MODULES)
-        if set(targets) != declared & set(names) or declared - set(names):
-            raise fail("target_mismatch", f"weights target {targets} but {CONFIG_FILE} declares "
-                                           f"{sorted(declared)}; they must be the same projections")
-    else:
-        selected = _pattern_targets(declared, base)
-        if set(targets) != set(selected):
-            chosen = sorted(selected, key=names.index)
+    chosen = sorted({t for _, t in expected}, key=names.index)
+    if targets != chosen:
+        declared = config.get("target_modules")
+        if isinstance(declared, str) and declared.lower() != "all-linear":
             raise fail("target_mismatch", f"weights target {targets} but the target_modules pattern "
-                                           f"{show(declared.source)} selects {chosen} of this base model; they must "
+                                           f"{show(declared)} selects {chosen} of this base model; they must "
                                            f"be the same projections ({_PATTERN_HELP})")
-        partial = [t for t in targets if len(selected[t]) != base.num_layers]
-        if partial:
-            raise fail("unsupported_option", f"the target_modules pattern {show(declared.source)} selects "
-                                              f"{partial[0]} in only some layers; layer subsets are not supported "
-                                              "yet, the adapter must cover every layer")
-    for key in [(layer, t) for layer in range(base.num_layers) for t in targets]:
+        raise fail("target_mismatch", f"weights target {targets} but {CONFIG_FILE} declares target_modules "
+                                       f"{show(declared)}{_layer_options(config)}, which selects {chosen} of this "
+                                       "base model; they must be the same projections")
+    for key, pair in found.items():
+        entry = next(iter(pair.values()))
+        if key not in expected:
+            raise fail("target_mismatch", f"tensor {show(entry.name)} is for layer {key[0]} {key[1]}, a module "
+                                           f"{CONFIG_FILE} does not select (target_modules "
+                                           f"{show(config.get('target_modules'))}{_layer_options(config)}): it "
+                                           "would be ignored; remove it, or select that module in the config")
+    for key, (rank, _) in expected.items():
         pair = found.get(key, {})
         if set(pair) != {"A", "B"}:
             raise fail("missing_tensor", f"layer {key[0]} {key[1]} lacks lora_{'A' if 'A' not in pair else 'B'}; "
-                                          "an adapter must cover every layer of each target")
+                                          "an adapter must hold every module its config selects")
+        d_in, d_out = shapes[key[1]]
+        for kind, want in (("A", (rank, d_in)), ("B", (d_out, rank))):
+            if pair[kind].shape != want:
+                origin = "" if rank == config["r"] else " (rank_pattern)"
+                raise fail("shape_mismatch", f"tensor {show(pair[kind].name)} has shape {pair[kind].shape}, "
+                                              f"expected {want} for r={rank}{origin} on this base model")
     return targets, found
+
+
+def _layer_options(config: Mapping) -> str:
+    """The config's layer options, as a message fragment ('' when it has none)."""
+    parts = [f"{k} {show(config[k])}" for k in ("layers_to_transform", "layers_pattern", "exclude_modules")
+             if config.get(k) not in (None, "", [])]
+    return f" with {', '.join(parts)}" if parts else ""
 
 
 # ----------------------------------------------------------------------------------------------- entry point
@@ -441,31 +467,56 @@ def validate_adapter_files(files: Mapping[str, bytes | Path], base: ModelConfig,
                                           f"({WEIGHTS_FILE} holds a {kind} file)")
         config = validate_config(config_src.read(0, config_src.size), limits.max_rank)
         claimed_base = check_base_model(config.get("base_model_name_or_path"), base_model_id, allow_base_mismatch)
-        rank, declared = config["r"], _targets_from_config(config, base)
+        rank, names = config["r"], module_names(base)
+        expected = module_rank_alpha(config, {key: names[key] for key in select_modules(config, names)})
 
         entries, data_start = parse_header(weights_src, limits)
-        hc = head_config(config, _embedding_targeted(declared))
+        hc = head_config(config, _embedding_targeted(_targets_from_config(config, base)))
+        _check_embedding_patterns(config, hc, rank)
         head_entries, entries = _head_entries(entries, hc, rank, base, limits)
-        targets, found = _check_entries(entries, base, rank, declared, heads_only_ok=hc.any)
+        entries, magnitude_entries = split_magnitudes(entries, dora_enabled(config))
+        targets, found = _check_entries(entries, base, config, expected, heads_only_ok=hc.any)
         head_tensors = {key: read_tensor(weights_src, data_start, entry) for key, entry in head_entries.items()}
-        tensors, nbytes = {}, 0
-        for key in [(layer, t) for layer in range(base.num_layers) for t in targets]:
+        if dora_enabled(config):
+            check_magnitudes(magnitude_entries, set(found), checkpoint_shapes(base), base.num_layers)
+        magnitudes = {key: read_tensor(weights_src, data_start, entry) for key, entry in magnitude_entries.items()}
+        nbytes = sum(m.numel() * m.element_size() for m in magnitudes.values())
+        tensors = {}
+        for key in expected:
             a = read_tensor(weights_src, data_start, found[key]["A"])
             b = read_tensor(weights_src, data_start, found[key]["B"])
             tensors[key] = (a, b)
             nbytes += a.numel() * a.element_size() + b.numel() * b.element_size()
+    use_rslora = bool(config.get("use_rslora", False))
+    default = scale_of(rank, config["lora_alpha"], use_rslora)
+    module_scales = {key: scale_of(r, alpha, use_rslora) for key, (r, alpha) in expected.items()}
+    module_scales = {key: s for key, s in module_scales.items() if s != default}
     if base.fused_projections:
         tensors = split_fused(tensors, base)
+        module_scales = {(layer, part): s for (layer, t), s in module_scales.items()
+                         for part in FUSED_TARGETS.get(t, (t,))}
+        magnitudes = split_fused_magnitudes(magnitudes, base)
         targets = [t for t in TARGETS if any(part == t for _, part in tensors)]
     embedding, heads = None, {}
     if head_tensors:
         plan = plan_heads(hc, rank, base.vocab_size, base.hidden_size, base.tie_word_embeddings)
         drop_tied_copies(head_tensors, plan)
         embedding, heads = assemble(head_tensors, plan, hc)
-    return ValidatedAdapter(config=config, rank=rank, alpha=float(config["lora_alpha"]),
-                            use_rslora=bool(config.get("use_rslora", False)), target_modules=tuple(targets),
-                            tensors=tensors, nbytes=nbytes + heads_nbytes(embedding, heads), base_model=claimed_base,
-                            embedding=embedding, heads=heads)
+    return ValidatedAdapter(config=config, rank=rank, alpha=float(config["lora_alpha"]), use_rslora=use_rslora,
+                            target_modules=tuple(targets), tensors=tensors,
+                            nbytes=nbytes + heads_nbytes(embedding, heads), base_model=claimed_base,
+                            module_scales=module_scales, magnitudes=magnitudes, embedding=embedding, heads=heads)
+
+
+def _check_embedding_patterns(config: Mapping, hc, rank: int) -> None:
+    """An embedding LoRA is served at r and lora_alpha: refuse rank_pattern / alpha_pattern entries that give
+    embed_tokens its own (PEFT's matching, as for the projections)."""
+    if not hc.embedding_lora:
+        return
+    (r, alpha), = module_rank_alpha(config, {(-1, EMBED): "model.embed_tokens"}).values()
+    if r != rank or alpha != config["lora_alpha"]:
+        raise fail("unsupported_option", "rank_pattern / alpha_pattern gives embed_tokens its own rank or alpha; "
+                                          "an embedding LoRA is served at r and lora_alpha only for now")
 
 
 def _embedding_targeted(declared: set[str] | _TargetPattern) -> bool:

@@ -7,6 +7,7 @@ adapter in that bucket, or is padding), and the ops' shapes depend only on the r
 
     bgmv_shrink: v[t] = x[t] @ A[slots[t]]^T                                   (0 where slots[t] < 0)
     bgmv_expand: y[t, off:off+d_out] += (v[t] @ B[slots[t]]^T) * scale[slots[t]]  (rows with slots[t] >= 0)
+    then, DoRA buckets only: y[t] = g[slots[t]] * (y[t] - bias) + bias             (rows with slots[t] >= 0)
 
 the same semantics as `lora_shrink` / `lora_expand` with the per-token slot map. Triton on CUDA
 (`loramux.kernels.triton_ops`), the gather + batched mat-vec below otherwise; both are capturable.
@@ -17,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
+from loramux.kernels.dora import dora_rescale_torch
 
 
 def bgmv_shrink_torch(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -55,19 +58,32 @@ def bgmv_expand(y: torch.Tensor, v: torch.Tensor, b: torch.Tensor, scale: torch.
 
 def bgmv_shrink_expand(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor], offsets: list[int],
                        scale: torch.Tensor, slots: torch.Tensor, impl: str = "torch") -> None:
-    """Stacked slices (as `lora_shrink_expand`): one shrink against A = [n_slots, n_slices * R, d_in], then one
-    expand per slice B_i [n_slots, d_out_i, R] into y's columns offsets[i]..."""
-    rank = bs[0].shape[2]
+    """Stacked slices (as `lora_shrink_expand`): one shrink against A = [n_slots, R_0 + R_1 + ..., d_in], then
+    one expand per slice B_i [n_slots, d_out_i, R_i] into y's columns offsets[i]...; `scale` [n_slots], or
+    [n_slices, n_slots] for a scale per slice."""
+    columns = [sum(b.shape[2] for b in bs[:i]) for i in range(len(bs))]
+    scales = [scale if scale.dim() == 1 else scale[i] for i in range(len(bs))]
     if impl == "triton":
         from loramux.kernels.triton_ops import bgmv_expand_triton, bgmv_shrink_triton
 
         v = bgmv_shrink_triton(x, a, slots)
-        for i, (b, offset) in enumerate(zip(bs, offsets)):
-            bgmv_expand_triton(y, v, b, scale, slots, offset, v_col=i * rank)
+        for b, offset, column, s in zip(bs, offsets, columns, scales):
+            bgmv_expand_triton(y, v, b, s, slots, offset, v_col=column)
         return
     v = bgmv_shrink_torch(x, a, slots)
-    for i, (b, offset) in enumerate(zip(bs, offsets)):
-        bgmv_expand_torch(y, v[:, i * rank:(i + 1) * rank], b, scale, slots, offset)
+    for b, offset, column, s in zip(bs, offsets, columns, scales):
+        bgmv_expand_torch(y, v[:, column:column + b.shape[2]], b, s, slots, offset)
+
+
+def dora_rescale_rows(y: torch.Tensor, g: torch.Tensor, bias: torch.Tensor | None, slots: torch.Tensor,
+                      impl: str = "torch") -> None:
+    """DoRA's rescale over a per-token slot index (loramux.kernels.dora); capturable either way."""
+    if impl == "triton":
+        from loramux.kernels.dora_triton import dora_rescale_triton
+
+        dora_rescale_triton(y, g, bias, slots)
+        return
+    dora_rescale_torch(y, g, bias, slots)
 
 
 class StaticLoRA:
@@ -89,4 +105,6 @@ class StaticLoRA:
             weights = self.weights_of(bucket, key)
             if weights is not None:
                 bgmv_shrink_expand(y, x, weights.a, weights.b, weights.offsets, weights.scale, slots, self.impl)
+                if weights.dora_g is not None:  # DoRA buckets (see loramux.kernels.dora)
+                    dora_rescale_rows(y, weights.dora_g, weights.dora_bias, slots, self.impl)
         return y

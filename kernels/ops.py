@@ -56,8 +56,7 @@ class LoRACost:
 def _count(cost: LoRACost, batch: LoRABatch, triton: bool, a: torch.Tensor, bs: list[torch.Tensor]) -> None:
     """Each active slot's matrices are read once; each adapter row costs its own rank, and on the torch
     path's bmm strategy so does each padding row of a group shorter than the longest."""
-    rank = bs[0].shape[2]
-    per_row = rank * (a.shape[1] // rank * a.shape[2] + sum(b.shape[1] for b in bs))  # shrink + expands
+    per_row = a.shape[1] * a.shape[2] + sum(b.shape[1] * b.shape[2] for b in bs)  # shrink + each slice's expand
     seg = batch.segments
     rows = sum(seg.lengths)
     if not triton and batch.rows.strategy == "bmm":
@@ -117,8 +116,10 @@ def lora_expand(y: torch.Tensor, v: torch.Tensor, b: torch.Tensor, scale: torch.
 def lora_shrink_expand(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor],
                        offsets: list[int], scale: torch.Tensor, batch: LoRABatch, impl: str | None = None,
                        cost: LoRACost | None = None, operand_cache: dict | None = None) -> None:
-    """Stacked slices: one shrink against A = [n_slots, n_slices * R, d_in], then one expand per slice
-    (B_i [n_slots, d_out_i, R] into columns offsets[i]...). Same result as lora_shrink + lora_expand.
+    """Stacked slices: one shrink against A = [n_slots, R_0 + R_1 + ..., d_in] (slice i's rows after those of
+    the slices before it), then one expand per slice (B_i [n_slots, d_out_i, R_i] into columns offsets[i]...).
+    `scale` is [n_slots] (every slice) or [n_slices, n_slots] (slice i scaled by scale[i]). Same result as
+    lora_shrink + lora_expand.
     `cost`, when given, is charged with what the op touches (see LoRACost). `operand_cache`: a dict that
     belongs to these very stacks (LoRALayerWeights holds one), where the torch path keeps operand views
     across steps; never share one between different stacks."""
@@ -129,6 +130,9 @@ def lora_shrink_expand(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: li
         torch_ops.shrink_expand_torch(y, x, a, bs, offsets, scale, batch.rows, operand_cache)
         return
     v = lora_shrink(x, a, batch, impl)
-    rank = bs[0].shape[2]
+    column = 0
     for i, (b, offset) in enumerate(zip(bs, offsets)):
-        lora_expand(y, v[:, i * rank:(i + 1) * rank], b, scale, batch, col_offset=offset, impl=impl)
+        rank = b.shape[2]
+        lora_expand(y, v[:, column:column + rank], b, scale if scale.dim() == 1 else scale[i], batch,
+                    col_offset=offset, impl=impl)
+        column += rank

@@ -84,16 +84,17 @@ class GroupedRows:
         return stack.index_select(0, self.slot_index)
 
     def row_scale(self, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Each laid-out row's scale[slot]: [groups, max_count, 1] for bmm (0 on padding), [rows, 1] else."""
+        """Each laid-out row's scale[slot]: [groups, max_count, 1] for bmm (0 on padding), [rows, 1] else.
+        A per-slice scale [n_slices, n_slots] gives n_slices columns instead of 1 (column i: slice i)."""
         key = (id(scale), dtype)
         if key not in self._scales:
-            g = self.per_group(scale).to(dtype)
+            g = self.per_group(scale.unsqueeze(1) if scale.dim() == 1 else scale.t()).to(dtype)  # [groups, n]
             if self.strategy == "bmm":
                 live = torch.arange(self.groups.max_count, device=scale.device)[None, :] < \
                     torch.tensor(self._counts, device=scale.device)[:, None]
-                self._scales[key] = (live * g[:, None]).unsqueeze(2).to(dtype)
+                self._scales[key] = (live.unsqueeze(2) * g[:, None, :]).to(dtype)
             else:
-                self._scales[key] = g.repeat_interleave(torch.tensor(self._counts, device=scale.device)).unsqueeze(1)
+                self._scales[key] = g.repeat_interleave(torch.tensor(self._counts, device=scale.device), dim=0)
         return self._scales[key]
 
     # -- the two layouts ------------------------------------------------------------------------------
@@ -199,20 +200,28 @@ def _operands(rows: GroupedRows, a: torch.Tensor, bs: list[torch.Tensor],
 
 def shrink_expand_torch(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor],
                         offsets: list[int], scale: torch.Tensor, rows: GroupedRows, cache: dict | None = None) -> None:
-    """Stacked slices in one pass: one shrink against A = [n_slots, n_slices * R, d_in] in the grouped
-    layout, scaled there, then one expand per slice added into y's columns offsets[i]...
+    """Stacked slices in one pass: one shrink against A = [n_slots, R_0 + R_1 + ..., d_in] in the grouped
+    layout, scaled there, then one expand per slice (B_i [n_slots, d_out_i, R_i]) added into y's columns
+    offsets[i]... `scale`: [n_slots], or [n_slices, n_slots] for a scale per slice.
     `cache`: a dict owned by these very slot stacks (see `_operands`), or None."""
     if not rows.groups.num_rows:
         return
     a_op, b_ops = _operands(rows, a, bs, cache)
     v = rows.matmul(rows.gather(x), a_op)
-    v.mul_(rows.row_scale(scale, v.dtype))
+    ranks = [b.shape[2] for b in bs]
+    v_slices = v.split(ranks, -1) if len(set(ranks)) > 1 else v.split(ranks[0], -1)
+    row_scale = rows.row_scale(scale, v.dtype)
+    if scale.dim() == 1:
+        v.mul_(row_scale)
+    else:  # each slice its own scale: the same one multiply per element, by that slice's column
+        for i, v_slice in enumerate(v_slices):
+            v_slice.mul_(row_scale[..., i:i + 1])
     laid_out = rows.laid_out_view(y)
     if laid_out is not None:  # y's rows already sit in the groups' layout: add each slice's product in place
-        for v_slice, y_slice, b in zip(v.split(bs[0].shape[2], -1), _column_slices(laid_out, bs, offsets), b_ops):
+        for v_slice, y_slice, b in zip(v_slices, _column_slices(laid_out, bs, offsets), b_ops):
             y_slice.add_(rows.matmul(v_slice, b))
         return
-    for v_slice, b, b_op, offset in zip(v.split(bs[0].shape[2], -1), bs, b_ops, offsets):
+    for v_slice, b, b_op, offset in zip(v_slices, bs, b_ops, offsets):
         rows.scatter_add(y[:, offset:offset + b.shape[1]], rows.matmul(v_slice, b_op))
 
 

@@ -2,11 +2,13 @@
 
 Semantics, for every row i of the step's flat batch and every slice of a merged projection:
     y[i, slice] += (x[i] @ A_slice[adapter(i)]^T) @ B_slice[adapter(i)]^T * scale[adapter(i)]
-where rows without an adapter are left untouched. Adapters live in rank buckets (see
-`loramux.adapters.device_pool`): every adapter of a bucket has the bucket's rank and projections,
-exactly, so each row costs its own adapter's rank. The engine sets each row's location (rank, slot) once per step; every
-layer then calls `apply` with its own key, and the wrapper runs the shared ops once per bucket present,
-on the span of rows that bucket's adapters cover.
+where rows without an adapter are left untouched; then, for DoRA buckets only (`LoRALayerWeights.dora_g`),
+    y[i, :] = g[adapter(i)] * (y[i, :] - bias) + bias
+(loramux.kernels.dora: DoRA's fixed per-channel scale, one elementwise op per bucket). Adapters live in
+rank buckets (see `loramux.adapters.device_pool`): every adapter of a bucket has the bucket's rank and
+projections, exactly, so each row costs its own adapter's rank. The engine sets each row's location (rank,
+slot) once per step; every layer then calls `apply` with its own key, and the wrapper runs the shared ops
+once per bucket present, on the span of rows that bucket's adapters cover.
 
 Adapters that change the embedding or the output head (embedding LoRA, trained lm_head / embed_tokens,
 trainable tokens) are served through the same wrapper: the model calls `embed` and `logits` when the
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from loramux.kernels.dora import dora_rescale
 from loramux.kernels.head_rows import StepHeads
 from loramux.kernels.ops import LoRABatch, LoRACost, lora_shrink_expand, resolve_lora_impl
 
@@ -29,9 +32,11 @@ Location = tuple[object, int]  # (bucket key, slot in it): see loramux.adapters.
 class LoRALayerWeights:
     """Stacked adapter-slot buffers of one merged projection in one rank bucket.
 
-    a: [n_slots, n_slices * R, d_in]: the slices' A matrices stacked so one shrink serves them all.
-    b: one [n_slots, d_out_slice, R] per slice; offsets: the slice's first output column.
-    scale: [n_slots] (the adapter's alpha / r). Unused slices or slots hold zeros.
+    a: [n_slots, R_0 + R_1 + ..., d_in]: the slices' A matrices stacked so one shrink serves them all
+    (slice i's rows after those of the slices before it; in a plain bucket every R_i is the bucket's rank).
+    b: one [n_slots, d_out_slice, R_i] per slice; offsets: the slice's first output column.
+    scale: [n_slots] (the adapter's alpha / r), or [n_slices, n_slots] where each slice has its own
+    (rank_pattern / alpha_pattern). Unused slices or slots hold zeros.
     targeted: per slot, whether its adapter targets any slice of this projection (a bucket whose
     adapters in a step all leave the projection alone is skipped); `targeted_mask` holds the same as bits,
     so that check costs one AND per layer whatever the number of adapters. Set both with `set_targeted`.
@@ -46,6 +51,10 @@ class LoRALayerWeights:
     targeted_mask: int = 0
     # Operand views of slot ranges, kept by the torch path across steps (see ops.lora_shrink_expand).
     operand_cache: dict = field(default_factory=dict, repr=False)
+    # DoRA buckets only: [n_slots, d_out] per-channel scale of each slot (1 where its adapter has no DoRA
+    # module), and the layer's bias (None when it has none), which the rescale leaves out.
+    dora_g: torch.Tensor | None = field(default=None, repr=False)
+    dora_bias: torch.Tensor | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.targeted_mask = sum(1 << slot for slot, flag in enumerate(self.targeted) if flag)
@@ -56,7 +65,12 @@ class LoRALayerWeights:
 
     @property
     def rank(self) -> int:
+        """The first slice's rank (every slice's, in a plain bucket)."""
         return self.b[0].shape[2]
+
+    @property
+    def ranks(self) -> list[int]:
+        return [b.shape[2] for b in self.b]
 
 
 @dataclass
@@ -134,4 +148,6 @@ class LoRAWrapper:
             ys, xs = (y, x) if whole else (y[bucket.start:bucket.stop], x[bucket.start:bucket.stop])
             lora_shrink_expand(ys, xs, weights.a, weights.b, weights.offsets, weights.scale, bucket.batch,
                                impl=self.impl, cost=self.cost, operand_cache=weights.operand_cache)
+            if weights.dora_g is not None:
+                dora_rescale(ys, weights.dora_g, weights.dora_bias, bucket.batch, impl=self.impl)
         return y

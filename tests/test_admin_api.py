@@ -155,6 +155,29 @@ def test_adapter_upload_versions_visibility_warm_pin_delete(stack, admin):
     assert admin.get(f"/admin/adapters/{body['id']}").status_code == 404
 
 
+def test_upload_says_what_the_adapter_changes(stack, admin):
+    """The upload's answer and the adapter's versions carry validation's summary: the modules and layers it
+    changes, rank and scale, no DoRA / embedding / heads, and its exact device bytes (r=4 on q and v: the
+    merged qkv projection holds A rows for q, k and v and B for each slice, float32)."""
+    server, _, cfg, _ = stack
+    acme = server.services.tenancy.tenant("acme")
+    answer = upload(admin, acme.id, "summarised", adapter_dir(stack, "summarised", 5))
+    assert answer.status_code == 201, answer.text
+    summary = answer.json()["summary"]
+    every_layer = list(range(cfg.num_layers))
+    assert summary["modules"] == {t: {"layers": every_layer, "rank_min": 4, "rank_max": 4, "scale_min": 2.0,
+                                      "scale_max": 2.0} for t in ("q_proj", "v_proj")}
+    assert (summary["layout"], summary["dora"], summary["embedding"], summary["heads"]) == ("plain", False, None, [])
+    qkv_out = cfg.q_size + 2 * cfg.kv_size
+    lora = cfg.num_layers * 4 * (3 * cfg.hidden_size + qkv_out) * 4
+    assert summary["device_bytes"] == {"lora": lora, "dora": 0, "embedding": 0, "heads": 0, "total": lora}
+    pool = server.services.engine.engine.pool
+    assert summary["device_bytes"]["lora"] == pool.slot_bytes((4, ("self_attn.qkv_proj",)))
+    detail = admin.get(f"/admin/adapters/{answer.json()['id']}").json()
+    assert detail["versions"][-1]["summary"] == summary
+    assert admin.delete(f"/admin/adapters/{answer.json()['id']}").status_code == 200
+
+
 class Payload:
     def __init__(self, marker: Path):
         self.marker = marker

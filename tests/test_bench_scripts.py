@@ -151,3 +151,19 @@ def test_structured_bench_tiny_run_reports_the_step_overhead():
     last = out.strip().splitlines()[-1]
     assert last.startswith("FIGURE json_schema_step_overhead "), out
     assert float(last.split()[-1]) > 0
+
+
+def test_model_families_bench_quick_run_measures_both_families(tmp_path):
+    """Smoke mode without vLLM: tiny shapes of Qwen3 and Llama 3 built into --models-dir, 8 adapters, each family
+    decodes exactly its tokens; no FIGURE lines without the peer."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "model_families.py"), "--quick", "--loramux-only",
+                           "--models-dir", str(tmp_path), "--threads", "1"], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "machine: " in out and "lscpu flags: " in out, out
+    for family in ("Qwen3-0.6B (tiny shapes)", "Llama-3.2-1B (tiny shapes)"):
+        assert f"{family}: round 1/1 loramux" in out, out
+    assert "FIGURE" not in out, out
+    assert json.loads((tmp_path / "qwen3_0p6b-tiny" / "config.json").read_text())["architectures"] == \
+        ["Qwen3ForCausalLM"]

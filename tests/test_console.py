@@ -158,6 +158,9 @@ def test_every_page_renders_and_the_upload_reports_the_validators_message(stack,
     ok = client.post("/console/adapters/upload", data={"tenant_id": acme.id, "name": "via-console"}, files=files,
                      headers={"X-CSRF-Token": token})
     assert ok.status_code == 201 and ok.json()["ok"], ok.text
+    page = client.get(f"/console/adapters/{ok.json()['adapter']['id']}").text
+    assert "What version 1 changes" in page and "DoRA <strong>no</strong>" in page, page
+    assert f"<tr><td>q_proj</td><td class=\"num\">{cfg.num_layers}</td>" in page, page
     pickle = {"adapter_config": ("adapter_config.json", (good / "adapter_config.json").read_bytes()),
               "adapter_model": ("adapter_model.safetensors", b"\x80\x04\x95 pickle bytes, not safetensors")}
     before = server.services.registry.list_all(acme.id)

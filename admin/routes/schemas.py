@@ -61,6 +61,38 @@ class RotatedKey(NewKey):
 
 
 # -- adapters ---------------------------------------------------------------------------------------
+class ModuleCoverage(Out):
+    layers: list[int] = Field(description="the decoder layers whose module the adapter changes")
+    rank_min: int
+    rank_max: int
+    scale_min: float
+    scale_max: float
+
+
+class DeviceBytes(Out):
+    lora: int = Field(description="low-rank A/B weights as the device pool holds them (one slot)")
+    dora: int = Field(description="DoRA magnitude vectors")
+    embedding: int = Field(description="LoRA on the token embedding")
+    heads: int = Field(description="fully trained lm_head / embed_tokens copies (modules_to_save)")
+    total: int
+
+
+class AdapterSummary(Out):
+    """What the adapter changes in the base model, as validation found it at upload."""
+
+    rank: int
+    lora_alpha: float
+    use_rslora: bool
+    scale: float = Field(description="lora_alpha / r (or / sqrt(r) with rsLoRA): modules without a pattern")
+    layout: Literal["plain", "per-module"] = Field(
+        description="per-module: rank_pattern / alpha_pattern or a layer subset; plain: one r and alpha everywhere")
+    modules: dict[str, ModuleCoverage] = Field(description="each projection the adapter changes (q_proj, ...)")
+    dora: bool
+    embedding: dict | None = Field(description="LoRA on embed_tokens ({rank}), or null")
+    heads: list[str] = Field(description="modules replaced by trained copies (lm_head, embed_tokens)")
+    device_bytes: DeviceBytes = Field(description="bytes the adapter takes in device memory, at the engine's dtype")
+
+
 class UploadedAdapter(Out):
     id: str = Field(validation_alias=AliasChoices("id", "adapter_id"))
     name: str
@@ -68,6 +100,9 @@ class UploadedAdapter(Out):
     digest: str
     tenant_id: str
     size_bytes: int
+    summary: AdapterSummary | None = Field(
+        default=None, description="what the adapter changes (modules and ranks, DoRA, embedding LoRA, heads, device "
+                                  "bytes); null for versions uploaded before it was recorded")
 
 
 class AdapterVersion(UploadedAdapter):

@@ -109,8 +109,11 @@ def ingress_services(settings: Settings, engine_handle, ingress_id: str) -> Serv
     tenancy = Tenancy(db)
     limits = UploadLimits(max_total_bytes=settings.max_upload_bytes, max_rank=settings.max_lora_rank,
                           max_head_bytes=settings.max_adapter_head_bytes)
+    # The engines' device is not this process's: summaries count adapter bytes at the configured dtype, or
+    # float32 for "auto" (the CPU default; a GPU engine's bfloat16 holds half).
+    dtype_bytes = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}.get(settings.dtype, 4)
     registry = AdapterRegistry(db, store, model_config, base_model_id(settings.model), limits,
-                               shared_tenant=LOCAL_TENANT, tenancy=tenancy)
+                               shared_tenant=LOCAL_TENANT, tenancy=tenancy, device_dtype_bytes=dtype_bytes)
     directory = ReplicaDirectory(settings.redis_url, ttl_s=max(5.0, 5 * settings.cluster_snapshot_interval_s),
                                  timeout_s=settings.redis_timeout_s)
     directory.watch()

@@ -167,6 +167,8 @@ class AdapterVersion(Base):
     claimed_base_model: Mapped[str | None] = mapped_column(String(500), nullable=True, default=None)
     # The base model's family (HF model_type) the weights were validated against; NULL before 0009.
     base_family: Mapped[str | None] = mapped_column(String(32), nullable=True, default=None)
+    # What the adapter changes, as validation found it (adapters/summary.py); NULL before 0010.
+    summary: Mapped[dict | None] = mapped_column(JSON, nullable=True, default=None)
     status: Mapped[str] = mapped_column(String(16), default="ready")  # ready | deleted
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 

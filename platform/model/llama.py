@@ -49,6 +49,8 @@ class MergedLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(self.out_features), requires_grad=False) if bias else None
         self.packed_weight: torch.Tensor | None = None  # oneDNN layout, when packed for CPU
         self.int8: quantization.Int8Linear | None = None  # int8 weights (and bias), when quantized
+        # float32 [out_features]: ||W[:, o]|| per output channel, kept when packing drops W (DoRA's norms need it)
+        self.column_norms: torch.Tensor | None = None
         # Set by the device adapter pool: the shared LoRA wrapper and this projection's key for it.
         self.lora_key: tuple[int, str] | None = None
         self.lora_wrapper = None
@@ -67,9 +69,28 @@ class MergedLinear(nn.Module):
         w = self.weight
         if w.device.type != "cpu" or not cpu_linear.can_pack(w.shape[0], w.shape[1], w.dtype, batch_hint):
             return False
+        self.column_norms = torch.linalg.vector_norm(w.data, dim=0, dtype=torch.float32)
+        self.packed_dtype = w.dtype
         self.packed_weight = cpu_linear.pack(w.data, batch_hint)
         self.weight = None
         return True
+
+    def weight_column_norms(self) -> torch.Tensor:
+        """float32 [out_features]: the L2 norm of each output channel's weights (a column of W as stored)."""
+        if self.weight is not None:
+            return torch.linalg.vector_norm(self.weight, dim=0, dtype=torch.float32)
+        if self.column_norms is None:
+            raise ValueError("this layer's float weights are gone (int8): its weight norms are unknown")
+        return self.column_norms
+
+    def weight_matmul(self, a: torch.Tensor) -> torch.Tensor:
+        """a @ W without bias, float32 [rows, out_features], for a [rows, in_features] in any float dtype,
+        whatever W's layout (plain or oneDNN-packed); int8 layers raise ValueError (their W is not the float one)."""
+        if self.weight is not None:
+            return a.float() @ self.weight.float()
+        if self.packed_weight is not None:
+            return cpu_linear.packed_linear(a.to(self.packed_dtype), self.packed_weight, None).float()
+        raise ValueError("this layer's float weights are gone (int8)")
 
     def quantize_int8(self, kernel: str) -> None:
         """Replace W (and b) by int8 weights computed through `kernel`; W is then dropped (None)."""

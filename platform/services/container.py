@@ -63,7 +63,8 @@ class Services:
                               max_head_bytes=settings.max_adapter_head_bytes)
         tenancy = Tenancy(db)
         registry = AdapterRegistry(db, store, llm.model.config, base_model_id(settings.model), limits,
-                                   shared_tenant=LOCAL_TENANT, tenancy=tenancy)
+                                   shared_tenant=LOCAL_TENANT, tenancy=tenancy,
+                                   device_dtype_bytes=llm.pool.dtype.itemsize if llm.pool else 4)
         cache = AdapterCache(store, DiskCache(Path(settings.data_dir) / "adapter-cache", settings.disk_cache_bytes),
                              HostCache(settings.host_cache_bytes))
         async_engine = AsyncEngine(llm, stalled_reader_timeout_s=settings.stalled_reader_timeout_s,
