@@ -135,7 +135,7 @@ def check_bgmv(cfg, device, dtype, measure, g) -> int:
 
 
 def decode_timing(cfg_dict, device, dtype, tiny: bool) -> None:
-    from loramux.adapters.device_pool import DevicePool
+    from loramux.adapters.device_pool import BucketKey, DevicePool
     from loramux.adapters.peft_format import LoRAAdapter
     from loramux.engine.block_manager import BlockManager
     from loramux.engine.model_runner import ModelRunner
@@ -156,7 +156,7 @@ def decode_timing(cfg_dict, device, dtype, tiny: bool) -> None:
     block_size = 16
     num_blocks = batch * (prompt_len + steps + 2 * block_size) // block_size
     pool = DevicePool(model, 1 << 62, dtype, device, async_loads=False)
-    key = (rank, LORA_MODULES)
+    key = BucketKey(rank, LORA_MODULES)
     pool.resize(key, batch, [])
     shapes = {"q_proj": (cfg.hidden_size, cfg.q_size), "k_proj": (cfg.hidden_size, cfg.kv_size),
               "v_proj": (cfg.hidden_size, cfg.kv_size), "o_proj": (cfg.q_size, cfg.hidden_size),
