@@ -24,6 +24,8 @@ FORMATS = {
     "layer-subset": dict(target_modules=["q_proj", "v_proj", "gate_proj"], layers_to_transform=[1]),
     "regex-subset": dict(target_modules=r".*\.0\.self_attn\.(q|o)_proj"),
     "dora": dict(target_modules=ALL, use_dora=True),
+    "dora-patterns": dict(target_modules=["q_proj", "v_proj", "down_proj"], use_dora=True, use_rslora=True,
+                          rank_pattern={"v_proj": 4}, layers_to_transform=[0]),
     "embedding": dict(target_modules=["q_proj", "embed_tokens"]),
     "lm-head": dict(target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"]),
     "trainable-tokens": dict(target_modules=["q_proj"], trainable_token_indices=[5, 17, 300, 4000]),
