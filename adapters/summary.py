@@ -12,10 +12,12 @@
 range of its modules' ranks and scales. `device_bytes.lora` is exactly what one slot of the adapter's
 device-pool bucket takes at `dtype_bytes` per weight (`pool_layout`: a plain adapter holds every slice of
 each merged projection it targets, a per-module one only what it covers, with float32 per-slice scales);
-the other parts count their tensors (DoRA magnitudes, embedding LoRA A/B, trained heads) at `dtype_bytes`.
+DoRA's scales, the embedding LoRA and trained heads are counted as the pool holds them too (`head_slots`), except
+that PEFT's saved copy of an unchanged base embedding, which the pool drops at load, counts here as a head.
 """
 from __future__ import annotations
 
+from loramux.adapters.head_slots import extras_bytes, extras_of
 from loramux.adapters.peft_format import LoRAAdapter
 from loramux.adapters.pool_layout import layer_ranks as layout_of
 from loramux.adapters.pool_layout import lora_slot_bytes, path_shapes
@@ -25,6 +27,19 @@ from loramux.model.llama import LORA_MODULES, PROJECTION_SLICES
 
 def _tensor_bytes(tensors, dtype_bytes: int) -> int:
     return sum(t.numel() for t in tensors) * dtype_bytes
+
+
+def _head_name(entry: tuple) -> str:
+    """What one extras entry (adapters/head_slots.py) replaces, for people: "lm_head", "embed_tokens",
+    "lm_head (tied to embed_tokens)", "lm_head (embedding LoRA, tied)", "embed_tokens tokens (4)"."""
+    name = entry[0]
+    if name.endswith(".tokens"):
+        return f"{name[:-len('.tokens')]} tokens ({entry[1]})"
+    if name == "lm_head.lora":
+        return "lm_head (embedding LoRA, tied)"
+    if entry[1:] == ("tied",):
+        return "lm_head (tied to embed_tokens)"
+    return name
 
 
 def _dora_bytes(adapter: LoRAAdapter, paths, table, shapes, num_layers: int, dtype_bytes: int) -> int:
@@ -51,11 +66,14 @@ def describe(adapter: LoRAAdapter, cfg: ModelConfig, dtype_bytes: int) -> dict:
     shapes = path_shapes(cfg)
     table = layout_of(adapter, shapes, cfg.num_layers)
     paths = tuple(p for p in LORA_MODULES if any(PROJECTION_SLICES[t][0] == p for t in modules))
+    extras = extras_of(adapter)
+    embedding_extras = tuple(e for e in extras if e[0] == "embed_lora")
+    head_extras = tuple(e for e in extras if e[0] != "embed_lora")
     device = {
         "lora": lora_slot_bytes(adapter.rank, paths, table, shapes, cfg.num_layers, dtype_bytes),
         "dora": _dora_bytes(adapter, paths, table, shapes, cfg.num_layers, dtype_bytes),
-        "embedding": _tensor_bytes(adapter.embedding or (), dtype_bytes),
-        "heads": _tensor_bytes(adapter.heads.values(), dtype_bytes),
+        "embedding": extras_bytes(embedding_extras, cfg.vocab_size, cfg.hidden_size, dtype_bytes),
+        "heads": extras_bytes(head_extras, cfg.vocab_size, cfg.hidden_size, dtype_bytes),
     }
     device["total"] = sum(device.values())
     return {
@@ -63,5 +81,5 @@ def describe(adapter: LoRAAdapter, cfg: ModelConfig, dtype_bytes: int) -> dict:
         "scale": adapter.scale, "layout": "per-module" if table else "plain", "modules": modules,
         "dora": bool(adapter.magnitudes),
         "embedding": None if adapter.embedding is None else {"rank": int(adapter.embedding[0].shape[0])},
-        "heads": sorted(adapter.heads), "device_bytes": device,
+        "heads": [_head_name(e) for e in head_extras], "device_bytes": device,
     }

@@ -4,7 +4,10 @@ Two engines side by side in one process, same prompts, same threads: one serving
 serving 8 plain LoRA adapters with the same A / B (rank --rank on all 7 projections); 8 requests, one per
 adapter, exactly --new-tokens tokens each (EOS ignored). Decode throughput counts the tokens of the steps
 after every request has its first token (prefill excluded). Rounds alternate between the two; medians.
-Ends with FIGURE dora_vs_lora_b8 (DoRA decode tokens/s / LoRA decode tokens/s; target >= 0.85).
+Then (unless --no-heads) bench/adapter_heads.py's comparison in the same run: 4 adapters with a full trained
+lm_head against the same 4 without, batch 8.
+Ends with FIGURE dora_vs_lora_b8 (DoRA decode tokens/s / LoRA decode tokens/s; target >= 0.85) and FIGURE
+heads_vs_lora_b8 (heads / no heads, recorded).
 Adapters are random, written in PEFT's format (DoRA: a lora_magnitude_vector per module).
 """
 from __future__ import annotations
@@ -63,6 +66,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-heads", action="store_true", help="skip the lm_head comparison (adapter_heads.py)")
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
@@ -101,7 +105,16 @@ def main() -> None:
                 print(f"round {round_index + 1} {kind}: {rates[kind][-1]:.1f} decode tokens/s", flush=True)
     lora, dora = statistics.median(rates["lora"]), statistics.median(rates["dora"])
     print(f"batch 8, rank {args.rank} on all 7 projections: LoRA {lora:.1f} tokens/s, DoRA {dora:.1f} tokens/s")
+    engines.clear()
+    heads = None
+    if not args.no_heads:
+        import adapter_heads
+
+        print("\nadapters with a trained lm_head (bench/adapter_heads.py):", flush=True)
+        heads = adapter_heads.main(["--rounds", str(args.rounds), "--rank", str(args.rank)], figure=False)
     print(f"\nFIGURE dora_vs_lora_b8 {dora / lora:.2f}")
+    if heads is not None:
+        print(f"FIGURE heads_vs_lora_b8 {heads:.2f}")
 
 
 if __name__ == "__main__":

@@ -48,7 +48,8 @@ def add_head(path: Path, base_head: torch.Tensor, seed: int) -> Path:
     return path
 
 
-def main() -> None:
+def main(argv: list[str] | None = None, figure: bool = True) -> float:
+    """Run the comparison; returns heads tok/s / lora tok/s (and prints its FIGURE line when `figure`)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--adapters", type=int, default=4)
@@ -56,7 +57,7 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 keeps the ratio stable on a shared VM)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
     print(describe_cpu())
@@ -95,7 +96,9 @@ def main() -> None:
     head_bytes = cfg.vocab_size * cfg.hidden_size * 4
     print(f"each head adds {head_bytes / 2**20:.0f} MiB to its adapter's device slot; done "
           f"[{time.perf_counter() - t_start:.0f} s]")
-    print(f"FIGURE heads_vs_lora_b{args.batch} {med['heads'] / med['lora']:.2f}")
+    if figure:
+        print(f"FIGURE heads_vs_lora_b{args.batch} {med['heads'] / med['lora']:.2f}")
+    return med["heads"] / med["lora"]
 
 
 if __name__ == "__main__":

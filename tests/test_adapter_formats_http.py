@@ -108,6 +108,7 @@ def test_every_format_uploads_and_serves_40_concurrent_requests_equal_to_peft(fo
         assert summaries["layer-subset"]["modules"]["q_proj"]["layers"] == [1]
         assert summaries["embedding"]["embedding"] == {"rank": 8}
         assert summaries["lm-head"]["heads"] == ["lm_head"] and summaries["lm-head"]["device_bytes"]["heads"] > 0
+        assert summaries["trainable-tokens"]["heads"] == ["embed_tokens tokens (4)"]
 
         jobs = [(name, i) for name in [None, *dirs] for i in range(len(PROMPTS))]
         jobs = (jobs * 2)[:40]
