@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -131,8 +131,9 @@ class AdapterRegistry:
         `allow_base_mismatch`: accept a config naming another hub model (the operator knows the shapes match)."""
         check_name(name)
         _check_visibility(visibility)
-        self.tenancy.tenant(tenant_id)
-        valid = validate_adapter_files(files, self.base_config, self.limits, self.base_model_id, allow_base_mismatch)
+        tenant = self.tenancy.tenant(tenant_id)
+        valid = validate_adapter_files(files, self.base_config, self._limits_for(tenant.tier), self.base_model_id,
+                                       allow_base_mismatch)
         claimed_base = valid.base_model
         blob, digest = pack(valid.rank, valid.alpha, valid.use_rslora, valid.target_modules, valid.tensors,
                             module_scales=valid.module_scales, magnitudes=valid.magnitudes,
@@ -146,6 +147,15 @@ class AdapterRegistry:
         except BaseException:
             self._after_failed_upload(digest, key)
             raise
+
+    def _limits_for(self, tier: str) -> UploadLimits:
+        """The server's upload limits, with the head cap lowered to the tenant tier's where the tier sets one."""
+        tier_cap = self.tenancy.tier(tier).max_adapter_head_bytes
+        if not tier_cap:
+            return self.limits
+        server_cap = self.limits.max_head_bytes
+        return replace(self.limits, max_head_bytes=tier_cap if server_cap is None else min(tier_cap, server_cap),
+                       head_limit_source=f"tier {tier!r} max_adapter_head_bytes")
 
     def _after_failed_upload(self, digest: str, key: str) -> None:
         """Give back the failed upload's reservation; remove the blob if nothing else uses or reserves it."""

@@ -555,9 +555,9 @@ def _head_entries(entries: list[TensorEntry], hc, rank: int, base: ModelConfig, 
         copies = [e.name for (_, kind), e in heads.items() if kind == "base"]
         hint = (f" ({show(copies[0])} is PEFT's copy of the base embedding: save with save_embedding_layers=False "
                 "to leave it out)") if copies else ""
-        raise fail("head_too_large", f"the adapter's embedding and head tensors hold {size} bytes, above this "
-                                      f"server's limit of {limits.max_head_bytes} bytes for trained heads "
-                                      f"(LORAMUX_MAX_ADAPTER_HEAD_BYTES){hint}; use trainable_token_indices for a "
+        raise fail("head_too_large", f"the adapter's embedding and head tensors hold {size} bytes, above the "
+                                      f"limit of {limits.max_head_bytes} bytes for trained heads "
+                                      f"({limits.head_limit_source}){hint}; use trainable_token_indices for a "
                                       "few tokens instead of a full head, or ask the operator to raise the limit")
     return heads, rest
 

@@ -34,6 +34,7 @@ class UploadLimits:
     max_tensors: int = 4096  # tensor-count cap
     max_rank: int = 64
     max_head_bytes: int | None = None  # embedding / head tensors (modules_to_save, ...) cap; None: none
+    head_limit_source: str = "LORAMUX_MAX_ADAPTER_HEAD_BYTES"  # what sets max_head_bytes, named in the refusal
 
 
 def fail(code: str, message: str) -> AdapterValidationError:

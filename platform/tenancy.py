@@ -55,6 +55,7 @@ class TierInfo:
     default_timeout_s: float
     max_timeout_s: float
     max_choices: int = 8  # the most choices (OpenAI's `n`) one request may ask for
+    max_adapter_head_bytes: int = 0  # trained heads / embeddings in an upload; 0 = only the server's limit
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ class KeyInfo:
 
 def _tier_info(t: Tier) -> TierInfo:
     return TierInfo(t.name, t.priority, t.requests_per_min, t.tokens_per_min, t.max_concurrent,
-                    t.default_timeout_s, t.max_timeout_s, t.max_choices)
+                    t.default_timeout_s, t.max_timeout_s, t.max_choices, t.max_adapter_head_bytes)
 
 
 def _tenant_info(t: Tenant) -> TenantInfo:
@@ -132,6 +133,8 @@ class Tenancy:
             raise TenancyError("limits must be >= 0 (0 = unlimited)")
         if not 1 <= info.max_choices <= 128:
             raise TenancyError("max_choices must be in [1, 128]")
+        if info.max_adapter_head_bytes < 0:
+            raise TenancyError("max_adapter_head_bytes must be >= 0 (0 = only the server's limit)")
         with self.db.session() as s:
             s.merge(Tier(**info.__dict__))
         self.invalidate()

@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+from conftest import run_to_completion
 from loramux.adapters.heads import EMBED, HEAD, TIED_LORA
 from loramux.adapters.peft_format import load_adapter_dir
 from loramux.adapters.validation import AdapterValidationError, UploadLimits, validate_adapter_files
@@ -120,14 +121,8 @@ def make_engine(model_dir, tokenizer, **overrides) -> LLMEngine:
 
 def run_all(engine: LLMEngine, requests: dict) -> dict[str, list[int]]:
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
-    for rid, (ids, adapter) in requests.items():
-        engine.add_request(rid, ids, params, adapter=adapter)
-    finished = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out.token_ids
-    return finished
+    outs = run_to_completion(engine, [(ids, params, adapter) for ids, adapter in requests.values()])
+    return {rid: out.token_ids for rid, out in zip(requests, outs)}
 
 
 def test_each_adapter_changes_what_peft_says(heads_world, tokenizer):

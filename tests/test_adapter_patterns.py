@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 
+from conftest import run_to_completion
 from loramux.adapters.blob import pack, unpack
 from loramux.adapters.module_selection import module_rank_alpha, select_modules
 from loramux.adapters.peft_format import load_adapter_dir
@@ -121,14 +122,8 @@ def make_engine(model_dir, tokenizer, **overrides) -> LLMEngine:
 
 def run_all(engine: LLMEngine, requests: dict[str, tuple[list[int], str | None]]) -> dict[str, list[int]]:
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
-    for rid, (ids, adapter) in requests.items():
-        engine.add_request(rid, ids, params, adapter=adapter)
-    finished = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out.token_ids
-    return finished
+    outs = run_to_completion(engine, [(ids, params, adapter) for ids, adapter in requests.values()])
+    return {rid: out.token_ids for rid, out in zip(requests, outs)}
 
 
 def drafts_expected(prompt: list[int], output: list[int]) -> bool:

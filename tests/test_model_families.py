@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import run_to_completion
 from loramux.engine.config import EngineConfig
 from loramux.engine.engine import LLMEngine
 from loramux.engine.model_runner import ModelRunner
@@ -99,14 +100,8 @@ def make_family_engine(model_dir, tokenizer) -> LLMEngine:
 
 def run_all(engine: LLMEngine, requests: dict[str, tuple[list[int], str | None]]) -> dict[str, list[int]]:
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
-    for rid, (ids, adapter) in requests.items():
-        engine.add_request(rid, ids, params, adapter=adapter)
-    finished = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out.token_ids
-    return finished
+    outs = run_to_completion(engine, [(ids, params, adapter) for ids, adapter in requests.values()])
+    return {rid: out.token_ids for rid, out in zip(requests, outs)}
 
 
 def test_greedy_output_equals_hf_and_peft_alone_and_mixed(family, tokenizer, monkeypatch):

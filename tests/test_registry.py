@@ -53,7 +53,7 @@ def test_migrations_match_the_models_and_downgrade_cleanly(database):
     with database.engine.connect() as conn:
         diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata)
     assert diff == []
-    assert database.current_revision() == "0010"
+    assert database.current_revision() == "0011"
     limits = {t.name: t.max_choices for t in Tenancy(database).tiers()}
     assert limits == {"free": 2, "standard": 8, "premium": 16}
     database.downgrade("base")
@@ -61,6 +61,8 @@ def test_migrations_match_the_models_and_downgrade_cleanly(database):
     database.upgrade()
     assert {"tenants", "adapters", "adapter_versions", "tiers", "api_keys", "admin_keys", "prices", "ledger",
             "adapter_blobs"} <= set(inspect(database.engine).get_table_names())
+    database.downgrade("0010")  # 0011 alone goes down and up again
+    assert "max_adapter_head_bytes" not in {c["name"] for c in inspect(database.engine).get_columns("tiers")}
     database.downgrade("0009")  # 0010 alone goes down and up again
     assert "summary" not in {c["name"] for c in inspect(database.engine).get_columns("adapter_versions")}
     database.downgrade("0008")  # 0009 alone goes down and up again
@@ -76,7 +78,7 @@ def test_migrations_match_the_models_and_downgrade_cleanly(database):
     database.downgrade("0003")  # 0004 alone goes down and up again
     assert "adapter_blobs" not in inspect(database.engine).get_table_names()
     database.upgrade()
-    assert database.current_revision() == "0010"
+    assert database.current_revision() == "0011"
     assert {"end_user", "replica"} <= {c["name"] for c in inspect(database.engine).get_columns("ledger")}
 
 
@@ -399,3 +401,33 @@ def test_the_claimed_base_model_is_recorded_and_a_mismatch_can_be_allowed(regist
     allowed = registry.register(acme.id, "local", files_of(path), allow_base_mismatch=True)
     assert (allowed.version, allowed.claimed_base_model) == (2, "org/other-model")
     assert [v.claimed_base_model for v in registry.versions(acme.id, "local")] == ["/home/a/tiny", "org/other-model"]
+
+
+def test_a_tier_caps_the_trained_heads_its_tenants_upload(registry, base_cfg, tmp_path):
+    """A tier's max_adapter_head_bytes lowers the server's head limit for its tenants' uploads only; the refusal
+    names the tier's setting and stores nothing."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from loramux.tenancy import TierInfo
+
+    path = write_peft_adapter(tmp_path / "headed", base_cfg, 4, ["q_proj"], seed=3)
+    tensors = load_file(path / "adapter_model.safetensors")
+    tensors["base_model.model.lm_head.weight"] = torch.randn(base_cfg.vocab_size, base_cfg.hidden_size)
+    save_file(tensors, path / "adapter_model.safetensors")
+    config = json.loads((path / "adapter_config.json").read_text())
+    (path / "adapter_config.json").write_text(json.dumps({**config, "modules_to_save": ["lm_head"]}))
+    head_bytes = base_cfg.vocab_size * base_cfg.hidden_size * 4
+
+    tenancy = registry.tenancy
+    standard = tenancy.tier("standard")
+    tenancy.upsert_tier(TierInfo(**{**standard.__dict__, "name": "small-heads", "max_adapter_head_bytes": 1 << 20}))
+    small = tenancy.create_tenant("small", tier="small-heads")
+    big = tenancy.create_tenant("big", tier="standard")
+    with pytest.raises(AdapterValidationError) as refused:
+        registry.register(small.id, "headed", files_of(path))
+    assert refused.value.code == "head_too_large"
+    assert "tier 'small-heads' max_adapter_head_bytes" in str(refused.value) and str(1 << 20) in str(refused.value)
+    assert registry.list_all(small.id) == []
+    version = registry.register(big.id, "headed", files_of(path))
+    assert version.summary["heads"] == ["lm_head"] and version.summary["device_bytes"]["heads"] == head_bytes

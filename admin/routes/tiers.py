@@ -24,6 +24,10 @@ class TierBody(RequestBody):
     default_timeout_s: float = Field(gt=0, le=86_400)
     max_timeout_s: float = Field(gt=0, le=86_400)
     max_choices: int = Field(default=8, ge=1, le=128, description="the most choices (OpenAI's `n`) per request")
+    max_adapter_head_bytes: int = Field(
+        default=0, ge=0, le=2**62, description="the most bytes of trained heads / embeddings (modules_to_save, "
+                                               "embedding LoRA, trainable tokens) in an adapter its tenants upload; "
+                                               "0 = only the server's LORAMUX_MAX_ADAPTER_HEAD_BYTES")
 
 
 @router.get("", response_model=TierList)

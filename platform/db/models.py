@@ -97,6 +97,8 @@ class Tier(Base):
     default_timeout_s: Mapped[float] = mapped_column(Float)
     max_timeout_s: Mapped[float] = mapped_column(Float)
     max_choices: Mapped[int] = mapped_column(Integer, default=8, server_default="8")  # OpenAI's `n`, at most
+    # Trained heads / embeddings in its tenants' uploads, in bytes; 0 = only the server's limit.
+    max_adapter_head_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
 class Tenant(Base):
