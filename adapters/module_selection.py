@@ -46,14 +46,15 @@ _HELP = ("patterns use RE2 syntax (no lookaround or backreferences) and are matc
 _DEFAULT_LAYER_INDEX = re.compile(r".*?\.[^.]*\.(?P<idx>\d+)\.")  # PEFT's, when layers_pattern is not given
 
 
-def compile_client_regex(pattern: str, what: str):
-    """`pattern` (a client's regex) compiled with RE2, or `bad_option` naming `what` and the reason."""
+def compile_client_regex(pattern: str, what: str, help: str = _HELP):
+    """`pattern` (a client's regex) compiled with RE2, or `bad_option` naming `what`, the reason and `help`."""
     if not isinstance(pattern, str) or not pattern:
         raise fail("bad_option", f"{what} must be a non-empty string, got {show(pattern)}")
     if len(pattern) > MAX_PATTERN_CHARS:
-        raise fail("bad_option", f"{what} is {len(pattern)} characters, above the limit of {MAX_PATTERN_CHARS}")
+        raise fail("bad_option", f"{what} is {len(pattern)} characters, above the limit of {MAX_PATTERN_CHARS}; "
+                                  f"{help}")
     if re2 is None:
-        raise fail("bad_option", f"this server cannot check {what} (google-re2 is not installed)")
+        raise fail("bad_option", f"this server cannot check {what} (google-re2 is not installed); {help}")
     options = re2.Options()
     options.log_errors = False
     options.max_mem = _RE2_MAX_MEM
@@ -64,7 +65,7 @@ def compile_client_regex(pattern: str, what: str):
         if isinstance(reason, bytes):
             reason = reason.decode("utf-8", "replace")
         raise fail("bad_option", f"{what} {show(pattern)} is not a supported regular expression "
-                                  f"({show(str(reason), 80)}): {_HELP}") from None
+                                  f"({show(str(reason), 80)}): {help}") from None
 
 
 def _layers_to_transform(config: Mapping) -> int | list[int] | None:

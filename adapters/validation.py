@@ -37,7 +37,8 @@ Messages never contain server paths (file contents given as paths are only ever 
 
 A `target_modules` regex comes from the client, so it never runs on Python's backtracking `re` (a pattern
 such as `(?:.*){60}z` would hold the GIL for minutes): it is compiled with RE2 (google-re2, linear time,
-bounded memory), capped at `MAX_TARGET_PATTERN_CHARS`, and matched whole (`fullmatch`, as PEFT does) against
+bounded memory; `module_selection.compile_client_regex`, as every client regex), capped at 1,000 characters,
+and matched whole (`fullmatch`, as PEFT does) against
 the base model's own module names (`model.layers.<i>.self_attn.q_proj`, ...), under a deadline. Without
 google-re2 installed, regex target_modules are refused (a list of module names always works).
 
@@ -57,11 +58,6 @@ from pathlib import Path
 
 import torch
 
-try:  # linear-time regex engine for client-given target_modules patterns (see the module docstring)
-    import re2
-except ImportError:  # pragma: no cover - google-re2 is a dependency; without it regex targets are refused
-    re2 = None
-
 from loramux.adapters.heads import (
     EMBED,
     HEAD,
@@ -77,6 +73,7 @@ from loramux.adapters.heads import (
 from loramux.adapters.module_selection import (
     check_pattern_values,
     check_selection_options,
+    compile_client_regex,
     module_rank_alpha,
     scale_of,
     select_modules,
@@ -108,8 +105,6 @@ FUSED_BASE_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 _SECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
              "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp", "qkv_proj": "self_attn",
              "gate_up_proj": "mlp"}
-MAX_TARGET_PATTERN_CHARS = 1000
-_RE2_MAX_MEM = 8 << 20  # bytes RE2 may use for one compiled pattern (a larger program fails to compile)
 _PATTERN_HELP = ("patterns use RE2 syntax (no lookaround or backreferences, repetition counts up to 1000) and "
                  "are matched whole (fullmatch, as PEFT does) against module names such as "
                  "'model.layers.0.self_attn.q_proj'; or give target_modules as a list such as "
@@ -235,24 +230,7 @@ class _TargetPattern:
 
 
 def _compile_target_pattern(pattern: str) -> _TargetPattern:
-    if len(pattern) > MAX_TARGET_PATTERN_CHARS:
-        raise fail("bad_option", f"target_modules pattern is {len(pattern)} characters, above the limit of "
-                                  f"{MAX_TARGET_PATTERN_CHARS}; {_PATTERN_HELP}")
-    if re2 is None:
-        raise fail("bad_option", "this server cannot check target_modules patterns (google-re2 is not installed); "
-                                  "give target_modules as a list such as [\"q_proj\", \"v_proj\"]")
-    options = re2.Options()
-    options.log_errors = False
-    options.max_mem = _RE2_MAX_MEM
-    try:
-        compiled = re2.compile(pattern, options)
-    except Exception as exc:  # noqa: BLE001 - re2.error, or text RE2 cannot encode (lone surrogates)
-        reason = exc.args[0] if exc.args else type(exc).__name__
-        if isinstance(reason, bytes):
-            reason = reason.decode("utf-8", "replace")
-        raise fail("bad_option", f"target_modules {show(pattern)} is not a supported regular expression "
-                                  f"({show(str(reason), 80)}): {_PATTERN_HELP}") from None
-    return _TargetPattern(pattern, compiled)
+    return _TargetPattern(pattern, compile_client_regex(pattern, "target_modules pattern", _PATTERN_HELP))
 
 
 def _targets_from_config(config: Mapping, base: ModelConfig | None = None) -> set[str] | _TargetPattern:

@@ -216,6 +216,35 @@ def run_to_completion(engine: LLMEngine, requests) -> list:
     return [final[r] for r in ids]
 
 
+def drafts_expected(prompt: list[int], output: list[int]) -> bool:
+    """Whether prompt lookup has something to draft at some decode step of this request: a token produced
+    before the last one that already occurred earlier in its context (the engine looks up n-grams down to 1)."""
+    context = list(prompt)
+    for token in output[:-1]:
+        if token in context:
+            return True
+        context.append(token)
+    return False
+
+
+def decode_step_lora_cost(engine: LLMEngine, requests: dict[str, str | None], prompt) -> tuple[int, int]:
+    """LoRA multiply-adds and weight bytes of one decode step of `requests` (id -> adapter), each started with
+    `prompt` and past its prefill; the requests are aborted afterwards."""
+    from loramux.engine.sampling_params import SamplingParams
+
+    for rid, adapter in requests.items():
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=4, ignore_eos=True), adapter=adapter)
+    while any(engine.requests[r].seq.is_prefill or engine.requests[r].seq.status.value != "running"
+              for r in requests):
+        engine.step()
+    engine.pool.wrapper.cost.reset()
+    engine.step()
+    cost = engine.pool.wrapper.cost
+    for rid in requests:
+        engine.abort_request(rid)
+    return cost.macs, cost.weight_bytes
+
+
 # --- Redis: shared rate limits and replica state (scale-out tests) ---------------------------------
 @pytest.fixture(scope="session")
 def redis_url():

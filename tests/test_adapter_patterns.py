@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from conftest import run_to_completion
+from conftest import decode_step_lora_cost, drafts_expected, run_to_completion
 from loramux.adapters.blob import pack, unpack
 from loramux.adapters.module_selection import module_rank_alpha, select_modules
 from loramux.adapters.peft_format import load_adapter_dir
@@ -126,15 +126,6 @@ def run_all(engine: LLMEngine, requests: dict[str, tuple[list[int], str | None]]
     return {rid: out.token_ids for rid, out in zip(requests, outs)}
 
 
-def drafts_expected(prompt: list[int], output: list[int]) -> bool:
-    context = list(prompt)
-    for token in output[:-1]:
-        if token in context:
-            return True
-        context.append(token)
-    return False
-
-
 # ------------------------------------------------------------------------------------------ equal to PEFT
 
 def test_each_adapter_alone_and_all_mixed_equal_peft(tiny3, tokenizer, adapters):
@@ -185,21 +176,6 @@ def test_modules_keep_their_own_rank_and_scale(tiny3, adapters):
 
 # ------------------------------------------------------------------------------------------ layout and cost
 
-def _decode_cost(engine, requests: dict[str, str | None]) -> tuple[int, int]:
-    """LoRA multiply-adds and weight bytes of one decode step of `requests` (id -> adapter), after prefill."""
-    for rid, adapter in requests.items():
-        engine.add_request(rid, [5, 6, 7, 8, 9], SamplingParams(max_tokens=4, ignore_eos=True), adapter=adapter)
-    while any(engine.requests[r].seq.is_prefill or engine.requests[r].seq.status.value != "running"
-              for r in requests):
-        engine.step()
-    engine.pool.wrapper.cost.reset()
-    engine.step()
-    cost = engine.pool.wrapper.cost
-    for rid in requests:
-        engine.abort_request(rid)
-    return cost.macs, cost.weight_bytes
-
-
 def _own_shape(adapter) -> int:
     """Multiply-adds one row of `adapter` needs: r * (d_in + d_out) over the modules it covers, nothing else."""
     return sum(a.shape[0] * (a.shape[1] + b.shape[0]) for a, b in adapter.weights.values())
@@ -211,7 +187,7 @@ def test_each_adapter_costs_its_own_shape_and_slot_bytes_are_exact(tiny3, tokeni
     engine = make_engine(model_dir, tokenizer, speculative_tokens=0, prefix_caching=False)
     loaded = {name: engine.load_adapter_dir(dirs[name], name)
               for name in ("layers", "regex-subset", "patterns", "plain-qv")}
-    alone = {name: _decode_cost(engine, {name: name}) for name in loaded}
+    alone = {name: decode_step_lora_cost(engine, {name: name}, [5, 6, 7, 8, 9]) for name in loaded}
     # A plain q/v adapter computes q, k and v of every layer at its rank (k's zeros included), as before.
     assert alone["plain-qv"][0] == 8 * cfg.num_layers * (3 * cfg.hidden_size + cfg.q_size + 2 * cfg.kv_size)
     for name, adapter in loaded.items():
@@ -224,7 +200,7 @@ def test_each_adapter_costs_its_own_shape_and_slot_bytes_are_exact(tiny3, tokeni
         assert engine.pool.slot_bytes(key) == element * sum(a.numel() + b.numel() for a, b in
                                                             adapter.weights.values()) + 4 * scales, name
         assert describe(adapter, cfg, element)["device_bytes"]["lora"] == engine.pool.slot_bytes(key)
-    together = _decode_cost(engine, {name: name for name in loaded})
+    together = decode_step_lora_cost(engine, {name: name for name in loaded}, [5, 6, 7, 8, 9])
     assert together == tuple(sum(alone[n][i] for n in loaded) for i in range(2))
     subset = loaded["layers"]
     assert engine.pool.bucket_of(subset).layer_ranks == tuple(

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from conftest import make_engine
+from conftest import decode_step_lora_cost, make_engine
 from loramux.adapters.peft_format import AdapterFormatError, load_adapter_dir
 from loramux.engine.engine import RequestError
 from loramux.engine.sampling_params import SamplingParams
@@ -198,30 +198,15 @@ def test_old_version_in_use_is_dropped_when_its_last_request_ends(tiny_dir, toke
     assert v1.digest not in engine.adapters.entries and engine.adapter_residency(v1.digest) is None
 
 
-def _decode_cost(engine, requests: dict[str, str | None]) -> tuple[int, int]:
-    """LoRA multiply-adds and weight bytes of one decode step of `requests` (id -> adapter), after prefill."""
-    for rid, adapter in requests.items():
-        engine.add_request(rid, "Hello there", SamplingParams(max_tokens=4, ignore_eos=True), adapter=adapter)
-    while any(engine.requests[r].seq.is_prefill or engine.requests[r].seq.status.value != "running"
-              for r in requests):
-        engine.step()
-    engine.pool.wrapper.cost.reset()
-    engine.step()
-    cost = engine.pool.wrapper.cost
-    for rid in requests:
-        engine.abort_request(rid)
-    return cost.macs, cost.weight_bytes
-
-
 def test_rank_8_and_rank_64_in_one_batch_cost_their_own_ranks(tiny_dir, tokenizer, tiny_cfg, tmp_path):
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     engine = lora_engine(tiny_dir, tokenizer, max_lora_rank=64)
     for rank in (8, 64):
         path = write_peft_adapter(tmp_path / f"r{rank}", tiny_cfg, rank, targets, seed=rank)
         engine.load_adapter_dir(path, f"r{rank}")
-    alone8 = _decode_cost(engine, {"x": "r8"})
-    alone64 = _decode_cost(engine, {"y": "r64"})
-    together = _decode_cost(engine, {"x": "r8", "y": "r64"})
+    alone8 = decode_step_lora_cost(engine, {"x": "r8"}, "Hello there")
+    alone64 = decode_step_lora_cost(engine, {"y": "r64"}, "Hello there")
+    together = decode_step_lora_cost(engine, {"x": "r8", "y": "r64"}, "Hello there")
     assert alone8[0] > 0 and alone64 == (8 * alone8[0], 8 * alone8[1])  # cost is linear in the own rank
     assert together == (alone8[0] + alone64[0], alone8[1] + alone64[1])  # no padding to the larger rank
     # What one rank-64 row costs, by the model's shapes: rank x (d_in + d_out) summed over the projections.

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import run_to_completion
+from conftest import drafts_expected, run_to_completion
 from loramux.engine.config import EngineConfig
 from loramux.engine.engine import LLMEngine
 from loramux.engine.model_runner import ModelRunner
@@ -77,17 +77,6 @@ def family(request, tmp_path_factory, tokenizer):
                     out = peft.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
             outputs[(index, adapter)] = out[0, len(ids):].tolist()
     return name, model_dir, adapter_dir, outputs
-
-
-def drafts_expected(prompt: list[int], output: list[int]) -> bool:
-    """Whether prompt lookup has something to draft at some decode step of this request: a token produced
-    before the last one that already occurred earlier in its context (the engine looks up n-grams down to 1)."""
-    context = list(prompt)
-    for token in output[:-1]:
-        if token in context:
-            return True
-        context.append(token)
-    return False
 
 
 def make_family_engine(model_dir, tokenizer) -> LLMEngine:
