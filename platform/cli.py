@@ -306,6 +306,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_tenant_parsers(sub)
 
+    from loramux.training.medusa_cli import add_medusa_parser
+
+    add_medusa_parser(sub, model_opts)
+
     from loramux.admin.cli import add_parser as add_admin_parser
 
     add_admin_parser(sub)

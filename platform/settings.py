@@ -44,8 +44,16 @@ class Settings(BaseSettings):
     priority_aging_s: float = 10.0  # queue aging: waiting this long is worth one tier of priority
     prefix_caching: bool = True  # reuse the KV of shared prompt prefixes (never across adapter versions)
     prefix_cache_per_tenant: bool = True  # tenants never share cached blocks (no timing side channel)
-    speculative_tokens: int = 4  # prompt-lookup speculative decoding: draft length (0 = off)
-    speculative_max_batch: int = 4  # speculate only while at most this many sequences decode
+    speculative_tokens: int = 4  # speculative decoding: draft length (0 = off)
+    # Speculation is a cost decision per step (measured acceptance x the fitted step cost); this is a hard cap
+    # on the decoding sequences above which it is not even considered.
+    speculative_max_batch: int = 64
+    speculative_methods: str = "ngram,medusa,draft"  # proposers used when available; order breaks ties
+    speculative_adaptive: bool = True  # speculate only while measured acceptance x step cost says it pays
+    # Medusa heads for the base model (a directory of `loramux medusa train`); "auto" = the heads shipped for
+    # the embedded model when it is served, none otherwise; "" = none. Adapters' own heads come from the
+    # registry (admin API /admin/medusa).
+    medusa_heads: str = "auto"
 
     # LoRA adapters: device memory for them (each at its own rank), the largest rank, an optional cap on
     # distinct adapters in one batch, and the residency policy (see loramux.adapters.residency).

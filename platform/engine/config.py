@@ -36,6 +36,13 @@ class EngineConfig:
     # test) decodes one token a step; Settings turns it on by default (LORAMUX_SPECULATIVE_TOKENS).
     speculative_tokens: int = 0
     speculative_max_batch: int = 4  # speculate only while at most this many sequences decode
+    # Proposers, in the order that breaks ties (loramux.engine.speculation): those available are used, each row
+    # with the one expected to pay most; whether a step speculates at all is the cost model's decision.
+    speculative_methods: str = "ngram,medusa,draft"
+    # Speculate only while it pays, judged from measured acceptance and the fitted step cost model
+    # (loramux.engine.spec_policy). Off for an engine built in code, whose tests count drafts deterministically;
+    # Settings turns it on (LORAMUX_SPECULATIVE_ADAPTIVE).
+    speculative_adaptive: bool = False
 
     @classmethod
     def from_settings(cls, settings: Settings) -> EngineConfig:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loramux.adapters.medusa_format import MedusaHeadsWeights
 from loramux.adapters.peft_format import LoRAAdapter
 from loramux.adapters.residency import LOADING, RESIDENT, AdapterResidency
 from loramux.engine.block_manager import BlockManager
@@ -20,11 +21,14 @@ from loramux.engine.sampler import Sampler, SamplingRow
 from loramux.engine.sampling_params import SamplingParams, StructuredOutput
 from loramux.engine.scheduler import ScheduledBatch, Scheduler
 from loramux.engine.sequence import FinishReason, Sequence
-from loramux.engine.spec_decode import propose_drafts, verify_draft
+from loramux.engine.spec_decode import verify_draft
+from loramux.engine.spec_policy import SpecPolicy
+from loramux.engine.speculation import Speculator
 from loramux.engine.stats import EngineCounters, engine_stats
 from loramux.engine.step_budget import step_budget_for
 from loramux.engine.tokens import chat_template_ids
 from loramux.histogram import DurationHistogram
+from loramux.model.medusa import MedusaHeads
 from loramux.names import base_model_id
 
 __all__ = ["LLMEngine", "RequestOutput", "RequestError"]
@@ -39,6 +43,7 @@ class _Request:
     stop_string_hit: bool = False
     adapter_name: str | None = None
     constraint: Constraint | None = None  # structured output: the grammar's state
+    medusa: MedusaHeads | None = None  # the request's own Medusa heads (its adapter version's)
 
 
 @dataclass
@@ -91,6 +96,33 @@ class LLMEngine:
         self.grammars = GrammarCache(tokenizer, mcfg.vocab_size, self.eos_token_ids)  # built on first use
         self.requests: dict[str, _Request] = {}
         self.counters = EngineCounters()
+        adaptive = config.speculative_adaptive and self.step_budget is not None
+        policy = SpecPolicy(self.step_budget.model.predict if adaptive else None)
+        self.speculator = Speculator(config, self.max_model_len, policy)
+        self.medusa_base: MedusaHeads | None = None  # heads for requests that bring none (set_medusa_heads)
+        self._medusa_heads: dict[str, tuple[MedusaHeads, int]] = {}  # requests' own heads: digest -> (heads, users)
+        self.runner.medusa_of = self._medusa_of
+
+    # -- speculators ------------------------------------------------------------------------------
+    def set_medusa_heads(self, weights: MedusaHeadsWeights | None) -> None:
+        """Medusa heads for requests that bring no heads of their own (None: none)."""
+        self.medusa_base = None if weights is None else self._medusa_module(weights)
+
+    def set_draft_model(self, draft) -> None:
+        """A DraftRunner whose proposals rows may verify (None: no draft model)."""
+        self.speculator.draft = draft
+
+    def _medusa_module(self, weights: MedusaHeadsWeights) -> MedusaHeads:
+        if weights.hidden_size != self.model.config.hidden_size:
+            raise RequestError(f"Medusa heads of hidden size {weights.hidden_size} do not fit this model's "
+                               f"{self.model.config.hidden_size}")
+        return MedusaHeads(weights, self.runner.kv.k.dtype, self.runner.device)
+
+    def _medusa_of(self, seq: Sequence) -> MedusaHeads | None:
+        req = self.requests.get(seq.request_id)
+        if req is None:
+            return None
+        return req.medusa if req.medusa is not None else self.medusa_base
 
     # -- construction from settings --------------------------------------------------------------
     @classmethod
@@ -138,13 +170,14 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     priority: int = 0, arrival: float | None = None,
                     adapter: str | LoRAAdapter | None = None, cache_salt: str | None = None,
-                    grammar=None) -> Sequence:
+                    grammar=None, medusa: MedusaHeadsWeights | None = None) -> Sequence:
         """Queue a request for the base model or an adapter: a registered name, or an adapter object the
         caller holds in host RAM until the request finishes. `cache_salt` namespaces its prefix-cache
         blocks (the tenant, when tenants must not share them). `grammar`: the CompiledGrammar of
         `params.structured`, compiled by the caller (AsyncEngine, off this thread) and pinned by the
-        request until it ends; without it the spec is compiled here. Raise RequestError when it can never
-        run."""
+        request until it ends; without it the spec is compiled here. `medusa`: the request's own Medusa heads
+        (its adapter version's; shared by every request that brings the same digest), else the engine's.
+        Raise RequestError when it can never run."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
@@ -170,12 +203,30 @@ class LLMEngine:
             raise RequestError(str(exc)) from None
         stop_ids |= constraint.stop_token_ids if constraint else frozenset()
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+        heads = self._hold_medusa(medusa) if medusa is not None else None
         self.requests[request_id] = _Request(seq, detok, generator, stop_ids, adapter_name=adapter,
-                                             constraint=constraint)
+                                             constraint=constraint, medusa=heads)
+        # The prompt's last row gives the first Medusa proposals (the step decides again once it decodes).
+        seq.medusa_wanted = (params.speculative and self.config.speculative_tokens > 0
+                             and self._medusa_of(seq) is not None)
         if lora is not None:
             self.adapters.add_waiting(lora)  # the residency holds the host copy until the request ends
         self.scheduler.add(seq)
         return seq
+
+    def _hold_medusa(self, weights: MedusaHeadsWeights) -> MedusaHeads:
+        heads, users = self._medusa_heads.get(weights.digest, (None, 0))
+        if heads is None:
+            heads = self._medusa_module(weights)
+        self._medusa_heads[weights.digest] = (heads, users + 1)
+        return heads
+
+    def _release_medusa(self, heads: MedusaHeads) -> None:
+        held, users = self._medusa_heads[heads.digest]
+        if users <= 1:
+            del self._medusa_heads[heads.digest]
+        else:
+            self._medusa_heads[heads.digest] = (held, users - 1)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Cancel a request: its KV blocks are freed at once. Unknown ids are ignored."""
@@ -239,6 +290,9 @@ class LLMEngine:
         for seq, row, n in step.rows:
             if n > 1:
                 result.append(self._verify(self.requests[seq.request_id], step.logits[row:row + n]))
+        for s in result:  # Medusa's proposals from the row whose logits gave the last token
+            proposals = step.medusa.get(s.req.seq)
+            s.req.seq.medusa_next = proposals[s.accepted or 0] if proposals else []
         return result
 
     def _suppress_early_stops(self, logits: torch.Tensor, reqs: list[_Request], ahead: list[int]) -> torch.Tensor:
@@ -256,17 +310,19 @@ class LLMEngine:
     def _propose_drafts(self) -> None:
         """Drafts for the decoding sequences, when speculation is on (LORAMUX_SPECULATIVE_TOKENS)."""
         if self.config.speculative_tokens > 0:
-            decoding = [s for s in self.scheduler.running if not s.is_prefill]
-            propose_drafts(decoding, self.config.speculative_tokens, self.config.speculative_max_batch,
-                           self.max_model_len, lambda seq: self.requests[seq.request_id].constraint)
+            running = self.scheduler.running
+            self.speculator.propose([s for s in running if not s.is_prefill], [s for s in running if s.is_prefill],
+                                    lambda seq: self.requests[seq.request_id].constraint, self._medusa_of)
 
     def _verify(self, req: _Request, logits: torch.Tensor) -> _Sampled:
         """The verified prefix of the request's draft plus one token from the target model."""
         seq = req.seq
         logits = self._suppress_early_stops(logits, [req] * logits.shape[0], list(range(logits.shape[0])))
-        self.counters.spec_proposed += len(seq.draft_token_ids)
+        proposed = len(seq.draft_token_ids)
+        self.counters.spec_proposed += proposed
         verdict, top = verify_draft(seq, logits, self._sampling_row(seq), self.sampler, req.generator, req.constraint)
         self.counters.spec_accepted += verdict.accepted
+        self.speculator.verified(seq, proposed, verdict.accepted)
         return _Sampled(req, verdict.tokens, verdict.logprobs, top, verdict.accepted)
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
@@ -306,6 +362,9 @@ class LLMEngine:
         """Drop a finished request (the scheduler has released its blocks and its adapter)."""
         del self.requests[req.seq.request_id]
         self.counters.record_finished(req.seq)
+        self.speculator.release(req.seq)
+        if req.medusa is not None:
+            self._release_medusa(req.medusa)
 
     def _expire(self, now: float) -> list[RequestOutput]:
         outputs = []
@@ -333,6 +392,8 @@ class LLMEngine:
             adapter=req.adapter_name, num_cached_tokens=seq.num_cached_tokens,
             top_logprobs=list(tops) if finished else SoFar(tops, len(tops)),
             new_top_logprobs=new_top if seq.params.top_logprobs and new_top else [],
+            speculation={m: {"proposed": p, "accepted": a} for m, (p, a) in seq.spec_counts.items()}
+            if finished else {},
         )
 
     # -- conveniences ----------------------------------------------------------------------------

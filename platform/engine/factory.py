@@ -27,5 +27,23 @@ def engine_from_settings(cls, settings, load_adapters: bool = True):
     engine.model_name = settings.model
     for name, path in (settings.adapter_dirs() if load_adapters else {}).items():
         engine.load_adapter_dir(path, name)
+    heads = medusa_heads_dir(settings)
+    if heads is not None and settings.speculative_tokens > 0:
+        from loramux.adapters.medusa_format import load_medusa_dir
+
+        engine.set_medusa_heads(load_medusa_dir(heads, mcfg.hidden_size))
     calibrate_step_cost(engine)
     return engine
+
+
+def medusa_heads_dir(settings) -> Path | None:
+    """The base model's Medusa heads directory LORAMUX_MEDUSA_HEADS names: "auto" = the heads shipped for the
+    embedded model when it is served (None for other models), "" = none."""
+    from loramux.model.medusa import shipped_medusa_dir
+    from loramux.settings import DEFAULT_MODEL
+
+    spec = settings.medusa_heads.strip()
+    if spec == "auto":
+        shipped = shipped_medusa_dir()
+        return shipped if settings.model == DEFAULT_MODEL and (shipped / "medusa_config.json").is_file() else None
+    return Path(spec) if spec else None

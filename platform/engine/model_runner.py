@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -11,16 +11,19 @@ from loramux.engine.scheduler import ScheduledBatch
 from loramux.engine.sequence import Sequence
 from loramux.model.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillChunk
 from loramux.model.llama import LlamaModel
+from loramux.model.medusa import MedusaHeads
 
 
 @dataclass
 class StepLogits:
     """The logits of one step, float32 [rows, vocab], and which rows belong to which sequence:
     `rows[i] = (seq, first row, count)`; count is 1, or 1 + len(draft) for a speculative decode (row j
-    scores the token after the sequence's last token plus j drafts)."""
+    scores the token after the sequence's last token plus j drafts). `medusa[seq][j]`: the Medusa heads'
+    proposals (argmax of each head) from row j of the sequence, for the sequences that wanted them."""
 
     logits: torch.Tensor
     rows: list[tuple[Sequence, int, int]]
+    medusa: dict[Sequence, list[list[int]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -53,6 +56,7 @@ class ModelRunner:
             if cfg.sliding_window is None else []
         self.lora_wrapper = lora_wrapper
         self.locate_adapter = locate_adapter
+        self.medusa_of: Callable[[Sequence], MedusaHeads | None] | None = None  # set by the engine
         self.max_model_len = min(max_model_len or num_blocks * block_size, model.rope.cos.shape[0])
         self.graphs = None  # DecodeGraphs when plain decode steps run from fixed-shape buffers
         self.graph_batch = config.max_num_seqs if config is not None else 32
@@ -204,7 +208,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepLogits:
         """Forward the batch; the logits of every sequence that has a token to sample."""
-        if self.graphs is not None and self.graphs.accepts(batch):
+        if self.graphs is not None and self.graphs.accepts(batch) and not any(s.medusa_wanted for s in batch.decodes):
             step = self._run_graphed(batch)
             if step is not None:
                 return step
@@ -213,7 +217,33 @@ class ModelRunner:
         if not sampled:
             return StepLogits(torch.empty(0), sampled)
         rows = hidden[self._tensor(sample_rows)] if len(sample_rows) != hidden.shape[0] else hidden
-        return StepLogits(self.model.compute_logits(rows).float(), sampled)
+        heads = [(seq, row, n, self.medusa_of(seq)) for seq, row, n in sampled if seq.medusa_wanted] \
+            if self.medusa_of is not None else []
+        heads = [h for h in heads if h[3] is not None]
+        if not heads:
+            return StepLogits(self.model.compute_logits(rows).float(), sampled)
+        return self._with_medusa(rows, sampled, heads)
+
+    def _with_medusa(self, rows: torch.Tensor, sampled, heads) -> StepLogits:
+        """The step's logits and the Medusa proposals of the sequences in `heads` ((seq, row, count, heads)):
+        each head's residual block over each of the sequence's rows, projected by the LM head in the same call
+        as the step's logits rows (one pass over the head's weights), unless adapters' trained heads replace
+        the logits (then the base LM head projects the Medusa rows on its own)."""
+        extra = torch.cat([h.residuals(rows[row:row + n]).reshape(-1, rows.shape[1]).to(rows.dtype)
+                           for _, row, n, h in heads])
+        wrapper = self.model.lora_wrapper
+        if wrapper is not None and wrapper.replaces_logits:
+            logits = self.model.compute_logits(rows).float()
+            extra_tokens = self.model.lm_head(extra).argmax(dim=-1)
+        else:
+            both = self.model.compute_logits(torch.cat([rows, extra]))
+            logits, extra_tokens = both[:rows.shape[0]].float(), both[rows.shape[0]:].argmax(dim=-1)
+        flat, medusa, at = extra_tokens.tolist(), {}, 0
+        for seq, _, n, h in heads:
+            k = h.num_heads
+            medusa[seq] = [flat[at + j * k: at + (j + 1) * k] for j in range(n)]
+            at += n * k
+        return StepLogits(logits, sampled, medusa)
 
 
 def _adapter_order(location) -> tuple:

@@ -10,7 +10,7 @@ from typing import Any
 __all__ = ["RequestOutput", "RequestError", "SoFar"]
 
 _LATEST = ("text", "token_ids", "logprobs", "finished", "finish_reason", "timings", "num_cached_tokens",
-           "top_logprobs")
+           "top_logprobs", "speculation")
 
 
 class SoFar(Sequence):
@@ -78,6 +78,8 @@ class RequestOutput:
     top_logprobs: Sequence[list[tuple[int, float]]] = ()
     new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     replica: str | None = None  # the engine replica that produced it (scale-out); None in a single process
+    # On the final output: draft tokens {method: {"proposed": n, "accepted": m}} verified for this request.
+    speculation: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def absorb(self, later: RequestOutput) -> RequestOutput:
         """Fold in a later output of the same request (a speculative step appends several tokens; a

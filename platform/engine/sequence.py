@@ -79,6 +79,10 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # content hashes of the full blocks so far
     draft_token_ids: list[int] = field(default_factory=list)  # speculative tokens to verify this step
     spec_misses: int = 0  # consecutive proposals rejected outright (speculation pauses after a few)
+    spec_method: str | None = None  # the proposer of this step's draft (loramux.engine.speculation)
+    spec_counts: dict[str, list[int]] = field(default_factory=dict)  # method -> [proposed, accepted] so far
+    medusa_next: list[int] = field(default_factory=list)  # Medusa's proposals for the next step
+    medusa_wanted: bool = False  # this step computes medusa_next
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0

@@ -1,6 +1,6 @@
-"""Speculative decoding by prompt lookup: proposing drafts for the engine's decoding sequences before a
-step (`propose_drafts`), and verifying a sequence's draft against the step's logits (`verify_draft`), on
-top of the pure parts below.
+"""Speculative decoding's shared parts: the prompt-lookup proposer, and verifying a sequence's draft (from
+any proposer: `loramux.engine.speculation`) against the step's logits (`verify_draft`), on top of the pure
+parts below.
 
 Proposal (`propose_ngram`, plain Python): prompt lookup decoding, as HF's `prompt_lookup_num_tokens`
 and vLLM's n-gram proposer. The last n tokens of the context (prompt + output so far) are looked up
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -41,34 +41,7 @@ if TYPE_CHECKING:
     from loramux.engine.constrained import Constraint
     from loramux.engine.sequence import Sequence as EngineSequence
 
-__all__ = ["Verdict", "propose_drafts", "verify_draft", "propose_ngram", "verify_greedy", "verify", "build_verdict"]
-
-_BACKOFF_MISSES = 3  # verifications in a row that accepted nothing before a sequence backs off
-_BACKOFF_EVERY = 8  # ... after which it tries again every this many output tokens
-
-
-def propose_drafts(decoding: list[EngineSequence], num_tokens: int, max_batch: int, max_model_len: int,
-                   constraint_of: Callable[[EngineSequence], Constraint | None]) -> None:
-    """Set `draft_token_ids` of each decoding sequence: up to `num_tokens` tokens from n-gram matches in its
-    own context, cut where its grammar (`constraint_of(seq)`) rejects one; [] for no draft. Off when more
-    than `max_batch` sequences decode (verification would not pay), for seeded sampling (whose
-    reproducibility must not depend on the batch), and for a while after a sequence's drafts keep missing."""
-    enabled = len(decoding) <= max_batch
-    for seq in decoding:
-        seq.draft_token_ids = []
-        p = seq.params
-        if not enabled or not p.speculative or (p.seed is not None and p.temperature > 0):
-            continue
-        if seq.spec_misses >= _BACKOFF_MISSES and len(seq.output_token_ids) % _BACKOFF_EVERY:
-            continue
-        # Drafts count as output: no more than the tokens still to produce (a bonus token past
-        # max_tokens is dropped by the length stop).
-        room = min(num_tokens, p.max_tokens - len(seq.output_token_ids), max_model_len - seq.num_tokens - 1)
-        if room > 0:
-            seq.draft_token_ids = propose_ngram(seq.token_ids, room)
-        if seq.draft_token_ids and (constraint := constraint_of(seq)) is not None:
-            seq.draft_token_ids = constraint.cut_draft(seq.draft_token_ids)  # what the grammar allows
-
+__all__ = ["Verdict", "verify_draft", "propose_ngram", "verify_greedy", "verify", "build_verdict"]
 
 def verify_draft(seq: EngineSequence, logits: torch.Tensor, row: SamplingRow, sampler: Sampler,
                  generator: torch.Generator | None, constraint: Constraint | None

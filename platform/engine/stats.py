@@ -43,8 +43,8 @@ class EngineCounters:
 
 def engine_stats(engine: LLMEngine) -> dict:
     """The engine's counters and gauges: running / waiting requests, KV blocks used / free / total,
-    prefix-cache blocks and hits, speculative tokens proposed / accepted, preemptions, adapter slots pinned
-    and loads, `lora` (see `lora_stats`) and `steps` (`StepBudget.stats()`)."""
+    prefix-cache blocks and hits, speculative tokens proposed / accepted (in all and per method: `speculation`),
+    preemptions, adapter slots pinned and loads, `lora` (see `lora_stats`) and `steps` (`StepBudget.stats()`)."""
     lora = lora_stats(engine)
     scheduler, blocks, counters = engine.scheduler, engine.block_manager, engine.counters
     return {
@@ -57,6 +57,7 @@ def engine_stats(engine: LLMEngine) -> dict:
         "prefix_cache_hit_blocks": blocks.hits,
         "spec_proposed_tokens": counters.spec_proposed,
         "spec_accepted_tokens": counters.spec_accepted,
+        "speculation": engine.speculator.stats.snapshot(),  # per method: proposed, accepted, verifications
         "preemptions": counters.preemptions,
         "adapter_slots_pinned": len(lora["running"]) if lora else 0,  # adapters pinned by running requests
         "adapter_slot_loads": lora["loads"] if lora else 0,

@@ -263,7 +263,26 @@ class _StateCollector(Collector):
                     family.add_metric([], value)
         return [queue, running, kv, pinned, cache_bytes, budget, resident, hits, misses, failures, loading,
                 device_loads, evictions, load_seconds, lora_info, replica_running, replica_adapters,
-                *_step_families(state.get("steps"))]
+                *_step_families(state.get("steps")), *_speculation_families(state.get("speculation"))]
+
+
+def _speculation_families(spec) -> list[Metric]:
+    """Draft tokens proposed and accepted per speculative method (ngram, medusa, draft), and verifications."""
+    proposed = CounterMetricFamily("loramux_spec_proposed_tokens", "Draft tokens proposed, per speculative method.",
+                                   labels=["method"])
+    accepted = CounterMetricFamily("loramux_spec_accepted_tokens", "Draft tokens accepted, per speculative method.",
+                                   labels=["method"])
+    verifications = CounterMetricFamily("loramux_spec_verifications", "Drafts verified, per speculative method.",
+                                        labels=["method"])
+    if isinstance(spec, Mapping):
+        for method, counts in sorted(spec.items()):
+            if not isinstance(counts, Mapping):
+                continue
+            for family, key in ((proposed, "proposed"), (accepted, "accepted"), (verifications, "verifications")):
+                value = _count(counts.get(key))
+                if value is not None:
+                    family.add_metric([str(method)], value)
+    return [proposed, accepted, verifications]
 
 
 def _step_families(steps) -> list[Metric]:

@@ -90,6 +90,8 @@ class Running:
                               "version": self.version.version, "cache_tier": self.adapter_level}
         if self.fallback_reason is not None:
             ext["fallback"] = {"requested": self.requested, "reason": self.fallback_reason}
+        if out is not None and out.speculation:  # draft tokens proposed / accepted per method (choice 0)
+            ext["speculation"] = out.speculation
         if self.n > 1:  # how much of the shared prompt each choice found in the prefix cache
             ext["choice_cached_tokens"] = [o.num_cached_tokens if o is not None else 0 for o in self.lasts]
         return ext
