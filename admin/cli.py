@@ -12,7 +12,8 @@ from loramux.tenancy_cli import add_tenant_parsers, cmd_keys, cmd_tenants
 
 
 def add_parser(sub) -> None:
-    a = sub.add_parser("admin", help="operate the platform: tenants, keys, adapters, tiers, prices, billing")
+    a = sub.add_parser("admin", help="operate the platform: tenants, keys, adapters, Medusa heads, tiers, prices, "
+                                     "billing")
     a.add_argument("--url", help="server URL (default http://LORAMUX_HOST:LORAMUX_PORT)")
     a.add_argument("--key", help="admin key (default: $LORAMUX_ADMIN_KEY)")
     asub = a.add_subparsers(dest="admin_command", required=True)
@@ -34,6 +35,21 @@ def add_parser(sub) -> None:
     al.add_argument("--tenant-id")
     for name in ("show", "delete", "warm", "pin", "unpin"):
         ad.add_parser(name).add_argument("adapter_id")
+
+    md = asub.add_parser("medusa", help="Medusa speculative-decoding heads").add_subparsers(dest="action",
+                                                                                         required=True)
+    mu = md.add_parser("upload", help="upload a heads directory (medusa_config.json + medusa_heads.safetensors) "
+                                      "for the base model, or for an adapter version with --adapter")
+    mu.add_argument("directory")
+    mu.add_argument("--adapter", help="an adapter name (with --tenant-id) or id (ad_...); default: the base model")
+    mu.add_argument("--tenant-id", help="the adapter's owner (an id or a name)")
+    mu.add_argument("--version", type=int, help="the adapter version (default: its latest)")
+    ml = md.add_parser("list")
+    ml.add_argument("--adapter")
+    ml.add_argument("--tenant-id")
+    ml.add_argument("--base", action="store_true", help="only the base model's heads")
+    ml.add_argument("--include-deleted", action="store_true", help="deleted and replaced heads too")
+    md.add_parser("delete").add_argument("heads_id")
 
     b = asub.add_parser("billing", help="billing").add_subparsers(dest="action", required=True)
     for name in ("summary", "export"):
@@ -116,6 +132,15 @@ def _dispatch(client, args) -> int:
         return _show({"show": lambda: client.get(path), "delete": lambda: client.delete(path),
                       "warm": lambda: client.post(f"{path}/warm"), "pin": lambda: client.post(f"{path}/pin"),
                       "unpin": lambda: client.delete(f"{path}/pin")}[action]())
+    if cmd == "medusa":
+        if action == "upload":
+            return _upload_medusa(client, args)
+        if action == "list":
+            params = {"adapter": args.adapter, "tenant_id": args.tenant_id,
+                      "base": "true" if args.base else None,
+                      "include_deleted": "true" if args.include_deleted else None}
+            return _show(client.get("/admin/medusa", params={k: v for k, v in params.items() if v}))
+        return _show(client.delete(f"/admin/medusa/{args.heads_id}"))
     if cmd == "prices":
         if action == "list":
             return _show(client.get("/admin/prices"))
@@ -142,25 +167,40 @@ def _dispatch(client, args) -> int:
 
 
 def _upload(client, args) -> int:
-    from tqdm import tqdm
-
     directory = Path(args.directory)
     parts = {"adapter_config": directory / "adapter_config.json",
              "adapter_model": directory / "adapter_model.safetensors"}
+    fields = {"tenant_id": args.tenant_id, "name": args.name, "visibility": "public" if args.public else "private",
+              "allow_base_mismatch": "true" if args.allow_base_mismatch else "false"}
+    return _send_files(client, "/admin/adapters", parts, fields, args.name)
+
+
+def _upload_medusa(client, args) -> int:
+    directory = Path(args.directory)
+    parts = {"medusa_config": directory / "medusa_config.json",
+             "medusa_heads": directory / "medusa_heads.safetensors"}
+    fields = {"tenant_id": args.tenant_id, "adapter": args.adapter,
+              "version": str(args.version) if args.version is not None else None}
+    what = f"Medusa heads for {args.adapter}" if args.adapter else "Medusa heads for the base model"
+    return _send_files(client, "/admin/medusa", parts, {k: v for k, v in fields.items() if v}, what)
+
+
+def _send_files(client, path: str, parts: dict[str, Path], fields: dict, what: str) -> int:
+    """POST `parts` (form field -> file) and `fields` as multipart to `path`, with a progress bar."""
+    from tqdm import tqdm
+
     missing = [str(p) for p in parts.values() if not p.is_file()]
     if missing:
         print(f"error: not found: {', '.join(missing)}", file=sys.stderr)
         return 2
     import httpx
 
-    fields = {"tenant_id": args.tenant_id, "name": args.name, "visibility": "public" if args.public else "private",
-              "allow_base_mismatch": "true" if args.allow_base_mismatch else "false"}
-    files = {field: (path.name, path.open("rb")) for field, path in parts.items()}
+    files = {field: (p.name, p.open("rb")) for field, p in parts.items()}
     try:
-        request = client.build_request("POST", "/admin/adapters", data=fields, files=files)
+        request = client.build_request("POST", path, data=fields, files=files)
         body = request.stream
         total = int(request.headers.get("content-length", 0)) or None
-        with tqdm(total=total, unit="B", unit_scale=True, desc=f"uploading {args.name}", file=sys.stderr) as bar:
+        with tqdm(total=total, unit="B", unit_scale=True, desc=f"uploading {what}", file=sys.stderr) as bar:
             def chunks():
                 for chunk in body:
                     bar.update(len(chunk))

@@ -235,11 +235,14 @@ def cmd_db(args, settings: Settings) -> int:
 
 
 def _collect_garbage(db, settings: Settings) -> int:
-    """Delete adapter blobs in the object store that no live version references."""
+    """Delete adapter blobs in the object store that no live version references, and Medusa heads blobs
+    that no live heads reference (retiring the heads of deleted adapter versions first)."""
+    from loramux.adapters.medusa_registry import collect_medusa_garbage
     from loramux.adapters.registry import collect_garbage
     from loramux.services.container import store_from_settings
 
-    removed = collect_garbage(db, store_from_settings(settings))
+    store = store_from_settings(settings)
+    removed = collect_garbage(db, store) + collect_medusa_garbage(db, store)
     for key in removed:
         print(f"deleted {key}")
     print(f"{len(removed)} unreferenced blob(s) deleted", file=sys.stderr)

@@ -93,6 +93,11 @@ class Settings(BaseSettings):
     disk_cache_bytes: int = 4 * 1024**3  # local disk cache of adapter blobs
     host_cache_bytes: int = 2 * 1024**3  # adapters held in host RAM (unpinned ones evicted LRU)
     max_upload_bytes: int = 512 * 1024**2  # largest adapter_model.safetensors accepted
+    # Medusa heads (POST /admin/medusa) in host RAM, LRU, parsed; their blobs share the disk cache above.
+    medusa_cache_bytes: int = Field(default=1024**3, ge=0)
+    # Longest a request waits for its Medusa heads to load into host RAM (within its deadline); it runs
+    # without them past it, and the load goes on for the next request. 0: only heads already in RAM.
+    medusa_load_wait_s: float = Field(default=2.0, ge=0)
     # Largest embedding / head part of an upload (modules_to_save of lm_head / embed_tokens, trainable token
     # rows, embedding LoRA, PEFT's copy of the base embedding), in the file's bytes; 0 = none accepted.
     max_adapter_head_bytes: int = Field(default=256 * 1024**2, ge=0)

@@ -240,3 +240,30 @@ class BillingSummary(Out):
     tenants: list[TenantCounters] = Field(description="by tenant id")
     adapters: list[AdapterCounters] = Field(description="by tenant, then adapter id, the base model first")
     outcomes: dict[str, int] = Field(description="requests by outcome")
+
+
+# -- Medusa heads -----------------------------------------------------------------------------------
+class MedusaHeads(Out):
+    """One upload of Medusa speculative-decoding heads."""
+
+    id: str
+    kind: str = Field(description="the kind of speculator: medusa")
+    target: str = Field(description="'base' (the base model) or the adapter version, <adapter id>@<version>")
+    adapter_id: str | None = Field(description="the adapter whose version the heads serve; null: the base model")
+    adapter_name: str | None
+    tenant_id: str | None = Field(description="the adapter's owner; null for base-model heads")
+    version: int | None = Field(description="the adapter version; null for base-model heads")
+    base_model: str = Field(description="the base model this server served when the heads were uploaded")
+    digest: str
+    size_bytes: int
+    num_heads: int
+    hidden_size: int
+    config: dict = Field(description="medusa_config.json as uploaded")
+    created_at: IsoDatetime
+    active: bool = Field(description="whether requests use these heads (false: deleted or replaced)")
+    deleted_at: IsoDatetime | None = None
+    replaced_by: str | None = Field(default=None, description="id of the upload that replaced these heads")
+
+
+class MedusaHeadsList(Out):
+    heads: list[MedusaHeads] = Field(description="newest first")

@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 
 from loramux.adapters.cache_levels import Acquired
+from loramux.adapters.medusa_registry import MedusaRegistry
 from loramux.adapters.registry import AdapterRegistry, AdapterVersionInfo
 from loramux.adapters.validation import UploadLimits
 from loramux.admin.keys import AdminKeys
@@ -125,8 +126,10 @@ def ingress_services(settings: Settings, engine_handle, ingress_id: str) -> Serv
         admin_keys.ensure(settings.admin_key)
     ledger = claim_ledger(db, Path(settings.data_dir) / "ingress")
     log.info("ingress %s writes its ledger log in %s", ingress_id, ledger.wal_path.parent)
+    # Medusa heads: uploaded, listed and deleted here; not handed to the replicas yet (no medusa_cache).
+    medusa = MedusaRegistry(db, store, model_config.hidden_size, base_model_id(settings.model), limits)
     services = Services(settings, db, store, registry, RemoteAdapterCache(), engine, tenancy, admin_keys,
-                        PriceBook(db), ledger)
+                        PriceBook(db), ledger, medusa=medusa)
     services.register_local_adapters()
     return services
 

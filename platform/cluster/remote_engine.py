@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from loramux.adapters.medusa_format import MedusaHeadsWeights
 from loramux.adapters.registry import AdapterVersionInfo
 from loramux.cluster.shared_state import ReplicaDirectory
 from loramux.cluster.wire import Reassembler
@@ -70,9 +71,10 @@ class RemoteEngine(TokenizerMethods):
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                        priority: int = 0, adapter: RemoteAdapter | None = None,
                        arrival: float | None = None, cache_salt: str | None = None,
-                       on_abandoned: Callable[[RequestOutput], None] | None = None
-                       ) -> AsyncIterator[RequestOutput]:
-        """As AsyncEngine.generate, on a replica. Each output's `replica` names the replica that made it."""
+                       on_abandoned: Callable[[RequestOutput], None] | None = None,
+                       medusa: MedusaHeadsWeights | None = None) -> AsyncIterator[RequestOutput]:
+        """As AsyncEngine.generate, on a replica. Each output's `replica` names the replica that made it.
+        `medusa` is not sent: the replicas do not load Medusa heads yet (the ingress passes none)."""
         payload = {"request_id": request_id, "prompt": prompt, "params": params, "priority": priority,
                    "version": adapter.version if adapter is not None else None, "cache_salt": cache_salt,
                    # monotonic clocks are per machine: send how long the request has waited instead

@@ -193,6 +193,43 @@ class AdapterBlob(Base):
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
+class MedusaHeads(Base):
+    """Speculative-decoding heads (kind "medusa") for the base model (`adapter_version_id` NULL) or for one
+    adapter version. Each row owns its blob (a server-made key from its digest and its id), so deleting one
+    never races another upload of the same bytes. An upload inserts its row as `pending` (committed) before
+    it writes the blob and makes it `ready` afterwards, retiring the target's previous heads in the same
+    transaction (`deleted_at` + `replaced_by`); rows are never removed but for a failed or abandoned upload,
+    so the history stays. At most one ready, live row per (kind, target): the two partial unique indexes.
+    See `loramux.adapters.medusa_registry`."""
+
+    __tablename__ = "medusa_heads"
+    __table_args__ = (
+        Index("uq_medusa_heads_active_version", "kind", "adapter_version_id", unique=True,
+              postgresql_where=text("deleted_at IS NULL AND status = 'ready' AND adapter_version_id IS NOT NULL"),
+              sqlite_where=text("deleted_at IS NULL AND status = 'ready' AND adapter_version_id IS NOT NULL")),
+        Index("uq_medusa_heads_active_base", "kind", "base_model", unique=True,
+              postgresql_where=text("deleted_at IS NULL AND status = 'ready' AND adapter_version_id IS NULL"),
+              sqlite_where=text("deleted_at IS NULL AND status = 'ready' AND adapter_version_id IS NULL")),
+    )
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("md"))
+    kind: Mapped[str] = mapped_column(String(16), default="medusa")
+    # NULL: heads for the base model itself (used by requests whose adapter version has none of its own).
+    adapter_version_id: Mapped[int | None] = mapped_column(ForeignKey("adapter_versions.id"), nullable=True,
+                                                           index=True, default=None)
+    base_model: Mapped[str] = mapped_column(String(200))  # the model this server served at upload
+    digest: Mapped[str] = mapped_column(String(64), index=True)  # sha256 of the stored blob
+    storage_key: Mapped[str] = mapped_column(String(200))
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    num_heads: Mapped[int] = mapped_column(Integer)
+    hidden_size: Mapped[int] = mapped_column(Integer)
+    config: Mapped[dict] = mapped_column(JSON)  # medusa_config.json as uploaded
+    status: Mapped[str] = mapped_column(String(16), default="pending")  # pending (upload under way) | ready
+    replaced_by: Mapped[str | None] = mapped_column(String(32), nullable=True, default=None)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True, default=None)
+
+
 class AdminKey(Base):
     """An operator's key for /admin. Only its sha256 is stored, like tenant keys; never valid on tenant routes."""
 

@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from loramux.adapters.medusa_format import MedusaHeadsWeights
 from loramux.adapters.peft_format import LoRAAdapter
 from loramux.engine.compile_pool import CompileBusy, CompileLimits
 from loramux.engine.engine import LLMEngine, RequestError, RequestOutput
@@ -57,6 +58,7 @@ class _Add:
     loop: asyncio.AbstractEventLoop
     stream: _Stream
     accepted: asyncio.Future
+    medusa: MedusaHeadsWeights | None = None  # for the engine's add_request; None: none
 
 
 class _Stream:
@@ -106,15 +108,17 @@ class AsyncEngine(TokenizerMethods):
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                        priority: int = 0, adapter: str | LoRAAdapter | None = None,
                        arrival: float | None = None, cache_salt: str | None = None,
-                       on_abandoned: Callable[[RequestOutput], None] | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+                       on_abandoned: Callable[[RequestOutput], None] | None = None,
+                       medusa: MedusaHeadsWeights | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs step by step; leaving the loop early aborts the request.
         `arrival` (time.monotonic()) is when the request reached the server: queue time, TTFT and the
         deadline count from it. `on_abandoned(final output)` runs on this event loop if the request is
         aborted because its reader stalled: the reader may be stuck (a client that never reads) and never
         see that final output, but whoever holds resources for the request must still let them go.
         A constrained request's grammar is compiled first (see the module docstring): a spec refused or
-        stopped by the compile limits raises RequestError, busy compile workers EngineDeadError (retry)."""
+        stopped by the compile limits raises RequestError, busy compile workers EngineDeadError (retry).
+        `medusa` (Medusa heads in host RAM) goes to the engine's add_request as its `medusa` keyword, only
+        when given."""
         if self._stopped:
             raise EngineDeadError("the engine has stopped")
         grammar = await self._grammar(params.structured) if params.structured is not None else None
@@ -124,7 +128,7 @@ class AsyncEngine(TokenizerMethods):
         stream = _Stream(loop, on_abandoned)
         accepted = loop.create_future()
         self._post(_Add(request_id, prompt, params, priority, adapter, arrival, cache_salt, grammar, loop, stream,
-                        accepted))
+                        accepted, medusa=medusa))
         finished = False
         try:
             await accepted  # raises RequestError for a request the engine refuses
@@ -277,7 +281,8 @@ class AsyncEngine(TokenizerMethods):
             try:
                 self.engine.add_request(item.request_id, item.prompt, item.params, item.priority,
                                         arrival=item.arrival, adapter=item.adapter, cache_salt=item.cache_salt,
-                                        grammar=item.grammar)
+                                        grammar=item.grammar,
+                                        **({"medusa": item.medusa} if item.medusa is not None else {}))
             except Exception as exc:  # noqa: BLE001 - a refused request (RequestError) or a bug: its caller gets it
                 _post_to(item.loop, _settle, item.accepted, exc)
                 return

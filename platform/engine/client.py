@@ -7,10 +7,13 @@ nothing else on `Services.engine`, so either serves them unchanged. No torch her
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from loramux.engine.outputs import RequestOutput
 from loramux.engine.sampling_params import SamplingParams, StructuredOutput
+
+if TYPE_CHECKING:  # it imports torch
+    from loramux.adapters.medusa_format import MedusaHeadsWeights
 
 __all__ = ["EngineClient"]
 
@@ -20,8 +23,8 @@ class EngineClient(Protocol):
     # -- generation --------------------------------------------------------------------------------------
     def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                  priority: int = 0, adapter: Any = None, arrival: float | None = None,
-                 cache_salt: str | None = None, on_abandoned: Callable[[RequestOutput], None] | None = None
-                 ) -> AsyncIterator[RequestOutput]:
+                 cache_salt: str | None = None, on_abandoned: Callable[[RequestOutput], None] | None = None,
+                 medusa: MedusaHeadsWeights | None = None) -> AsyncIterator[RequestOutput]:
         """Run one request; an async generator of its outputs step by step, the last one `finished`.
 
         `adapter`: None for the base model, else what the adapter cache's lease holds for this engine (a
@@ -30,7 +33,9 @@ class EngineClient(Protocol):
         deadline (`params.timeout_s`) count from it. `cache_salt` namespaces its prefix-cache blocks (the
         tenant, when tenants must not share them). `on_abandoned(final output)` runs on the caller's event
         loop if the engine aborts the request because its reader stalled, so whoever holds resources for it
-        can let them go even if the reader never reads again.
+        can let them go even if the reader never reads again. `medusa`: the Medusa heads the registry holds
+        for the request's adapter version (else the base model's), validated for this model, in host RAM;
+        None when there are none. Callers pass it only when they have heads.
 
         Raises RequestError (the engine can never run it: HTTP 400) before the first output, or
         EngineDeadError (the engine, or its replica, stopped: retriable). Leaving the loop early (or

@@ -1,6 +1,6 @@
 """The app's exception handlers: each error family of the layers below (HTTP refusals, request validation,
-tools, the engine, tenancy, the registry, uploads, adapter loads, prices, billing, admin keys) mapped to its
-status and a stable `code`, in OpenAI's error shape (`loramux.server.http.errors`)."""
+tools, the engine, tenancy, the registry (adapters and Medusa heads), uploads, adapter loads, prices, billing,
+admin keys) mapped to its status and a stable `code`, in OpenAI's error shape (`loramux.server.http.errors`)."""
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loramux.adapters.cache_levels import AdapterLoadError
+from loramux.adapters.medusa_registry import MedusaNotFoundError
 from loramux.adapters.registry import AdapterNotFoundError, RegistryError
 from loramux.adapters.validation import AdapterFormatError
 from loramux.admin.billing import BillingQueryError
@@ -60,6 +61,7 @@ def install_error_handlers(app: FastAPI) -> None:
     handle(RegistryError, lambda e: error_response(404 if isinstance(e, AdapterNotFoundError) else 400, str(e),
                                                    "adapter_not_found" if isinstance(e, AdapterNotFoundError)
                                                    else "invalid_request"))
+    handle(MedusaNotFoundError, lambda e: error_response(404, str(e), "medusa_not_found"))
     handle(InvalidNameError, lambda e: error_response(400, str(e), "invalid_name"))
     handle(AdapterFormatError, lambda e: error_response(413 if getattr(e, "code", "") == "too_large" else 400,
                                                         str(e), getattr(e, "code", "invalid_adapter")))

@@ -127,7 +127,10 @@ def delete_adapter(services: Services, adapter_id: str) -> list[AdapterVersionIn
     Returns the versions deleted."""
     owner = services.registry.owner_of(adapter_id)
     _unpin(services, adapter_id)
-    return services.registry.delete(owner, adapter_id)
+    gone = services.registry.delete(owner, adapter_id)
+    if services.medusa is not None:  # the Medusa heads of its versions go with it (their blobs too)
+        services.medusa.retire_for_adapter(adapter_id)
+    return gone
 
 
 def latest_version(services: Services, adapter_id: str) -> AdapterVersionInfo:

@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from loramux.adapters.cache_levels import AdapterCache, DiskCache, HostCache
+from loramux.adapters.medusa_cache import MedusaCache
+from loramux.adapters.medusa_registry import MedusaRegistry
 from loramux.adapters.registry import AdapterRegistry
 from loramux.adapters.store import ObjectStore, open_store
 from loramux.adapters.validation import UploadLimits
@@ -46,6 +48,10 @@ class Services:
     ledger: LedgerWriter  # every finished request's row, written off the hot path
     admin_pins: dict[str, str] = field(default_factory=dict)  # adapters pinned by operators: id -> digest
     request_rates: RequestRates = field(default_factory=RequestRates)  # recent requests per adapter id
+    # Medusa heads: the registry (admin API) and their host-RAM cache (the request path); None where this
+    # process serves none (a cluster ingress has the registry but no cache: its replicas run the engine).
+    medusa: MedusaRegistry | None = None
+    medusa_cache: MedusaCache | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings, engine=None, migrate: bool = True) -> Services:
@@ -65,8 +71,12 @@ class Services:
         registry = AdapterRegistry(db, store, llm.model.config, base_model_id(settings.model), limits,
                                    shared_tenant=LOCAL_TENANT, tenancy=tenancy,
                                    device_dtype_bytes=llm.pool.dtype.itemsize if llm.pool else 4)
-        cache = AdapterCache(store, DiskCache(Path(settings.data_dir) / "adapter-cache", settings.disk_cache_bytes),
-                             HostCache(settings.host_cache_bytes))
+        disk = DiskCache(Path(settings.data_dir) / "adapter-cache", settings.disk_cache_bytes)
+        cache = AdapterCache(store, disk, HostCache(settings.host_cache_bytes))
+        hidden_size = llm.model.config.hidden_size
+        medusa = MedusaRegistry(db, store, hidden_size, base_model_id(settings.model), limits)
+        medusa_cache = MedusaCache(store, disk, hidden_size, settings.medusa_cache_bytes)
+        medusa.on_blob_deleted(medusa_cache.evict)
         async_engine = AsyncEngine(llm, stalled_reader_timeout_s=settings.stalled_reader_timeout_s,
                                    compile_limits=CompileLimits.from_settings(settings))
         registry.on_blob_deleted(cache.evict)
@@ -76,7 +86,8 @@ class Services:
             admin_keys.ensure(settings.admin_key)
         ledger = LedgerWriter(db, Path(settings.data_dir) / WAL_NAME)
         ledger.start()
-        services = cls(settings, db, store, registry, cache, async_engine, tenancy, admin_keys, PriceBook(db), ledger)
+        services = cls(settings, db, store, registry, cache, async_engine, tenancy, admin_keys, PriceBook(db), ledger,
+                       medusa=medusa, medusa_cache=medusa_cache)
         services.register_local_adapters()
         return services
 
@@ -99,6 +110,8 @@ class Services:
         self.engine.shutdown()
         self.ledger.close()  # rows still buffered are written (or spooled to disk when the database is down)
         self.adapter_cache.shutdown()
+        if self.medusa_cache is not None:
+            self.medusa_cache.shutdown()
         self.db.dispose()
 
 

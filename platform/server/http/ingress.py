@@ -14,8 +14,8 @@
    Retry-After before its key is looked up (`loramux.server.http.auth_failures`).
 2. **The size.** Bodies are capped at `Settings.max_request_bytes` (413): a declared Content-Length
    above it is refused at once, a chunked body as soon as the bytes streamed in pass it. Adapter uploads
-   (`POST /admin/adapters`) are passed through unbuffered: `loramux.admin.uploads:receive_upload` caps
-   them itself while it spools them to disk.
+   (`POST /admin/adapters`) and Medusa heads uploads (`POST /admin/medusa`) are passed through unbuffered:
+   `loramux.admin.uploads:receive_upload` caps them itself while it spools them to disk.
 3. **The shape.** A JSON body nested deeper than `MAX_JSON_DEPTH` is refused (400) by a linear scan,
    before any recursive parser or validator sees it.
 
@@ -46,7 +46,8 @@ OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 # The operator console authenticates with its own signed session cookie (loramux.console), not a bearer key.
 OWN_AUTH_PREFIXES = ("/console",)
 # Capped by their route, at max_upload_bytes + 1 MiB.
-UPLOAD_ROUTES = frozenset({("POST", "/admin/adapters"), ("POST", "/console/adapters/upload")})
+UPLOAD_ROUTES = frozenset({("POST", "/admin/adapters"), ("POST", "/admin/medusa"),
+                           ("POST", "/console/adapters/upload")})
 _SCAN_IN_THREAD_BYTES = 64 * 1024  # a depth scan of a larger body runs in the threadpool, off the event loop
 
 

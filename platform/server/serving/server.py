@@ -5,10 +5,11 @@ Order of checks, cheapest first (the key and the body's size were checked before
 token count bounded from its length -> whether the queue can meet the deadline (503) -> a prompt whose
 bound cannot fit the context (400) -> tokenizing -> max_tokens against the context (400) -> compiling a
 structured-output constraint, off the event loop and bounded in time (400) -> the adapter: resolve in the
-registry (404), bring it into host RAM within the deadline (503, or the tenant's fallback) -> the engine
-(one request per choice: `n` siblings sharing the prompt's KV blocks). Everything taken on the way (rate
-limit admission, adapter lease) is given back exactly once, when a later check refuses the request or when
-it ends, however it ends, and the finished request goes to the ledger hooks and the metrics (one record).
+registry (404), bring it into host RAM within the deadline (503, or the tenant's fallback) -> its Medusa
+heads (the version's, else the base model's; never a refusal) -> the engine (one request per choice: `n`
+siblings sharing the prompt's KV blocks). Everything taken on the way (rate limit admission, adapter lease)
+is given back exactly once, when a later check refuses the request or when it ends, however it ends, and
+the finished request goes to the ledger hooks and the metrics (one record).
 The steps live beside this module: `admission`, `adapter_choice`, `running` (outputs), `record` (the end).
 """
 from __future__ import annotations
@@ -35,6 +36,7 @@ from loramux.server.serving.adapter_choice import acquire_adapter
 from loramux.server.serving.admission import Admitted, admit
 from loramux.server.serving.record import finish
 from loramux.server.serving.running import Running
+from loramux.services.medusa import heads_for_request
 from loramux.tenancy import TenantContext
 from loramux.usage import RequestRecord
 
@@ -130,6 +132,10 @@ class Server:
                 arrival + admitted.timeout_s - time.monotonic(), self.model_id)
             if version is not None:
                 self.services.request_rates.record(version.adapter_id)
+            # The version's Medusa heads (else the base model's) in host RAM, or None: never a refusal.
+            heads = await heads_for_request(self.services, version,
+                                            arrival + admitted.timeout_s - time.monotonic())
+            speculators = {"medusa": heads} if heads is not None else {}
             salt = tenant.tenant_id if self.services.settings.prefix_cache_per_tenant else None
             engine = self.services.engine
 
@@ -138,7 +144,8 @@ class Server:
                     dataclasses.replace(params, seed=(params.seed + i) % SEED_LIMIT)
                 stream = engine.generate(ids[i], prompt_ids, own, priority=tenant.tier.priority,
                                          adapter=lease.adapter if lease else None, arrival=arrival, cache_salt=salt,
-                                         on_abandoned=lambda out: started and self._abandon(started[0], i, out))
+                                         on_abandoned=lambda out: started and self._abandon(started[0], i, out),
+                                         **speculators)
                 streams.append(stream)
                 return stream
 
