@@ -6,7 +6,7 @@
     serving    a tenant request from admission to its ledger record
     intake     parsing and checking what a generation request asks for
     http       HTTP plumbing: error shape, bodies, SSE, downloads, the ingress middleware
-    services   one module per resource: the operations admin API, console and CLI share
+    services   one module per resource: the operations admin API, console and CLI share; training speculators
     domain     engine (and its remote client), adapters, tenancy, rate limits, ledger and billing
     base       db, model, kernels, settings and small leaf modules
 
@@ -29,14 +29,14 @@ PACKAGES = {"platform": "loramux", "adapters": "loramux.adapters", "kernels": "l
 LAYERS: list[tuple[str, tuple[str, ...]]] = [  # top to bottom; a module is in the layer of its longest prefix
     ("entry", ("loramux.cli", "loramux.tenancy_cli", "loramux.plan", "loramux.admin.cli", "loramux.server.app",
                "loramux.server.error_handlers", "loramux.cluster.app", "loramux.cluster.replica",
-               "loramux.cluster.ingress_services", "loramux.testing")),
+               "loramux.cluster.ingress_services", "loramux.testing", "loramux.training.medusa_cli")),
     ("routes", ("loramux.server.routes", "loramux.admin.routes", "loramux.admin.deps", "loramux.admin.uploads",
                 "loramux.console")),
     ("deps", ("loramux.server.deps",)),
     ("serving", ("loramux.server.serving",)),
     ("intake", ("loramux.server.intake",)),
     ("http", ("loramux.server.http",)),
-    ("services", ("loramux.services",)),
+    ("services", ("loramux.services", "loramux.training")),
     ("domain", ("loramux.engine", "loramux.cluster", "loramux.adapters", "loramux.tenancy", "loramux.admin",
                 "loramux.rate_limits", "loramux.usage", "loramux.request_rates", "loramux.key_cache")),
     ("base", ("loramux",)),  # db, model, kernels, settings, names, text, durable_files, histogram, ...

@@ -14,6 +14,7 @@ from loramux.engine.config import EngineConfig
 from loramux.engine.constrained import Constraint, batch_masker
 from loramux.engine.detokenizer import IncrementalDetokenizer
 from loramux.engine.grammar import GrammarCache, StructuredOutputError
+from loramux.engine.medusa_heads import MedusaHeads
 from loramux.engine.model_runner import ModelRunner, StepLogits
 from loramux.engine.outputs import RequestError, RequestOutput, SoFar
 from loramux.engine.request_checks import check_prompt, check_servable, resolve_adapter
@@ -28,7 +29,6 @@ from loramux.engine.stats import EngineCounters, engine_stats
 from loramux.engine.step_budget import step_budget_for
 from loramux.engine.tokens import chat_template_ids
 from loramux.histogram import DurationHistogram
-from loramux.model.medusa import MedusaHeads
 from loramux.names import base_model_id
 
 __all__ = ["LLMEngine", "RequestOutput", "RequestError"]

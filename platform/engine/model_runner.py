@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 import torch
 
 from loramux.engine.decode_groups import plan_decode_groups
+from loramux.engine.medusa_heads import MedusaHeads
 from loramux.engine.scheduler import ScheduledBatch
 from loramux.engine.sequence import Sequence
 from loramux.model.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillChunk
 from loramux.model.llama import LlamaModel
-from loramux.model.medusa import MedusaHeads
 
 
 @dataclass

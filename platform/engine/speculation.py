@@ -26,8 +26,8 @@ from loramux.engine.spec_policy import METHODS, AcceptanceStats, Candidate, Spec
 
 if TYPE_CHECKING:
     from loramux.engine.constrained import Constraint
+    from loramux.engine.medusa_heads import MedusaHeads
     from loramux.engine.sequence import Sequence
-    from loramux.model.medusa import MedusaHeads
 
 __all__ = ["Speculator", "parse_methods"]
 

@@ -28,8 +28,9 @@ class Conversation:
 def self_distilled(engine, prompts: list[str | list[int]], max_tokens: int = 128, adapter: str | None = None,
                    progress: bool = True) -> list[Conversation]:
     """The engine's greedy answers to `prompts` (text is chat-templated as a user turn; token ids are taken as
-    they are), with `adapter` (a registered name) or the base model; requests run as one continuous batch. Speculation is off for these requests (it changes nothing in
-    greedy output, and the speculators being trained do not exist yet)."""
+    they are), with `adapter` (a registered name) or the base model; requests run as one continuous batch.
+    Speculation is off for these requests (it changes nothing in greedy output, and the speculators being
+    trained do not exist yet)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, speculative=False)
     ids = {}
     for i, prompt in enumerate(prompts):
