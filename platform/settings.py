@@ -11,6 +11,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 
+_METHOD = r"\s*(ngram|medusa|draft)\s*"
+_METHODS_PATTERN = rf"^({_METHOD}(,{_METHOD})*)?$"  # LORAMUX_SPECULATIVE_METHODS: a comma-separated list
+
+
 def _default_cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "loramux"
@@ -48,7 +52,8 @@ class Settings(BaseSettings):
     # Speculation is a cost decision per step (measured acceptance x the fitted step cost); this is a hard cap
     # on the decoding sequences above which it is not even considered.
     speculative_max_batch: int = 64
-    speculative_methods: str = "ngram,medusa,draft"  # proposers used when available; order breaks ties
+    # Proposers used when available (ngram, medusa, draft; order breaks ties).
+    speculative_methods: str = Field(default="ngram,medusa,draft", pattern=_METHODS_PATTERN)
     speculative_adaptive: bool = True  # speculate only while measured acceptance x step cost says it pays
     # Medusa heads for the base model (a directory of `loramux medusa train`); "auto" = the heads shipped for
     # the embedded model when it is served, none otherwise; "" = none. Adapters' own heads come from the
