@@ -46,6 +46,11 @@ class Settings(BaseSettings):
     prefix_cache_per_tenant: bool = True  # tenants never share cached blocks (no timing side channel)
     speculative_tokens: int = 4  # prompt-lookup speculative decoding: draft length (0 = off)
     speculative_max_batch: int = 4  # speculate only while at most this many sequences decode
+    # Draft-model speculation (loramux.engine.draft_runner): a second resident model with the base's tokenizer
+    # that proposes tokens (the embedded name, an HF directory or a .gguf; `loramux draft distill` makes one
+    # from the base's own first layers), and the memory budget of its own paged KV pool.
+    draft_model: str | None = None
+    draft_kv_cache_bytes: int = Field(default=64 * 1024**2, gt=0)
 
     # LoRA adapters: device memory for them (each at its own rank), the largest rank, an optional cap on
     # distinct adapters in one batch, and the residency policy (see loramux.adapters.residency).
