@@ -5,6 +5,7 @@ alike and that imitates its teacher better than the plain cut model did."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from loramux.engine.draft_runner import DraftMismatchError, DraftRunner, check_draft_compatible, draft_from_settings
+from loramux.model.attention import AttentionMetadata, KVCache, PrefillChunk
 from loramux.model.loader import build_model, read_model_config
 from loramux.settings import Settings
 from loramux.testing import save_tiny_hf_model
@@ -192,3 +194,90 @@ def test_draft_from_settings(draft_dir, tokenizer, tmp_path, hf_draft):
     assert runner.propose([("x", ctx, 3)])["x"] == hf_greedy(hf_draft, ctx, 3)
     with pytest.raises(DraftMismatchError, match="vocab_size"):
         draft_from_settings(settings, tokenizer, SimpleNamespace(vocab_size=100), torch.float32, "cpu", 128)
+
+
+# -- loramux draft distill ------------------------------------------------------------------------------
+def loramux_logits(model_dir: Path, ids: list[int]) -> torch.Tensor:
+    model, cfg = build_model(model_dir, torch.float32, torch.device("cpu"))
+    kv = KVCache(cfg.num_layers, 8, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+    n = len(ids)
+    meta = AttentionMetadata(torch.arange(n), [PrefillChunk(0, n, n, torch.arange(8))], n)
+    return model.compute_logits(model(torch.tensor(ids), torch.arange(n), kv, meta))
+
+
+def test_draft_distill_writes_a_draft_hf_and_loramux_load_alike(tmp_path, tokenizer, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from loramux.cli import main
+
+    base = tmp_path / "base"
+    save_tiny_hf_model(
+        base,
+        len(tokenizer),
+        weight_scale=4.0,
+        tokenizer=tokenizer,
+        num_hidden_layers=3,
+        tie_word_embeddings=True,
+        seed=5,
+    )
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(f"Tell me about topic number {i}." for i in range(10)) + "\n")
+    monkeypatch.setenv("LORAMUX_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("LORAMUX_KV_CACHE_BYTES", str(8 << 20))
+    monkeypatch.setenv("LORAMUX_MAX_MODEL_LEN", "256")
+    out = tmp_path / "draft"
+    argv = [
+        "draft",
+        "distill",
+        "--out",
+        str(out),
+        "--model",
+        str(base),
+        "--layers",
+        "1",
+        "--prompts",
+        str(prompts),
+        "--max-tokens",
+        "12",
+        "--steps",
+        "12",
+        "--batch-size",
+        "4",
+        "--lr",
+        "3e-3",
+        "--held-out",
+        "0.2",
+    ]
+    assert main(argv) == 0
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_hidden_layers"] == 1 and config["tie_word_embeddings"] is True
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (out / name).is_file(), name
+    report = json.loads((out / "distill.json").read_text())
+    assert report["layers"] == 1 and report["train_conversations"] == 8 and report["held_out_conversations"] == 2
+    assert report["train_kl_after"] < report["train_kl_before"]  # distillation lowers the KL
+    assert 0 <= report["agreement_after"] <= 1
+
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    teacher = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    # Embedding and head are the base's, untouched; the layer trained.
+    assert torch.equal(hf.model.embed_tokens.weight, teacher.model.embed_tokens.weight)
+    assert not torch.equal(hf.model.layers[0].mlp.down_proj.weight, teacher.model.layers[0].mlp.down_proj.weight)
+    ids = tokenizer.encode("Tell me about topic number 3, in a few words.")
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(loramux_logits(out, ids), expected, rtol=1e-4, atol=1e-4)
+
+    # A second run reuses the cached answers (no engine) and trains another depth.
+    assert main([*argv[:6], "--layers", "2", "--prompts", str(prompts), "--max-tokens", "12", "--steps", "2"]) == 0
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 2
+
+
+def test_distill_rejects_more_layers_than_the_base(tmp_path, tokenizer, monkeypatch):
+    from loramux.training.draft_distill import truncated_draft
+
+    base = tmp_path / "base"
+    teacher = save_tiny_hf_model(base, len(tokenizer), num_hidden_layers=2)
+    with pytest.raises(ValueError, match="between 1 and the base model's 2 layers"):
+        truncated_draft(teacher, 3)
