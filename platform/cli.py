@@ -9,6 +9,7 @@ from pathlib import Path
 
 from loramux.settings import DEFAULT_MODEL, Settings
 from loramux.tenancy_cli import add_tenant_parsers
+from loramux.training.draft_cli import add_draft_parser
 
 
 class ConfigError(ValueError):
@@ -308,6 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_db)
 
     add_tenant_parsers(sub)
+    add_draft_parser(sub)
 
     from loramux.training.medusa_cli import add_medusa_parser
 

@@ -59,6 +59,11 @@ class Settings(BaseSettings):
     # the embedded model when it is served, none otherwise; "" = none. Adapters' own heads come from the
     # registry (admin API /admin/medusa).
     medusa_heads: str = "auto"
+    # Draft-model speculation (loramux.engine.draft_runner): a second resident model with the base's tokenizer
+    # that proposes tokens (the embedded name, an HF directory or a .gguf; `loramux draft distill` makes one
+    # from the base's own first layers), and the memory budget of its own paged KV pool.
+    draft_model: str | None = None
+    draft_kv_cache_bytes: int = Field(default=64 * 1024**2, gt=0)
 
     # LoRA adapters: device memory for them (each at its own rank), the largest rank, an optional cap on
     # distinct adapters in one batch, and the residency policy (see loramux.adapters.residency).
