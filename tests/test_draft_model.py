@@ -281,3 +281,41 @@ def test_distill_rejects_more_layers_than_the_base(tmp_path, tokenizer, monkeypa
     teacher = save_tiny_hf_model(base, len(tokenizer), num_hidden_layers=2)
     with pytest.raises(ValueError, match="between 1 and the base model's 2 layers"):
         truncated_draft(teacher, 3)
+
+
+def test_engine_with_a_draft_model_gives_the_same_greedy_text(draft_dir, tiny_dir, tokenizer, tmp_path):
+    """The target verifies the draft's proposals: outputs equal decoding without speculation, for base and
+    adapter rows in one batch, with prefix caching and structured output; the draft's KV is freed as requests
+    end."""
+    from conftest import make_engine, run_to_completion
+    from loramux.adapters.peft_format import load_adapter_dir
+    from loramux.engine.sampling_params import SamplingParams, StructuredOutput
+    from loramux.testing import write_peft_adapter
+
+    cfg, _ = read_model_config(tiny_dir)
+    adapter = load_adapter_dir(write_peft_adapter(tmp_path / "a", cfg, 4, ["q_proj", "v_proj"], seed=1), cfg,
+                               name="a")
+    texts = ["one two three four one two three", "The cat sat on the mat. The cat", "a b c d e f g",
+             "Summarise: the meeting moved to Tuesday."]
+    shared = tokenizer.encode("A shared system prompt that several requests start with, long enough. " * 2)
+    requests = [(tokenizer.encode(t), SamplingParams(max_tokens=24, ignore_eos=True), [None, adapter][i % 2])
+                for i, t in enumerate(texts)]
+    requests += [(shared + tokenizer.encode(t), SamplingParams(max_tokens=16, ignore_eos=True), None)
+                 for t in texts[:2]]
+    requests += [(tokenizer.encode(texts[0]), SamplingParams(max_tokens=20, structured=StructuredOutput(
+        "regex", "(ab|a|b){2,12}")), None)]
+    outputs = {}
+    for k in (0, 3):
+        engine = make_engine(tiny_dir, tokenizer, speculative_tokens=k, speculative_methods="draft",
+                             speculative_max_batch=64, max_lora_rank=8, prefix_caching=True)
+        draft_model = build_model(draft_dir, torch.float32, torch.device("cpu"))[0]
+        runner = DraftRunner(draft_model, 4 * 1024**2, 16, torch.float32, "cpu", 512)
+        engine.set_draft_model(runner)
+        first = run_to_completion(engine, requests[-2:-1])  # caches the shared prefix
+        outputs[k] = [o.token_ids for o in first + run_to_completion(engine, requests)]
+        assert engine.block_manager.num_used_blocks == 0
+        if k:
+            spec = engine.stats()["speculation"]["draft"]
+            assert spec["proposed"] > 50 and spec["verifications"] > 10, spec
+            assert runner.num_free_blocks == runner.block_manager.num_blocks  # every request's draft KV freed
+    assert outputs[3] == outputs[0]

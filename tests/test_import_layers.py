@@ -29,7 +29,8 @@ PACKAGES = {"platform": "loramux", "adapters": "loramux.adapters", "kernels": "l
 LAYERS: list[tuple[str, tuple[str, ...]]] = [  # top to bottom; a module is in the layer of its longest prefix
     ("entry", ("loramux.cli", "loramux.tenancy_cli", "loramux.plan", "loramux.admin.cli", "loramux.server.app",
                "loramux.server.error_handlers", "loramux.cluster.app", "loramux.cluster.replica",
-               "loramux.cluster.ingress_services", "loramux.testing", "loramux.training.medusa_cli")),
+               "loramux.cluster.ingress_services", "loramux.testing", "loramux.training.medusa_cli",
+               "loramux.training.draft_cli")),
     ("routes", ("loramux.server.routes", "loramux.admin.routes", "loramux.admin.deps", "loramux.admin.uploads",
                 "loramux.console")),
     ("deps", ("loramux.server.deps",)),

@@ -7,6 +7,7 @@ import torch
 
 from loramux.engine.calibration import calibrate_step_cost
 from loramux.engine.config import EngineConfig
+from loramux.engine.draft_runner import draft_from_settings
 
 
 def engine_from_settings(cls, settings, load_adapters: bool = True):
@@ -27,6 +28,9 @@ def engine_from_settings(cls, settings, load_adapters: bool = True):
     engine.model_name = settings.model
     for name, path in (settings.adapter_dirs() if load_adapters else {}).items():
         engine.load_adapter_dir(path, name)
+    draft = draft_from_settings(settings, tokenizer, mcfg, dtype, device, engine.max_model_len)
+    if draft is not None:
+        engine.set_draft_model(draft)
     heads = medusa_heads_dir(settings)
     if heads is not None and settings.speculative_tokens > 0:
         from loramux.adapters.medusa_format import load_medusa_dir

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from loramux.training.draft_cli import DEFAULT_LAYERS, DEFAULT_LR
+from loramux.training.defaults import DEFAULT_LAYERS, DEFAULT_LR
 from loramux.training.self_distill import Conversation
 
 __all__ = [
