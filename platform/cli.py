@@ -75,7 +75,7 @@ def cmd_generate(args, settings: Settings) -> int:
 def cmd_plan(args, settings: Settings) -> int:
     from loramux.model.config import ModelConfig
     from loramux.model.loader import read_model_config, resolve_model_dir
-    from loramux.plan import DTYPE_BYTES, fmt_bytes, kv_tokens_held, parse_bytes, plan_memory
+    from loramux.plan import DTYPE_BYTES, fmt_bytes, kv_tokens_held, parse_bytes, plan_memory, weight_bytes
 
     if args.config:
         cfg = ModelConfig.from_hf(json.loads(Path(args.config).read_text()))
@@ -94,6 +94,11 @@ def cmd_plan(args, settings: Settings) -> int:
     quantization = args.quantization or settings.quantization
     plan = plan_memory(cfg, DTYPE_BYTES[dtype], args.context_len, args.batch_size, pool, args.adapter_rank,
                        quantization, settings.block_size)
+    draft_cfg = None
+    if settings.draft_model:
+        draft_cfg, _ = read_model_config(resolve_model_dir(settings.draft_model, Path(settings.cache_dir)))
+        plan.draft_weights = weight_bytes(draft_cfg, DTYPE_BYTES[dtype], quantization)
+        plan.draft_kv = settings.draft_kv_cache_bytes
     held = kv_tokens_held(cfg, args.context_len, settings.block_size)
     print(f"model: {cfg.model_type}, {cfg.num_parameters() / 1e6:.1f}M parameters, {cfg.num_layers} layers, "
           f"{cfg.num_kv_heads} KV heads x {cfg.head_dim}, dtype {dtype}"
@@ -115,6 +120,12 @@ def cmd_plan(args, settings: Settings) -> int:
     print(f"               an adapter with a trained lm_head or embed_tokens (modules_to_save) holds "
           f"{fmt_bytes(plan.head_bytes)} more per head; trainable tokens and an embedding LoRA cost only their "
           "rows")
+    print(f"speculation    Medusa heads: {fmt_bytes(plan.medusa_bytes)} per set of 3 (the base model's, and each "
+          "adapter version's while its requests run)")
+    if draft_cfg is not None:
+        print(f"draft model    {fmt_bytes(plan.draft_weights + plan.draft_kv):>12}   ({draft_cfg.num_layers} layers: "
+              f"weights {fmt_bytes(plan.draft_weights)} + its own KV pool {fmt_bytes(plan.draft_kv)}, "
+              "LORAMUX_DRAFT_KV_CACHE_BYTES)")
     print(f"total          {fmt_bytes(plan.total):>12}")
     if args.memory:
         try:

@@ -35,6 +35,9 @@ class MemoryPlan:
     adapter_bytes: int  # one adapter of the planned rank on all 7 projections
     adapter_pool: int
     head_bytes: int = 0  # what a fully trained lm_head or embed_tokens (modules_to_save) adds to an adapter
+    medusa_bytes: int = 0  # one set of Medusa heads (3 by default), per base model or adapter version using one
+    draft_weights: int = 0  # a draft model's weights (LORAMUX_DRAFT_MODEL)
+    draft_kv: int = 0  # ... and its own paged KV pool (LORAMUX_DRAFT_KV_CACHE_BYTES)
 
     @property
     def adapters_fit(self) -> int:
@@ -43,7 +46,7 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_cache + self.adapter_pool
+        return self.weights + self.kv_cache + self.adapter_pool + self.draft_weights + self.draft_kv
 
 
 def weight_bytes(cfg: ModelConfig, dtype_bytes: int, quantization: str = "none") -> int:
@@ -88,4 +91,11 @@ def plan_memory(cfg: ModelConfig, dtype_bytes: int, context_len: int, batch_size
         adapter_bytes=per_slot,
         adapter_pool=adapter_pool,
         head_bytes=cfg.vocab_size * h * dtype_bytes,  # the device pool holds it whole (adapters/head_slots.py)
+        medusa_bytes=medusa_heads_bytes(cfg, dtype_bytes),
     )
+
+
+def medusa_heads_bytes(cfg: ModelConfig, dtype_bytes: int, num_heads: int = 3) -> int:
+    """Device bytes of one set of Medusa-1 heads: per head an H x H block and its bias (the LM head is shared)."""
+    h = cfg.hidden_size
+    return num_heads * (h * h + h) * dtype_bytes

@@ -8,7 +8,8 @@ import pytest
 
 from loramux.cli import main
 from loramux.model.config import ModelConfig
-from loramux.plan import parse_bytes, plan_memory
+from loramux.model.loader import read_model_config
+from loramux.plan import fmt_bytes, parse_bytes, plan_memory
 
 CONFIG = Path(__file__).parent / "data" / "llama2-7b-config.json"
 
@@ -90,3 +91,23 @@ def test_the_plan_names_the_family_and_caps_windowed_kv(tmp_path, capsys):
     cfg = ModelConfig.from_hf(json.loads((tmp_path / "mistral.json").read_text()))
     full = plan_memory(cfg, 2, 4096, 2, 0, 16, block_size=16)
     assert full.kv_cache == full.kv_per_token * (512 + 32) * 2
+
+
+def test_plan_counts_speculators(tmp_path, capsys, monkeypatch, tokenizer):
+    """Medusa heads per set, and a draft model's weights and its own KV pool in the total."""
+    from loramux.testing import save_tiny_hf_model
+
+    cfg = ModelConfig.from_hf(json.loads(CONFIG.read_text()))
+    assert plan_memory(cfg, 2, 4096, 8, 0, 16).medusa_bytes == 3 * (4096 * 4096 + 4096) * 2
+    draft = tmp_path / "draft"
+    save_tiny_hf_model(draft, vocab_size=len(tokenizer), tokenizer=tokenizer)
+    draft_cfg, _ = read_model_config(draft)
+    monkeypatch.setenv("LORAMUX_DRAFT_MODEL", str(draft))
+    monkeypatch.setenv("LORAMUX_DRAFT_KV_CACHE_BYTES", str(1024**2))
+    assert main(["plan", "--config", str(CONFIG), "--dtype", "bf16", "--adapter-pool", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "draft model" in out and "2 layers" in out and "Medusa heads: 96.0 MiB" in out
+    plan = plan_memory(cfg, 2, 4096, 16, 0, 16)
+    expected = plan.total + draft_cfg.num_parameters() * 2 + 1024**2
+    total = next(line for line in out.splitlines() if line.startswith("total"))
+    assert total.split(None, 1)[1].strip() == fmt_bytes(expected), (total, fmt_bytes(expected), fmt_bytes(plan.total))
