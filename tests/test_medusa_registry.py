@@ -3,7 +3,6 @@ path makes (the version's heads, else the base model's), refused uploads that le
 collection; the admin API and CLI over it; and the heads reaching the engine with each request."""
 from __future__ import annotations
 
-import inspect
 import json
 import pickle
 import threading
@@ -273,18 +272,18 @@ def test_garbage_collection(registries, tiny_cfg, tmp_path):
 # -- the admin API and the request path ------------------------------------------------------------------
 @pytest.fixture
 def app_client(database_url, tiny_dir, tokenizer, tmp_path):
-    """A TestClient of the whole app on the tiny model, its registry on SQLite or PostgreSQL; the LLMEngine's
-    add_request records the `medusa` it is given (and passes it on where the engine takes it)."""
+    """A TestClient of the whole app on the tiny model (speculating with Medusa heads only), its registry on
+    SQLite or PostgreSQL; the LLMEngine's add_request records the `medusa` it is given."""
     seen: list = []
 
     def factory():
-        engine = make_engine(tiny_dir, tokenizer, max_loras=2, max_lora_rank=8)
+        engine = make_engine(tiny_dir, tokenizer, max_loras=2, max_lora_rank=8, speculative_tokens=2,
+                             speculative_methods="medusa", speculative_max_batch=64)
         original = engine.add_request
-        takes_medusa = "medusa" in inspect.signature(original).parameters
 
         def add_request(*args, medusa=None, **kwargs):
             seen.append(medusa)
-            return original(*args, **kwargs, **({"medusa": medusa} if takes_medusa else {}))
+            return original(*args, **kwargs, medusa=medusa)
 
         engine.add_request = add_request
         return make_services(tmp_path, engine, admin_key=ADMIN_KEY, database_url=database_url,
@@ -314,10 +313,13 @@ def post_adapter(client, tenant_id: str, name: str, path: Path):
 
 
 def complete(client, key: str, model: str):
-    resp = client.post("/v1/completions", json={"model": model, "prompt": "hello", "max_tokens": 2},
+    resp = client.post("/v1/completions", json={"model": model, "prompt": "hello", "max_tokens": 3},
                        headers={"Authorization": f"Bearer {key}"})
     assert resp.status_code == 200, resp.text
     medusa = client.seen[-1]
+    # The engine speculated with the heads it was given: the response reports their drafts.
+    proposed = resp.json()["loramux"].get("speculation", {}).get("medusa", {}).get("proposed", 0)
+    assert (proposed > 0) == (medusa is not None), resp.json()["loramux"]
     return medusa.digest if medusa is not None else None
 
 

@@ -16,7 +16,7 @@ from loramux.histogram import DurationHistogram
 from loramux.server.http.logs import NOISY_LOGGERS, JsonFormatter, configure_logging, request_id_var
 from loramux.server.serving.metrics import CACHE_TIERS, LORA_INFO, LORA_INFO_LABELS, OUTCOMES, ServerMetrics
 
-ALLOWED_LABELS = {"tier", "outcome", "kind", "cache_tier", "le"}
+ALLOWED_LABELS = {"tier", "outcome", "kind", "cache_tier", "le", "method"}
 
 
 def samples(metrics: ServerMetrics) -> list:
@@ -486,3 +486,17 @@ def test_configure_logging_is_idempotent(capsys):
         root.setLevel(saved_level)
         for name, level in saved_noisy.items():
             logging.getLogger(name).setLevel(level)
+
+
+def test_speculation_counters_per_method():
+    state = {"speculation": {"ngram": {"proposed": 40, "accepted": 10, "verifications": 12},
+                             "medusa": {"proposed": 30, "accepted": 21, "verifications": 10},
+                             "draft": {"proposed": 0, "accepted": 0, "verifications": 0},
+                             "eagle": {"proposed": 5, "accepted": 5, "verifications": 1}}}
+    m = ServerMetrics()
+    m.set_state_source(lambda: state)
+    assert value(m, "loramux_spec_proposed_tokens_total", method="medusa") == 30
+    assert value(m, "loramux_spec_accepted_tokens_total", method="medusa") == 21
+    assert value(m, "loramux_spec_verifications_total", method="ngram") == 12
+    assert value(m, "loramux_spec_accepted_tokens_total", method="draft") == 0
+    assert value(m, "loramux_spec_proposed_tokens_total", method="eagle") is None  # fixed label set

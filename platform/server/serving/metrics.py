@@ -36,6 +36,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from loramux.engine.spec_policy import METHODS
+
 log = logging.getLogger(__name__)
 
 OTHER = "other"
@@ -275,7 +277,8 @@ def _speculation_families(spec) -> list[Metric]:
     verifications = CounterMetricFamily("loramux_spec_verifications", "Drafts verified, per speculative method.",
                                         labels=["method"])
     if isinstance(spec, Mapping):
-        for method, counts in sorted(spec.items()):
+        for method in METHODS:  # a fixed label set, whatever the source holds
+            counts = spec.get(method)
             if not isinstance(counts, Mapping):
                 continue
             for family, key in ((proposed, "proposed"), (accepted, "accepted"), (verifications, "verifications")):
