@@ -70,9 +70,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--full", action="store_true", help="all 8 prompts, 3 rounds, and the batch sweep with its plot")
     ap.add_argument("--no-draft", action="store_true", help="leave the draft model out")
     ap.add_argument("--no-adapter", action="store_true", help="leave the adapter's heads out")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 1 prompt, 8 tokens, 1 round, Medusa only")
     args = ap.parse_args(argv)
     if args.full:
         args.prompts, args.rounds = len(CHAT), 3
+    if args.quick:
+        args.prompts, args.rounds, args.new_tokens, args.no_draft, args.no_adapter = 1, 1, 8, True, True
     torch.set_num_threads(args.threads)
 
     from loramux.adapters.medusa_format import load_medusa_dir

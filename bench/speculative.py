@@ -1,5 +1,8 @@
-"""Speculative decoding by prompt lookup at batch 1: loramux with and without it, and HF's
-`generate(prompt_lookup_num_tokens=K)` against plain greedy `generate`, on the same prompts.
+"""Speculative decoding at batch 1. First (unless --lookup-only) bench/spec_methods.py: Medusa heads, the
+distilled draft model, an adapter's own heads and adaptive speculation at 16 streams, on chat prompts (its
+FIGUREs: medusa_speedup_b1, draft_speedup_b1, medusa_adapter_speedup_b1, spec_b16_on_vs_off; options it
+does not know here pass through to it, e.g. --no-draft). Then prompt lookup: loramux with and without it, and
+HF's `generate(prompt_lookup_num_tokens=K)` against plain greedy `generate`, on the same prompts.
 
 Workload: summarisation / extraction chat prompts (a paragraph or two of text, then an instruction:
 summarise quoting the key sentences, list the names, explain the code, ...), the kind of request
@@ -20,10 +23,12 @@ HF: the same weights (float32), the same token ids, the same torch threads; `gen
 and without `prompt_lookup_num_tokens=K` (HF's other prompt-lookup setting, max_matching_ngram_size,
 left at its default).
 
-Default run (about 4 minutes on a quiet 2-vCPU machine): loramux without speculation and at the default K
-only, all prompts, 3 rounds; the warm-up runs every configuration once on one prompt. `--full` is the long
-sweep of docs/performance.md (about 18-23 minutes): K in 2,3,4,5,8, HF `generate` with and without prompt
-lookup (`--hf` adds the HF rows to any run), and a warm-up pass of every configuration over every prompt.
+Default run (with spec_methods' default, about 5 minutes on a quiet 2-vCPU machine once its speculators are
+made and cached): loramux without speculation and at the default K only, the first 4 prompts, 2 rounds; the
+warm-up runs every configuration once on one prompt. `--full` is the long
+sweep of docs/performance.md (about 18-23 minutes for prompt lookup): all 8 prompts, 3 rounds, K in
+2,3,4,5,8, HF `generate` with and without prompt lookup (`--hf` adds the HF rows to any run), and a warm-up
+pass of every configuration over every prompt.
 Within a round each prompt runs under every configuration in turn (the order rotates per round and prompt).
 The reported tok/s of a configuration is all its tokens / the sum over prompts of that prompt's median time
 over the rounds (each round's own tok/s is printed too): on a shared 2-vCPU machine another job can slow one
@@ -200,8 +205,8 @@ def main() -> None:
                     help="K behind the FIGURE (default: the engine's default, Settings().speculative_tokens)")
     ap.add_argument("--hf-ks", default=None, help="HF prompt_lookup_num_tokens values (default: the default K)")
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="use the first N prompts")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=4, help="use the first N prompts (--full: all 8)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--hf", action="store_true", help="add HF generate with and without prompt lookup")
     ap.add_argument("--skip-hf", action="store_true", help="no HF rows, even with --full or --quick")
@@ -210,11 +215,21 @@ def main() -> None:
     ap.add_argument("--full", action="store_true",
                     help="the long sweep: K in 2,3,4,5,8, the HF rows, the full warm-up pass (about 20 minutes)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 prompts, 16 tokens, K=4, HF, 1 round")
-    args = ap.parse_args()
+    ap.add_argument("--lookup-only", action="store_true",
+                    help="only prompt lookup (else bench/spec_methods.py's Medusa / draft comparison runs first)")
+    args, rest = ap.parse_known_args()
+    if not args.lookup_only:
+        import spec_methods
+
+        spec_methods.main(rest + (["--quick"] if args.quick else []) + (["--full"] if args.full else []))
+        print(flush=True)
+    elif rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.quick:
         args.ks, args.new_tokens, args.rounds, args.prompts, args.hf = "4", 16, 1, 2, True
     if args.full:
         args.ks, args.hf, args.full_warmup = args.ks or "2,3,4,5,8", True, True
+        args.prompts, args.rounds = len(PROMPTS), 3
     torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
 

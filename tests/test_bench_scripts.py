@@ -71,12 +71,15 @@ def test_prefix_cache_bench_quick_run_reports_ratio():
 
 @pytest.mark.real_model
 def test_speculative_bench_quick_run_reports_figure():
-    """Smoke mode: 2 summarisation prompts, 16 tokens, K=4, one round, loramux and HF prompt lookup."""
+    """Smoke mode: Medusa on one chat prompt and 16 adaptive streams, then 2 summarisation prompts, 16 tokens,
+    K=4, one round, loramux and HF prompt lookup."""
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "speculative.py"), "--quick"], capture_output=True,
                           text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "ENGINE BUG" not in out and "HF lookup K=4" in out and "loramux K=4" in out, out
+    figures = dict(line.split()[1:] for line in out.splitlines() if line.startswith("FIGURE "))
+    assert float(figures["medusa_speedup_b1"]) > 0 and float(figures["spec_b16_on_vs_off"]) > 0, out
     last = out.strip().splitlines()[-1]
     assert last.startswith("FIGURE spec_speedup "), out
     assert float(last.split()[-1]) > 0
