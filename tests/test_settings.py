@@ -56,10 +56,11 @@ def test_every_engine_config_field_named_like_a_setting_takes_its_value_from_it(
     assert {f.name for f in dataclasses.fields(EngineConfig)} - {f.name for f in shared} == {"num_blocks",
                                                                                           "async_adapter_loads"}
     unlike = {}  # a value for each shared field that differs from the engine's default, so a copy shows
+    strings = {"lora_impl": "torch", "speculative_methods": "medusa"}  # a valid value of each text setting
     for f in shared:
         default = f.default
         unlike[f.name] = {bool: lambda v: not v, int: lambda v: v + 3, float: lambda v: v + 0.5,
-                          str: lambda v: "torch" if v != "torch" else "triton"}[type(default)](default)
+                          str: lambda v: strings[f.name]}[type(default)](default)
     config = EngineConfig.from_settings(Settings(**unlike))
     assert {name: getattr(config, name) for name in unlike} == unlike
     # The engine's own knobs keep their defaults.
