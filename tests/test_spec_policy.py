@@ -66,3 +66,14 @@ def test_methods_setting_is_checked():
     assert parse_methods(" medusa, ngram ") == ("medusa", "ngram")
     with pytest.raises(ValueError, match="unknown speculative method 'eagle'"):
         parse_methods("ngram,eagle")
+
+
+def test_draft_length_follows_acceptance():
+    stats = AcceptanceStats()
+    for _ in range(100):
+        stats.record("sure", "medusa", 4, 4)
+        stats.record("unsure", "medusa", 4, 1)  # p = 1/2: later drafts rarely survive
+    policy = SpecPolicy(lambda w: 0.038 + 0.004 * w.tokens, stats)
+    assert policy.choose([Candidate("a", "sure", 10, {"medusa": 4})]) == {"a": ("medusa", 4)}
+    method, length = policy.choose([Candidate("b", "unsure", 10, {"medusa": 4})])["b"]
+    assert method == "medusa" and 1 <= length < 4

@@ -97,6 +97,19 @@ class SpecPolicy:
         self.margin = margin
         self.draft_seconds_per_token = 0.0  # measured cost of a draft model per drafted position (EMA)
 
+    def _best_length(self, row: Candidate, method: str, k_max: int) -> tuple[float, str, int]:
+        """(expected accepted tokens, method, draft length) of the length that maximises the row's own tokens per
+        second (a long draft of a low-acceptance method costs verification rows it rarely gains from); the
+        full length without a cost model."""
+        p = self.stats.p(row.adapter, method)
+        if self.predict is None:
+            return expected_tokens(p, k_max), method, k_max
+        extra = self.draft_seconds_per_token if method == "draft" else 0.0
+        rates = [((1 + expected_tokens(p, k)) / max(self.predict(_one_row(row.context, k)) + k * extra, 1e-9), k)
+                 for k in range(1, k_max + 1)]
+        _, k = max(rates)
+        return expected_tokens(p, k), method, k
+
     def observe_draft_cost(self, tokens: int, seconds: float) -> None:
         """Fold one draft-model call (`tokens` draft positions for its rows, wall seconds) into its cost."""
         if tokens > 0 and seconds >= 0:
@@ -109,7 +122,7 @@ class SpecPolicy:
         plainly. `plain_rows`: decoding rows with no candidate at all (they still share the step)."""
         best = []
         for row in rows:
-            options = [(expected_tokens(self.stats.p(row.adapter, m), k), m, k) for m, k in row.drafts.items() if k > 0]
+            options = [self._best_length(row, m, k) for m, k in row.drafts.items() if k > 0]
             if options:
                 gain, method, k = max(options, key=lambda o: o[0])
                 best.append((gain, method, k, row))
@@ -141,6 +154,12 @@ class SpecPolicy:
             if rate > best_rate:
                 best_rate, best_n = rate, len(chosen)
         return dict(chosen[:best_n])
+
+
+def _one_row(context: int, k: int) -> StepWork:
+    work = StepWork()
+    work.add(1 + k, context)
+    return work
 
 
 def _extra_attended(k: int, context: int) -> float:

@@ -104,11 +104,11 @@ class Speculator:
         chosen = self.policy.choose([c for _, _, c in candidates], plain) if candidates else {}
         for seq, drafts, _ in candidates:
             if seq in chosen:
-                method, _ = chosen[seq]
+                method, k = chosen[seq]
                 seq.spec_method = method
                 if method != "draft":
-                    seq.draft_token_ids = list(drafts[method])
-        self._run_draft_model([seq for seq in chosen if seq.spec_method == "draft"], constraint_of)
+                    seq.draft_token_ids = list(drafts[method])[:k]
+        self._run_draft_model({seq: k for seq, (method, k) in chosen.items() if method == "draft"}, constraint_of)
         self._want_medusa(decoding, prefilling, medusa_capable, heads_of)
 
     def _room(self, seq: Sequence) -> int:
@@ -124,12 +124,13 @@ class Speculator:
         return max(0, min(self.num_tokens, p.max_tokens - len(seq.output_token_ids),
                           self.max_model_len - seq.num_tokens - 1))
 
-    def _run_draft_model(self, seqs: list[Sequence], constraint_of) -> None:
+    def _run_draft_model(self, seqs: dict[Sequence, int], constraint_of) -> None:
+        """Drafts of the rows that chose the draft model ({seq: length}), in one batched proposal."""
         if not seqs:
             return
-        k = max(self._room(seq) for seq in seqs)
+        k = max(seqs.values())
         t0 = time.perf_counter()
-        drafts = self.draft.propose([(seq.request_id, seq.token_ids, self._room(seq)) for seq in seqs])
+        drafts = self.draft.propose([(seq.request_id, seq.token_ids, n) for seq, n in seqs.items()])
         self.policy.observe_draft_cost(k, time.perf_counter() - t0)
         for seq in seqs:
             draft = drafts.get(seq.request_id, [])
