@@ -147,7 +147,7 @@ def load_medusa_dir(path: Path | str, hidden_size: int) -> MedusaHeadsWeights:
 
 def save_medusa_dir(path: Path | str, blocks: list[tuple[torch.Tensor, torch.Tensor]], *,
                     base_model: str | None = None, adapter: str | None = None, extra: dict | None = None) -> Path:
-    """Write heads as `medusa_config.json` + `medusa_heads.safetensors` (float32)."""
+    """Write heads as `medusa_config.json` + `medusa_heads.safetensors`, in the blocks' own dtype."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -155,8 +155,8 @@ def save_medusa_dir(path: Path | str, blocks: list[tuple[torch.Tensor, torch.Ten
     hidden = blocks[0][0].shape[0]
     tensors = {}
     for i, (w, b) in enumerate(blocks):
-        tensors[f"medusa_head.{i}.0.linear.weight"] = w.detach().float().contiguous().cpu()
-        tensors[f"medusa_head.{i}.0.linear.bias"] = b.detach().float().contiguous().cpu()
+        tensors[f"medusa_head.{i}.0.linear.weight"] = w.detach().contiguous().cpu()
+        tensors[f"medusa_head.{i}.0.linear.bias"] = b.detach().contiguous().cpu()
     save_file(tensors, str(path / MEDUSA_WEIGHTS))
     config = {"format": MEDUSA_FORMAT, "num_heads": len(blocks), "hidden_size": hidden,
               "base_model_name_or_path": base_model, "adapter": adapter, **(extra or {})}
