@@ -178,7 +178,7 @@ def test_request_heads_are_held_while_used_and_checked(small_vocab, tokenizer, t
 def test_sampling_with_medusa_keeps_the_model_distribution(small_vocab, tokenizer):
     """Heads proposing at every step: the joint distribution of two sampled tokens is the model's own
     p(t1) p(t2 | t1)."""
-    from test_speculative import _chi_square_p
+    from test_speculative import _chi_square_p, two_token_joint
     from transformers import AutoModelForCausalLM
 
     path, heads, _, _ = small_vocab
@@ -186,11 +186,7 @@ def test_sampling_with_medusa_keeps_the_model_distribution(small_vocab, tokenize
     prompt = [3, 4, 5, 6, 7]
 
     def joint_at(t: float) -> torch.Tensor:
-        with torch.no_grad():
-            p1 = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1] / t, -1)
-            p2 = torch.stack([torch.softmax(hf(torch.tensor([prompt + [x]])).logits[0, -1] / t, -1)
-                              for x in range(16)])
-        return (p1[:, None] * p2).flatten().double()
+        return two_token_joint(hf, prompt, t)
 
     engine = make_engine(path, tokenizer, speculative_tokens=2, speculative_methods="medusa", max_num_seqs=64,
                          num_blocks=512)

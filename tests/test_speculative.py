@@ -68,6 +68,15 @@ def _chi_square_p(observed: torch.Tensor, expected_probs: torch.Tensor) -> float
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat.double() / 2))
 
 
+def two_token_joint(hf, prompt: list[int], temperature: float) -> torch.Tensor:
+    """The exact joint distribution p(t1) p(t2 | t1) of a 16-token HF model's next two tokens, flattened."""
+    with torch.no_grad():
+        p1 = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1] / temperature, -1)
+        p2 = torch.stack([torch.softmax(hf(torch.tensor([prompt + [x]])).logits[0, -1] / temperature, -1)
+                          for x in range(16)])
+    return (p1[:, None] * p2).flatten().double()
+
+
 def test_sampling_keeps_the_model_distribution(tmp_path, tokenizer):
     """A 16-token vocabulary model: the joint distribution of the first two sampled tokens, with drafts
     proposed at every step, equals the model's exact p(t1) p(t2 | t1)."""
@@ -88,11 +97,7 @@ def test_sampling_keeps_the_model_distribution(tmp_path, tokenizer):
     temperature = 1.0
 
     def joint_at(t: float) -> torch.Tensor:
-        with torch.no_grad():
-            p1 = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1] / t, -1)
-            p2 = torch.stack([torch.softmax(hf(torch.tensor([prompt + [x]])).logits[0, -1] / t, -1)
-                              for x in range(16)])
-        return (p1[:, None] * p2).flatten().double()
+        return two_token_joint(hf, prompt, t)
 
     joint = joint_at(temperature)
 
