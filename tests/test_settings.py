@@ -59,8 +59,8 @@ def test_every_engine_config_field_named_like_a_setting_takes_its_value_from_it(
     strings = {"lora_impl": "torch", "speculative_methods": "medusa"}  # a valid value of each text setting
     for f in shared:
         default = f.default
-        unlike[f.name] = {bool: lambda v: not v, int: lambda v: v + 3, float: lambda v: v + 0.5,
-                          str: lambda v: strings[f.name]}[type(default)](default)
+        unlike[f.name] = strings[f.name] if isinstance(default, str) else \
+            {bool: lambda v: not v, int: lambda v: v + 3, float: lambda v: v + 0.5}[type(default)](default)
     config = EngineConfig.from_settings(Settings(**unlike))
     assert {name: getattr(config, name) for name in unlike} == unlike
     # The engine's own knobs keep their defaults.
