@@ -121,7 +121,8 @@ class GenerationParams(RequestBody):
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
     timeout_s: float | None = Field(default=None, gt=0, le=86_400, description="default: the tier's")
-    speculative: bool = Field(default=True, description="allow prompt-lookup speculation (same outputs)")
+    speculative: bool = Field(default=True, description="allow speculative decoding (prompt lookup, Medusa heads, "
+                                                        "a draft model): the same outputs")
     logit_bias: LogitBias | None = Field(
         default=None, description='token id (a string of an integer) -> bias in [-100, 100] added to its logit '
                                   'before sampling; -100 bans a token, +100 all but forces it')
