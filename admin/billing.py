@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import date, datetime, timezone
 from decimal import Decimal
 
-from sqlalchemy import Boolean, Float, Integer, String, Text, func, select
+from sqlalchemy import JSON, Boolean, Float, Integer, String, Text, func, select
 from sqlalchemy.sql.elements import ColumnElement
 
 from loramux.db import Database, LedgerEntry
@@ -236,7 +236,7 @@ def _money_text(value: Decimal) -> str:
 def _kind(column) -> str:
     t = column.type
     for kind, types in (("money", (Money,)), ("time", (UTCDateTime,)), ("bool", (Boolean,)),
-                        ("float", (Float,)), ("int", (Integer,)), ("str", (String, Text))):
+                        ("float", (Float,)), ("int", (Integer,)), ("str", (String, Text)), ("json", (JSON,))):
         if isinstance(t, types):
             return kind
     raise TypeError(f"billing export does not know how to write ledger column {column.name} ({t!r})")
@@ -244,16 +244,19 @@ def _kind(column) -> str:
 
 _KINDS = [_kind(c) for c in _COLUMNS]  # at import: a new ledger column of an unknown type fails loudly
 
+# A JSON column (a composition) is compact JSON text in CSV and Parquet, the value itself in JSON lines.
 _TEXT: dict[str, Callable] = {"money": _money_text, "time": _iso, "bool": lambda v: "true" if v else "false",
-                              "float": lambda v: v, "int": lambda v: v, "str": lambda v: v}
-_JSON: dict[str, Callable] = {**_TEXT, "bool": bool}
+                              "float": lambda v: v, "int": lambda v: v, "str": lambda v: v,
+                              "json": lambda v: json.dumps(v, separators=(",", ":"), sort_keys=True)}
+_JSON: dict[str, Callable] = {**_TEXT, "bool": bool, "json": lambda v: v}
 
 
 def _arrow_schema():
     import pyarrow as pa
 
     types = {"money": pa.decimal128(_MONEY_PRECISION, _MONEY_DECIMALS), "time": pa.timestamp("us", tz="UTC"),
-             "bool": pa.bool_(), "float": pa.float64(), "int": pa.int64(), "str": pa.string()}
+             "bool": pa.bool_(), "float": pa.float64(), "int": pa.int64(), "str": pa.string(),
+             "json": pa.string()}
     return pa.schema([pa.field(c.name, types[k], nullable=bool(c.nullable)) for c, k in zip(_COLUMNS, _KINDS)])
 
 
@@ -344,7 +347,8 @@ def _parquet(batches: Iterator[list]) -> Iterator[bytes]:
     writer = pq.ParquetWriter(sink, schema)
     try:
         for rows in batches:
-            columns = list(zip(*rows))
+            columns = [col if kind != "json" else [None if v is None else _TEXT["json"](v) for v in col]
+                       for col, kind in zip(zip(*rows), _KINDS)]
             table = pa.Table.from_arrays([pa.array(col, type=field.type) for col, field in zip(columns, schema)],
                                          schema=schema)
             writer.write_table(table, row_group_size=max(1, len(rows)))  # one batch, one row group

@@ -2,7 +2,8 @@
 exactly once and never lost, even by kill -9.
 
 `write_records` prices records and inserts them in one transaction with INSERT ... ON CONFLICT
-(request_id) DO NOTHING, so writing a record again is harmless.
+(request_id, part) DO NOTHING, so writing a record again is harmless (`part` tells apart the rows of one
+request: a fan-out bills each adapter on its own row).
 
 `LedgerWriter` is the request path's hook. `submit(record)` never blocks and never raises: it checks and
 encodes the record, queues its line for the write-ahead log (`ledger_wal`: JSON lines in the data dir)
@@ -76,14 +77,14 @@ class LedgerBacklogError(OSError):
 def write_records(db: Database, records: Sequence[RequestRecord],
                   prices: Sequence[PriceInfo] | None = None) -> tuple[int, int]:
     """Price each record at its own `created_at` (with `prices`, or the price table read in the same
-    transaction when None) and insert the rows in one transaction; rows whose request_id is already in
-    the ledger (or earlier in `records`) are skipped. Returns (inserted, duplicates)."""
+    transaction when None) and insert the rows in one transaction; rows whose (request_id, part) is already
+    in the ledger (or earlier in `records`) are skipped. Returns (inserted, duplicates)."""
     records = list(records)
     for record in records:
         check_record(record)
     if not records:
         return 0, 0
-    unique = list({r.request_id: r for r in reversed(records)}.values())  # the first of each request id
+    unique = list({(r.request_id, r.part): r for r in reversed(records)}.values())  # the first of each key
     dialect = db.engine.dialect.name
     if dialect == "postgresql":
         insert = pg_insert
@@ -92,7 +93,7 @@ def write_records(db: Database, records: Sequence[RequestRecord],
     else:
         raise NotImplementedError(f"the ledger supports PostgreSQL and SQLite, not {dialect}")
     # executemany without RETURNING: psycopg pipelines it and sums the row counts, sqlite3 sums them too.
-    stmt = insert(_TABLE).on_conflict_do_nothing(index_elements=["request_id"]).execution_options(
+    stmt = insert(_TABLE).on_conflict_do_nothing(index_elements=["request_id", "part"]).execution_options(
         preserve_rowcount=True)
     with db.session() as session:
         if prices is None:

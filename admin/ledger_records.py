@@ -28,7 +28,7 @@ _ZERO = Money.SCALE * 0
 _STRINGS = {c.name: c.type.length for c in LedgerEntry.__table__.columns if isinstance(c.type, String)}
 _NULLABLE = frozenset(c.name for c in LedgerEntry.__table__.columns if c.nullable)
 _RECORD_FIELDS = [f.name for f in fields(RequestRecord)]
-_INTS = ("prompt_tokens", "cached_tokens", "completion_tokens", "adapter_version")
+_INTS = ("prompt_tokens", "cached_tokens", "completion_tokens", "adapter_version", "part")
 
 
 class LedgerRecordError(ValueError):
@@ -70,6 +70,10 @@ def check_record(record) -> None:
             raise bad(f"{name} must be a finite number, got {value!r}")
     if not isinstance(record.fallback, bool):
         raise bad("fallback must be a bool")
+    if record.composition is not None and not (
+            isinstance(record.composition, list) and record.composition
+            and all(isinstance(c, dict) for c in record.composition)):
+        raise bad("composition must be None or a non-empty list of objects")
     if not isinstance(record.created_at, datetime) or record.created_at.utcoffset() is None:
         raise bad("created_at must be a timezone-aware datetime")
 
@@ -88,7 +92,8 @@ def ledger_row(record: RequestRecord, prices: Sequence[PriceInfo]) -> dict:
         cached_input_per_mtok=price.cached_input_per_mtok if price else _ZERO,
         output_per_mtok=price.output_per_mtok if price else _ZERO,
         cost=cost_of(record.prompt_tokens, record.cached_tokens, record.completion_tokens, price),
-        created_at=record.created_at, end_user=record.end_user, replica=record.replica)
+        created_at=record.created_at, end_user=record.end_user, replica=record.replica, part=record.part,
+        composition=record.composition)
 
 
 def short_error(exc: BaseException) -> str:

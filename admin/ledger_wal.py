@@ -12,7 +12,7 @@ segment's directory entry is fsync'd before anything is written to it. Trimming 
 yet in SQL: a sealed segment is unlinked only when every line of it is before the SQL cursor; the active
 one is truncated to empty only when every line of it is (under the append lock, so no write is in flight).
 Neither needs an fsync: if a crash undoes an unlink or a truncation, the lines come back and are replayed
-as duplicates, which the ledger's ON CONFLICT (request_id) DO NOTHING skips. A line cut short by a crash
+as duplicates, which the ledger's ON CONFLICT (request_id, part) DO NOTHING skips. A line cut short by a crash
 (the process died inside `write`, before the fsync, so it was never acknowledged) is ended with a newline
 when the log is reopened and then refused as unreadable.
 

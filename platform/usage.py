@@ -32,6 +32,9 @@ class RequestRecord:
     created_at: datetime = field(default_factory=utcnow)
     end_user: str | None = None  # the client's own id of its end user (OpenAI's `user`), at most 256 characters
     replica: str | None = None  # the engine replica that served it (scale-out); None in a single process
+    part: int = 0  # which part of its request this row bills: a fan-out's adapter index, else 0
+    # A request that combined adapters with weights: [{"adapter_id", "version", "digest", "weight"}, ...].
+    composition: list[dict] | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)

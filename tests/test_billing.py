@@ -45,7 +45,12 @@ def entry(n: int, tenant: str, adapter: str | None, outcome: str, created_at: da
         "cached_tokens": cached, "completion_tokens": completion, "queue_ms": None if n % 3 else 1.5,
         "ttft_ms": 12.25, "total_ms": 250.0 + n, "price_id": None if n % 5 == 0 else 1,
         "input_per_mtok": Decimal("0.150000000001"), "cached_input_per_mtok": Decimal("0.075"),
-        "output_per_mtok": Decimal("0.6"), "cost": Decimal(cost), "created_at": created_at}
+        "output_per_mtok": Decimal("0.6"), "cost": Decimal(cost), "created_at": created_at,
+        "composition": COMPOSITION if n == 2 else None}
+
+
+COMPOSITION = [{"adapter_id": "ad_1", "version": 1, "digest": "d1", "weight": 0.7},
+               {"adapter_id": "ad_2", "version": 3, "digest": "d2", "weight": 0.3}]
 
 
 ROWS = [
@@ -209,6 +214,9 @@ def test_export_parses_back_to_the_summary(database, fmt):
         else:
             for k in ("adapter_id", "adapter_version", "fallback", "queue_ms", "ttft_ms", "total_ms", "price_id"):
                 assert got[k] == row[k], k
+        # A composition is the JSON value in JSON lines, compact JSON text in CSV and Parquet.
+        composition = got["composition"] if fmt == "jsonl" else json.loads(got["composition"] or "null")
+        assert composition == row["composition"]
     if fmt == "parquet":
         schema = pq.read_schema(io.BytesIO(b"".join(export(database, fmt))))
         for k in MONEY_COLUMNS:

@@ -228,6 +228,25 @@ def test_unpriced_requests_cost_zero_and_replays_write_nothing(database):
     assert row_count(database) == 21
 
 
+def test_parts_of_one_request_are_rows_of_their_own_each_written_once(database):
+    """A fan-out bills each adapter on its own row under one request id: idempotent on (request_id, part)."""
+    from dataclasses import replace
+
+    parts = [replace(record("fan", completion=3 + p), part=p) for p in range(3)]
+    composed = replace(record("mix"), composition=[{"adapter_id": "ad_1", "version": 1, "digest": "d1",
+                                                    "weight": 0.7}])
+    assert write_records(database, parts + [composed]) == (4, 0)
+    assert write_records(database, parts + parts[:1]) == (0, 4)
+    rows = [r for r in ledger_rows(database) if r.request_id == "req-fan"]
+    assert sorted((r.part, r.completion_tokens) for r in rows) == [(0, 3), (1, 4), (2, 5)]
+    mixed = next(r for r in ledger_rows(database) if r.request_id == "req-mix")
+    assert (mixed.part, mixed.composition) == (0, composed.composition)
+    with pytest.raises(ValueError, match="part must be an int"):
+        write_records(database, [replace(record("bad"), part=-1)])
+    with pytest.raises(ValueError, match="composition must be"):
+        write_records(database, [replace(record("bad"), composition=[])])
+
+
 def test_writer_from_many_threads_writes_each_request_exactly_once(database, tmp_path):
     PriceBook(database).set_price(MODEL, "0.15", "0.075", "0.6", effective_from=T0)
     records = [record(i, prompt=i * 7 % 900 + 50, cached=i % 50, completion=i % 300) for i in range(500)]

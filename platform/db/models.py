@@ -96,6 +96,7 @@ class Tier(Base):
     max_concurrent: Mapped[int] = mapped_column(Integer, default=0)
     default_timeout_s: Mapped[float] = mapped_column(Float)
     max_timeout_s: Mapped[float] = mapped_column(Float)
+    max_fanout: Mapped[int] = mapped_column(Integer, default=8, server_default="8")  # adapters per fan-out
     max_choices: Mapped[int] = mapped_column(Integer, default=8, server_default="8")  # OpenAI's `n`, at most
     # Trained heads / embeddings in its tenants' uploads, in bytes; 0 = only the server's limit.
     max_adapter_head_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
@@ -171,6 +172,9 @@ class AdapterVersion(Base):
     base_family: Mapped[str | None] = mapped_column(String(32), nullable=True, default=None)
     # What the adapter changes, as validation found it (adapters/summary.py); NULL before 0010.
     summary: Mapped[dict | None] = mapped_column(JSON, nullable=True, default=None)
+    # A version made by a merge: {"method", "parameters", "components": [{"adapter_id", "version", "digest",
+    # "weight"}]}; NULL for an upload (and before 0013).
+    provenance: Mapped[dict | None] = mapped_column(JSON, nullable=True, default=None)
     status: Mapped[str] = mapped_column(String(16), default="ready")  # ready | deleted
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
@@ -272,15 +276,18 @@ class Price(Base):
 
 
 class LedgerEntry(Base):
-    """One finished request and what it cost. Written once (idempotent on request_id)."""
+    """One finished request (or one part of it: a fan-out bills each adapter on its own row) and what it
+    cost. Written once (idempotent on (request_id, part))."""
 
     __tablename__ = "ledger"
     __table_args__ = (Index("ix_ledger_tenant_created", "tenant_id", "created_at"),
-                      Index("ix_ledger_created", "created_at"))
+                      Index("ix_ledger_created", "created_at"),
+                      UniqueConstraint("request_id", "part", name="uq_ledger_request_part"))
 
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
                                     autoincrement=True)
-    request_id: Mapped[str] = mapped_column(String(64), unique=True)
+    request_id: Mapped[str] = mapped_column(String(64))
+    part: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # fan-out: 0..N-1, else 0
     tenant_id: Mapped[str] = mapped_column(String(32))
     key_id: Mapped[str] = mapped_column(String(32))
     model: Mapped[str] = mapped_column(String(200))
@@ -305,3 +312,5 @@ class LedgerEntry(Base):
     end_user: Mapped[str | None] = mapped_column(String(256), nullable=True)
     # The engine replica that served the request (scale-out on Ray Serve); None in a single process.
     replica: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # A request that combined adapters with weights: [{"adapter_id", "version", "digest", "weight"}, ...].
+    composition: Mapped[list | None] = mapped_column(JSON, nullable=True, default=None)
