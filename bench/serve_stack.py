@@ -5,10 +5,11 @@ shares the server's GIL.
 (SQLite registry and file store in D, the embedded SmolLM2-135M-Instruct, float32 on CPU, max_loras and
 max_lora_rank from the command line), registers every PEFT directory under A as a public adapter of tenant `acme`
 (the same directories vLLM gets as --lora-modules), creates one tenant with an API key per tier (free, standard,
-premium) and lifts those tiers' request, token and concurrency limits (0 = unlimited; priorities and timeouts
-stay), so that a sweep measures the engine and not the rate limiter. The process is pinned to the first `--threads`
-cores it may run on, as bench/vllm_peer.py pins vLLM. It prints one JSON line on stdout once
-uvicorn is up, {"url", "keys", "base_model", "adapters", "settings"}, and serves until SIGTERM / SIGINT.
+premium; and a second standard one, key "standard-2") and lifts those tiers' request, token and concurrency
+limits (0 = unlimited; priorities and timeouts stay), so that a sweep measures the engine and not the rate
+limiter. The process is pinned to the first `--threads` cores it may run on, as bench/vllm_peer.py pins vLLM.
+It prints one JSON line on stdout once uvicorn is up, {"url", "keys", "base_model", "adapters", "settings"}, and
+serves until SIGTERM / SIGINT.
 
 `LoramuxServer` is the other side: it starts that process in its own process group, waits for the JSON line
 (no fixed sleeps) and stops the whole group on exit.
@@ -49,6 +50,8 @@ def setup_tenants(services, adapters_dir: Path) -> tuple[dict[str, str], list[st
         tenancy.upsert_tier(replace(tenancy.tier(tier), requests_per_min=0, tokens_per_min=0, max_concurrent=0))
         tenancy.create_tenant(f"{tier}-co", tier=tier)
         keys[tier] = tenancy.create_key(f"{tier}-co")[1]
+    tenancy.create_tenant("standard-co-2", tier="standard")  # a second tenant of one tier (bench/fairness.py)
+    keys["standard-2"] = tenancy.create_key("standard-co-2")[1]
     return keys, adapters
 
 

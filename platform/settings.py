@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -46,6 +46,11 @@ class Settings(BaseSettings):
     step_target_ms: float = Field(default=0.0, ge=0)
     max_model_len: int = 4096
     priority_aging_s: float = 10.0  # queue aging: waiting this long is worth one tier of priority
+    # Fair share within a tier (virtual token counters, loramux.engine.fair_share): what a prompt token and an
+    # output token add to a tenant's counter, and each tier's weight (tokens count 1/weight; absent: 1).
+    fair_share_input_weight: float = Field(default=1.0, gt=0)
+    fair_share_output_weight: float = Field(default=2.0, gt=0)
+    fair_share_tier_weights: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
     prefix_caching: bool = True  # reuse the KV of shared prompt prefixes (never across adapter versions)
     prefix_cache_per_tenant: bool = True  # tenants never share cached blocks (no timing side channel)
     speculative_tokens: int = 4  # speculative decoding: draft length (0 = off)

@@ -500,3 +500,26 @@ def test_speculation_counters_per_method():
     assert value(m, "loramux_spec_verifications_total", method="ngram") == 12
     assert value(m, "loramux_spec_accepted_tokens_total", method="draft") == 0
     assert value(m, "loramux_spec_proposed_tokens_total", method="eagle") is None  # fixed label set
+
+
+def test_fair_share_counters_per_tenant_of_a_real_engine(tiny_dir, tokenizer):
+    """Two tenants' requests run to the end: /metrics shows each tenant's virtual counter and weighted
+    service, equal to its prompt tokens plus twice its output tokens (the default weights)."""
+    from conftest import make_engine
+    from loramux.engine.sampling_params import SamplingParams
+
+    engine = make_engine(tiny_dir, tokenizer)
+    m = ServerMetrics()
+    m.set_state_source(engine.stats)
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    prompts = {"tn_a": [1, 2, 3, 4, 5, 6, 7], "tn_b": [9, 8, 7]}
+    for tenant, prompt in prompts.items():
+        engine.add_request(f"r-{tenant}", prompt, params, tenant=tenant, share_weight=1.0)
+    while engine.has_unfinished():
+        engine.step()
+    for tenant, prompt in prompts.items():
+        assert value(m, "loramux_fair_share_service_tokens_total", tenant=tenant) == len(prompt) + 2 * 5
+        assert value(m, "loramux_fair_share_counter", tenant=tenant) == len(prompt) + 2 * 5
+    bad = {"fair_share": {"tn_x": {"counter": "high", "service": -1}, "tn_y": None}}
+    m.set_state_source(lambda: bad)  # malformed values are left out, never break the scrape
+    assert value(m, "loramux_fair_share_counter", tenant="tn_x") is None

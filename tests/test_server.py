@@ -175,3 +175,24 @@ def test_adapters_setting_parses_and_rejects_bad_entries():
     assert Settings(adapters="a=/x, b = /y ").adapter_dirs() == {"a": "/x", "b": "/y"}
     with pytest.raises(ValueError, match="name=/path/to/adapter"):
         Settings(adapters="oops").adapter_dirs()
+
+
+def test_each_tenant_is_charged_its_tokens_over_its_tier_weight(tiny_dir, tokenizer, tmp_path):
+    """The fair-share counters the scheduler keeps per tenant: prompt tokens + 2 x completion tokens (the
+    default weights), divided by the tenant's tier weight (LORAMUX_FAIR_SHARE_TIER_WEIGHTS)."""
+    app = create_app(lambda: make_services(tmp_path, make_engine(tiny_dir, tokenizer),
+                                           fair_share_tier_weights={"premium": 2.0}))
+    with TestClient(app) as client:
+        services = app.state.services
+        usage = {}
+        for name, tier in (("acme", "standard"), ("globex", "premium")):
+            key = new_tenant_key(services, name, tier)
+            resp = client.post("/generate", json={"prompt": "Hello there", "max_tokens": 6, "ignore_eos": True},
+                               headers={"Authorization": f"Bearer {key}"})
+            assert resp.status_code == 200, resp.text
+            tenant_id = services.tenancy.authenticate(key).tenant_id
+            usage[tenant_id] = (resp.json()["usage"], 2.0 if tier == "premium" else 1.0)
+        shares = server_stats(client)["fair_share"]
+        for tenant_id, (used, weight) in usage.items():
+            expected = (used["prompt_tokens"] - used.get("cached_tokens", 0) + 2 * used["completion_tokens"]) / weight
+            assert shares[tenant_id]["service"] == pytest.approx(expected)

@@ -119,7 +119,7 @@ def test_an_explicit_target_bounds_every_step_and_a_tiny_one_still_makes_progres
     s = Scheduler(BlockManager(1000, 16), max_num_seqs=16, max_num_batched_tokens=512, step_budget=budget)
     decoding(s, 4)
     s.add(seq("long", 1000))
-    while s._waiting or any(x.is_prefill for x in s.running):
+    while s.num_waiting or any(x.is_prefill for x in s.running):
         batch = s.schedule(now=1.0)
         assert batch.plan.predicted_s <= 0.08 + 1e-12 or batch.plan.prefill_tokens <= budget.min_chunk
         advance(s, batch)

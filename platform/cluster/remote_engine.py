@@ -72,10 +72,12 @@ class RemoteEngine(TokenizerMethods):
                        priority: int = 0, adapter: RemoteAdapter | None = None,
                        arrival: float | None = None, cache_salt: str | None = None,
                        on_abandoned: Callable[[RequestOutput], None] | None = None,
-                       medusa: MedusaHeadsWeights | None = None) -> AsyncIterator[RequestOutput]:
+                       medusa: MedusaHeadsWeights | None = None, tenant: str = "",
+                       share_weight: float = 1.0) -> AsyncIterator[RequestOutput]:
         """As AsyncEngine.generate, on a replica. Each output's `replica` names the replica that made it.
         `medusa` is not sent: the replicas do not load Medusa heads yet (the ingress passes none)."""
         payload = {"request_id": request_id, "prompt": prompt, "params": params, "priority": priority,
+                   "tenant": tenant, "share_weight": share_weight,
                    "version": adapter.version if adapter is not None else None, "cache_salt": cache_salt,
                    # monotonic clocks are per machine: send how long the request has waited instead
                    "waited_s": 0.0 if arrival is None else max(0.0, time.monotonic() - arrival)}

@@ -72,7 +72,8 @@ class EngineReplica:
         arrival = time.monotonic() - payload["waited_s"]
         stream = self.engine.generate(payload["request_id"], payload["prompt"], payload["params"],
                                       priority=payload["priority"], adapter=adapter, arrival=arrival,
-                                      cache_salt=payload["cache_salt"])
+                                      cache_salt=payload["cache_salt"], tenant=payload.get("tenant", ""),
+                                      share_weight=payload.get("share_weight", 1.0))
         rid = payload["request_id"]
         self._sent[rid] = 0
         try:

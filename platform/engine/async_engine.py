@@ -59,6 +59,8 @@ class _Add:
     stream: _Stream
     accepted: asyncio.Future
     medusa: MedusaHeadsWeights | None = None  # for the engine's add_request; None: none
+    tenant: str = ""  # fair share within the priority level
+    share_weight: float = 1.0
 
 
 class _Stream:
@@ -109,7 +111,8 @@ class AsyncEngine(TokenizerMethods):
                        priority: int = 0, adapter: str | LoRAAdapter | None = None,
                        arrival: float | None = None, cache_salt: str | None = None,
                        on_abandoned: Callable[[RequestOutput], None] | None = None,
-                       medusa: MedusaHeadsWeights | None = None) -> AsyncIterator[RequestOutput]:
+                       medusa: MedusaHeadsWeights | None = None, tenant: str = "",
+                       share_weight: float = 1.0) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs step by step; leaving the loop early aborts the request.
         `arrival` (time.monotonic()) is when the request reached the server: queue time, TTFT and the
         deadline count from it. `on_abandoned(final output)` runs on this event loop if the request is
@@ -128,7 +131,7 @@ class AsyncEngine(TokenizerMethods):
         stream = _Stream(loop, on_abandoned)
         accepted = loop.create_future()
         self._post(_Add(request_id, prompt, params, priority, adapter, arrival, cache_salt, grammar, loop, stream,
-                        accepted, medusa=medusa))
+                        accepted, medusa=medusa, tenant=tenant, share_weight=share_weight))
         finished = False
         try:
             await accepted  # raises RequestError for a request the engine refuses
@@ -281,7 +284,7 @@ class AsyncEngine(TokenizerMethods):
             try:
                 self.engine.add_request(item.request_id, item.prompt, item.params, item.priority,
                                         arrival=item.arrival, adapter=item.adapter, cache_salt=item.cache_salt,
-                                        grammar=item.grammar,
+                                        grammar=item.grammar, tenant=item.tenant, share_weight=item.share_weight,
                                         **({"medusa": item.medusa} if item.medusa is not None else {}))
             except Exception as exc:  # noqa: BLE001 - a refused request (RequestError) or a bug: its caller gets it
                 _post_to(item.loop, _settle, item.accepted, exc)

@@ -24,7 +24,8 @@ class EngineClient(Protocol):
     def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                  priority: int = 0, adapter: Any = None, arrival: float | None = None,
                  cache_salt: str | None = None, on_abandoned: Callable[[RequestOutput], None] | None = None,
-                 medusa: MedusaHeadsWeights | None = None) -> AsyncIterator[RequestOutput]:
+                 medusa: MedusaHeadsWeights | None = None, tenant: str = "",
+                 share_weight: float = 1.0) -> AsyncIterator[RequestOutput]:
         """Run one request; an async generator of its outputs step by step, the last one `finished`.
 
         `adapter`: None for the base model, else what the adapter cache's lease holds for this engine (a
@@ -35,7 +36,8 @@ class EngineClient(Protocol):
         loop if the engine aborts the request because its reader stalled, so whoever holds resources for it
         can let them go even if the reader never reads again. `medusa`: the Medusa heads the registry holds
         for the request's adapter version (else the base model's), validated for this model, in host RAM;
-        None when there are none. Callers pass it only when they have heads.
+        None when there are none. Callers pass it only when they have heads. `tenant` and `share_weight`
+        (its tier's): whose request, for the fair share between the tenants of one priority level.
 
         Raises RequestError (the engine can never run it: HTTP 400) before the first output, or
         EngineDeadError (the engine, or its replica, stopped: retriable). Leaving the loop early (or

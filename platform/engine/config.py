@@ -31,6 +31,9 @@ class EngineConfig:
     lora_impl: str = "auto"  # LoRA kernels: auto (Triton on CUDA, torch on CPU), triton or torch
     cuda_graphs: bool = True  # plain decode steps replay CUDA graphs (CUDA only; loramux.engine.cuda_graphs)
     priority_aging_s: float = 10.0  # waiting this long is worth one priority level
+    # Fair share within a priority level (loramux.engine.fair_share): counter weight of a prompt / output token.
+    fair_share_input_weight: float = 1.0
+    fair_share_output_weight: float = 2.0
     prefix_caching: bool = True  # reuse the KV of shared prompt prefixes (per adapter version)
     # Prompt-lookup draft length; 0 = no speculation. Off unless asked for, so an engine built in code (a
     # test) decodes one token a step; Settings turns it on by default (LORAMUX_SPECULATIVE_TOKENS).

@@ -13,6 +13,7 @@ from loramux.engine.block_manager import BlockManager
 from loramux.engine.config import EngineConfig
 from loramux.engine.constrained import Constraint, batch_masker
 from loramux.engine.detokenizer import IncrementalDetokenizer
+from loramux.engine.fair_share import FairShare
 from loramux.engine.grammar import GrammarCache, StructuredOutputError
 from loramux.engine.medusa_heads import MedusaHeads
 from loramux.engine.model_runner import ModelRunner, StepLogits
@@ -87,6 +88,8 @@ class LLMEngine:
         self.long_rope_after = min(long_after) if long_after else None
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.adapters, aging_s=config.priority_aging_s, step_budget=self.step_budget,
+                                   fair_share=FairShare(config.fair_share_input_weight,
+                                                        config.fair_share_output_weight),
                                    long_rope_after=self.long_rope_after)
         self.runner = ModelRunner(model, num_blocks, config.block_size, dtype, device,
                                   self.pool.wrapper if self.pool else None,
@@ -170,13 +173,15 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     priority: int = 0, arrival: float | None = None,
                     adapter: str | LoRAAdapter | None = None, cache_salt: str | None = None,
-                    grammar=None, medusa: MedusaHeadsWeights | None = None) -> Sequence:
+                    grammar=None, medusa: MedusaHeadsWeights | None = None, tenant: str = "",
+                    share_weight: float = 1.0) -> Sequence:
         """Queue a request for the base model or an adapter: a registered name, or an adapter object the
         caller holds in host RAM until the request finishes. `cache_salt` namespaces its prefix-cache
         blocks (the tenant, when tenants must not share them). `grammar`: the CompiledGrammar of
         `params.structured`, compiled by the caller (AsyncEngine, off this thread) and pinned by the
         request until it ends; without it the spec is compiled here. `medusa`: the request's own Medusa heads
         (its adapter version's; shared by every request that brings the same digest), else the engine's.
+        `tenant` and `share_weight`: whose request, for the fair share within its priority level.
         Raise RequestError when it can never run."""
         params = params or SamplingParams()
         if request_id in self.requests:
@@ -188,6 +193,7 @@ class LLMEngine:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         check_prompt(ids, params, self.model.config.vocab_size, self.max_model_len, self.block_manager)
         seq = Sequence(request_id, ids, params, priority=priority, adapter=lora.digest if lora else None,
+                       tenant=tenant, share_weight=share_weight,
                        cache_salt=f"{lora.digest if lora else 'base'}|{cache_salt or ''}",
                        **({"arrival": arrival} if arrival is not None else {}))
         if self.long_rope_after is not None and len(ids) > self.long_rope_after:

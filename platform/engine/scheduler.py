@@ -6,6 +6,11 @@ sequences are admitted by priority, while the predicted step time stays within t
 is therefore split across steps instead of stalling the decodes. When the KV pool runs dry the running
 sequence of lowest effective priority (see `rank_key`) is preempted: its blocks are freed and it is recomputed later.
 
+Within one priority level, tenants share by a virtual token counter (loramux.engine.fair_share): the next
+request admitted is the oldest of the tenant served least so far, so one tenant's flood cannot take
+another's service; across levels, priority with ageing decides (a level's claim is its longest-waiting
+request's). Preemption takes the lowest level, then the tenant served most, then the latest arrival.
+
 A sequence with an adapter is admitted only once its adapter is on the device (`adapters`, an
 `AdapterResidency`: see loramux.adapters.residency for the load, eviction and drain policy); it pins the
 adapter while running. Waiting sequences whose adapter is not there yet are passed over (others,
@@ -23,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from loramux.engine.block_manager import BlockManager
+from loramux.engine.fair_share import FairShare
 from loramux.engine.sequence import FinishReason, Sequence, SequenceStatus
 from loramux.engine.step_budget import StepBudget, StepPlan
 
@@ -59,10 +65,11 @@ def rank_key(seq: Sequence, aging_s: float) -> tuple:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  adapters=None, aging_s: float = 10.0, step_budget: StepBudget | None = None,
-                 long_rope_after: int | None = None):
+                 long_rope_after: int | None = None, fair_share: FairShare | None = None):
         """`long_rope_after`: a LongRoPE model's original context (Phi-3). A sequence that outgrows it while
         computed with the short factors is recomputed whole with the long ones, as HF's Phi-3 generation
-        drops its cache at that point; drafts stop short of it."""
+        drops its cache at that point; drafts stop short of it. `fair_share`: the tenants' virtual token
+        counters (default weights when None)."""
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs so every decode fits a step")
         self.blocks = block_manager
@@ -74,7 +81,10 @@ class Scheduler:
         self.aging_s = aging_s
         self.step_budget = step_budget  # None: each step is bounded by max_num_batched_tokens alone
         self.long_rope_after = long_rope_after
-        self._waiting: list[tuple[tuple, Sequence]] = []  # heap by _rank
+        self.fair = fair_share if fair_share is not None else FairShare()
+        # priority level -> tenant -> that tenant's waiting sequences, a heap by _rank. Empty heaps are removed.
+        self._queues: dict[int, dict[str, list[tuple[tuple, Sequence]]]] = {}
+        self._num_waiting = 0
         self.running: list[Sequence] = []
 
     def _rank(self, seq: Sequence) -> tuple:
@@ -83,18 +93,71 @@ class Scheduler:
     # -- queue ---------------------------------------------------------------------------------
     @property
     def waiting(self) -> list[Sequence]:
-        return [seq for _, seq in sorted(self._waiting, key=lambda item: item[0])]
+        """The waiting sequences by rank (not in admission order, which fair share decides). Engine thread."""
+        items = [item for tenants in self._queues.values() for heap in tenants.values() for item in heap]
+        return [seq for _, seq in sorted(items, key=lambda item: item[0])]
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return self._num_waiting
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        heapq.heappush(self._waiting, (self._rank(seq), seq))
+        self._put(seq, rejoin=True)
 
     def has_unfinished(self) -> bool:
-        return bool(self._waiting or self.running)
+        return bool(self._num_waiting or self.running)
+
+    def _put(self, seq: Sequence, rejoin: bool) -> None:
+        """Queue `seq`; with `rejoin`, a tenant whose queue in the level was empty has its counter lifted
+        (a passed-over sequence going back is not a rejoin: it never left)."""
+        tenants = self._queues.setdefault(seq.priority, {})
+        heap = tenants.get(seq.tenant)
+        if heap is None:
+            if rejoin:
+                self.fair.joined(seq.tenant, seq.priority, [self.fair.counter(t) for t in tenants])
+            heap = tenants[seq.tenant] = []
+        heapq.heappush(heap, (self._rank(seq), seq))
+        self._num_waiting += 1
+
+    def _take(self, seq: Sequence, leave: bool) -> None:
+        """Remove waiting `seq` from its queue; with `leave`, a queue it empties counts as its tenant leaving."""
+        tenants = self._queues[seq.priority]
+        heap = tenants[seq.tenant]
+        if heap[0][1] is seq:
+            heapq.heappop(heap)
+        else:
+            heap[:] = [item for item in heap if item[1] is not seq]
+            heapq.heapify(heap)
+        self._num_waiting -= 1
+        if not heap:
+            del tenants[seq.tenant]
+            if leave:
+                self.fair.left(seq.tenant, seq.priority)
+            if not tenants:
+                del self._queues[seq.priority]
+
+    def _next_waiting(self) -> Sequence:
+        """The waiting sequence to admit next: the level with the best claim (its longest-waiting request's
+        aged priority), and in it the oldest request of the tenant with the smallest counter."""
+        best: tuple[tuple, Sequence] | None = None
+        for tenants in self._queues.values():
+            claim = min(heap[0][0] for heap in tenants.values())
+            if best is None or claim < best[0]:
+                tenant = min(tenants, key=lambda t: (self.fair.counter(t), tenants[t][0][0]))
+                best = (claim, tenants[tenant][0][1])
+        assert best is not None, "no waiting sequence"
+        return best[1]
+
+    def _victim_key(self, seq: Sequence) -> tuple:
+        """Preemption order, largest first: lowest priority, then the tenant served most, then the latest."""
+        return (-seq.priority, self.fair.counter(seq.tenant), seq.arrival, seq.seq_id)
+
+    def _charge_outputs(self, seq: Sequence) -> None:
+        new = len(seq.output_token_ids) - seq.fair_charged_outputs
+        if new > 0:
+            self.fair.charge_output(seq.tenant, new, seq.share_weight)
+            seq.fair_charged_outputs += new
 
     def finish(self, seq: Sequence, reason: FinishReason, now: float | None = None) -> None:
         """End `seq` wherever it is (waiting or running) and free its blocks at once."""
@@ -104,8 +167,7 @@ class Scheduler:
             self.running.remove(seq)
             self._unpin(seq)
         else:
-            self._waiting = [item for item in self._waiting if item[1] is not seq]
-            heapq.heapify(self._waiting)
+            self._take(seq, leave=True)
             if seq.adapter is not None:
                 self.adapters.drop_waiting(seq.adapter)
         self.blocks.free(seq)
@@ -159,10 +221,11 @@ class Scheduler:
 
         # Admit new work only when nothing had to be preempted this step: otherwise they would thrash.
         passed_over = []
-        while self._waiting and not batch.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self._waiting[0][1]
+        while self._num_waiting and not batch.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self._next_waiting()
             if seq.adapter is not None and not self.adapters.want(seq.adapter, now - seq.arrival):
-                passed_over.append(heapq.heappop(self._waiting))  # its adapter is on its way
+                self._take(seq, leave=False)  # its adapter is on its way
+                passed_over.append(seq)
                 continue
             # Leading blocks already in the prefix cache are reused. The whole remaining prompt (+ the
             # first decode) must fit, and it is allocated at once, so an admitted prefill is never
@@ -173,21 +236,23 @@ class Scheduler:
             n = self._chunk(seq, cached, budget, plan)
             if n <= 0 or not self.blocks.can_admit(seq, hits, remaining + 1):
                 break
-            heapq.heappop(self._waiting)
+            self._take(seq, leave=True)
             if seq.adapter is not None:
                 self.adapters.pin(seq.adapter)
                 seq.adapter_pinned = True
             self.blocks.admit(seq, hits, remaining)  # the whole prompt, not just this chunk
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
+                # Its prompt is charged once, at first admission: a preempted one's recompute is ours, not its.
+                self.fair.charge_input(seq.tenant, seq.num_tokens - cached, seq.share_weight)
             seq.status = SequenceStatus.RUNNING
             if seq.timings.first_scheduled is None:
                 seq.timings.first_scheduled = now
             self.running.append(seq)
             self._add_prefill(batch, seq, n)
             budget -= n
-        for item in passed_over:
-            heapq.heappush(self._waiting, item)
+        for seq in passed_over:
+            self._put(seq, rejoin=False)
         return batch
 
     def complete(self, batch: ScheduledBatch, accepted: Mapping[Sequence, int] | None = None) -> None:
@@ -198,11 +263,13 @@ class Scheduler:
         if batch.plan is not None:
             self.step_budget.observe(batch.plan, time.monotonic() - batch.started)
         for seq, n in batch.prefills:
+            self._charge_outputs(seq)
             if not seq.is_finished:
                 seq.num_computed_tokens += n
                 self.blocks.commit(seq)
                 self.blocks.release_out_of_window(seq)
         for seq in batch.decodes:
+            self._charge_outputs(seq)
             if not seq.is_finished:
                 seq.num_computed_tokens += 1 + accepted.get(seq, 0)  # KV of rejected drafts is overwritten later
                 self.blocks.commit(seq)
@@ -229,7 +296,7 @@ class Scheduler:
     def _make_room(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
         """Preempt lower-ranked sequences until `seq` can get its blocks; False if `seq` itself was."""
         while not self.blocks.can_allocate(seq, num_tokens):
-            victim = max(self.running, key=self._rank)  # lowest effective priority
+            victim = max(self.running, key=self._victim_key)
             self._preempt(victim, batch)
             if victim is seq:
                 return False

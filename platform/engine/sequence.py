@@ -62,6 +62,8 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0  # higher runs first
+    tenant: str = ""  # whose request: fair share within a priority level (loramux.engine.fair_share)
+    share_weight: float = 1.0  # the tenant's weight in that share (its tier's); tokens count 1/weight
     adapter: str | None = None  # adapter key (its content digest), None = base model only
     adapter_pinned: bool = False  # running on its adapter (which stays on the device until it ends)
     arrival: float = field(default_factory=time.monotonic)
@@ -86,6 +88,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    fair_charged_outputs: int = 0  # output tokens already charged to the tenant's counter
     timings: Timings = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:

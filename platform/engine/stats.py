@@ -44,7 +44,8 @@ class EngineCounters:
 def engine_stats(engine: LLMEngine) -> dict:
     """The engine's counters and gauges: running / waiting requests, KV blocks used / free / total,
     prefix-cache blocks and hits, speculative tokens proposed / accepted (in all and per method: `speculation`),
-    preemptions, adapter slots pinned and loads, `lora` (see `lora_stats`) and `steps` (`StepBudget.stats()`)."""
+    preemptions, adapter slots pinned and loads, `lora` (see `lora_stats`), `steps` (`StepBudget.stats()`) and
+    `fair_share`: tenant -> its virtual token counter and weighted service (`FairShare.stats()`)."""
     lora = lora_stats(engine)
     scheduler, blocks, counters = engine.scheduler, engine.block_manager, engine.counters
     return {
@@ -63,6 +64,7 @@ def engine_stats(engine: LLMEngine) -> dict:
         "adapter_slot_loads": lora["loads"] if lora else 0,
         "lora": lora,
         "steps": engine.step_budget.stats() if engine.step_budget is not None else {},
+        "fair_share": scheduler.fair.stats(),
     }
 
 

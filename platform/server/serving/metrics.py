@@ -265,7 +265,28 @@ class _StateCollector(Collector):
                     family.add_metric([], value)
         return [queue, running, kv, pinned, cache_bytes, budget, resident, hits, misses, failures, loading,
                 device_loads, evictions, load_seconds, lora_info, replica_running, replica_adapters,
-                *_step_families(state.get("steps")), *_speculation_families(state.get("speculation"))]
+                *_step_families(state.get("steps")), *_speculation_families(state.get("speculation")),
+                *_fair_share_families(state.get("fair_share"))]
+
+
+def _fair_share_families(shares) -> list[Metric]:
+    """Each tenant's virtual token counter (fair share within its tier) and the weighted tokens it was served
+    (its service rate is this counter's rate)."""
+    counter = GaugeMetricFamily("loramux_fair_share_counter",
+                                "Virtual token counter of each tenant (fair share within a tier; lifted on rejoin).",
+                                labels=["tenant"])
+    service = CounterMetricFamily("loramux_fair_share_service_tokens",
+                                  "Weighted tokens served to each tenant (input and output weights, tier weight).",
+                                  labels=["tenant"])
+    if isinstance(shares, Mapping):
+        for tenant, share in shares.items():
+            if not isinstance(share, Mapping):
+                continue
+            for family, key in ((counter, "counter"), (service, "service")):
+                value = share.get(key)
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+                    family.add_metric([str(tenant) or "-"], float(value))
+    return [counter, service]
 
 
 def _speculation_families(spec) -> list[Metric]:

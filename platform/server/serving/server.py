@@ -138,11 +138,13 @@ class Server:
             speculators = {"medusa": heads} if heads is not None else {}
             salt = tenant.tenant_id if self.services.settings.prefix_cache_per_tenant else None
             engine = self.services.engine
+            share_weight = self.services.settings.fair_share_tier_weights.get(tenant.tier.name, 1.0)
 
             def generate(i: int) -> AsyncIterator[RequestOutput]:
                 own = params if i == 0 or params.seed is None else \
                     dataclasses.replace(params, seed=(params.seed + i) % SEED_LIMIT)
                 stream = engine.generate(ids[i], prompt_ids, own, priority=tenant.tier.priority,
+                                         tenant=tenant.tenant_id, share_weight=share_weight,
                                          adapter=lease.adapter if lease else None, arrival=arrival, cache_salt=salt,
                                          on_abandoned=lambda out: started and self._abandon(started[0], i, out),
                                          **speculators)

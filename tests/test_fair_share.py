@@ -1,0 +1,167 @@
+"""Fair share within a tier (virtual token counters, loramux.engine.fair_share), on a simulated engine:
+the scheduler and block manager driven step by step, without torch."""
+from __future__ import annotations
+
+import random
+
+from loramux.engine.block_manager import BlockManager
+from loramux.engine.fair_share import FairShare
+from loramux.engine.sampling_params import SamplingParams
+from loramux.engine.scheduler import Scheduler
+from loramux.engine.sequence import FinishReason, Sequence
+
+MAX_NUM_SEQS = 4
+LONGEST_PROMPT = 48
+MOST_NEW_TOKENS = 16
+
+
+def request(tenant: str, i: int, rng: random.Random, priority: int = 0, arrival: float = 0.0) -> Sequence:
+    prompt = [rng.randrange(1000) for _ in range(rng.randint(8, LONGEST_PROMPT))]
+    return Sequence(f"{tenant}-{i}", prompt, SamplingParams(max_tokens=rng.randint(4, MOST_NEW_TOKENS)),
+                    priority=priority, tenant=tenant, arrival=arrival)
+
+
+def scheduler() -> Scheduler:
+    return Scheduler(BlockManager(4096, 16), max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=64)
+
+
+def step(s: Scheduler, now: float = 0.0) -> None:
+    """One engine step: schedule, 'run' (a token for every sequence due one), account, finish at max_tokens."""
+    batch = s.schedule(now=now)
+    for seq, n in batch.prefills:
+        if seq.num_computed_tokens + n == seq.num_tokens:
+            seq.output_token_ids.append(7)
+    for seq in batch.decodes:
+        seq.output_token_ids.append(7)
+    s.complete(batch)
+    for seq in list(s.running):
+        if len(seq.output_token_ids) >= seq.params.max_tokens:
+            s.finish(seq, FinishReason.LENGTH)
+
+
+def served(seqs: list[Sequence], fair: FairShare) -> float:
+    """Weighted tokens the sequences were given, counted from the sequences themselves: their prompt once
+    computed (first admission; none of these prompts share blocks) and every output token."""
+    return sum(fair.input_weight * len(q.prompt_token_ids) * (q.num_computed_tokens > 0 or q.is_finished)
+               + fair.output_weight * len(q.output_token_ids) for q in seqs)
+
+
+def run_backlogged(s: Scheduler, heavy: list[Sequence], light: list[Sequence]) -> list[float]:
+    """Step until the light tenant's last request is admitted (both stay backlogged until then); the
+    difference in service between the two at every step."""
+    gaps = []
+    while any(q.num_computed_tokens == 0 and not q.is_finished for q in light):
+        step(s)
+        gaps.append(served(heavy, s.fair) - served(light, s.fair))
+    return gaps
+
+
+def interleaved(heavy_tenant: str, light_tenant: str, rounds: int) -> tuple[list[Sequence], list[Sequence]]:
+    """The heavy tenant sends 10 requests for each of the light one's, all queued at once."""
+    rng = random.Random(7)
+    heavy, light = [], []
+    for r in range(rounds):
+        heavy += [request(heavy_tenant, 10 * r + k, rng) for k in range(10)]
+        light.append(request(light_tenant, r, rng))
+    return heavy, light
+
+
+def test_two_backlogged_tenants_stay_within_the_bound_at_every_step():
+    s = scheduler()
+    heavy, light = interleaved("heavy", "light", rounds=20)
+    for q in [q for pair in zip(heavy[::10], light) for q in pair] + [q for q in heavy if q not in heavy[::10]]:
+        s.add(q)
+    bound = s.fair.bound(LONGEST_PROMPT, MOST_NEW_TOKENS, MAX_NUM_SEQS)
+    gaps = run_backlogged(s, heavy, light)
+    assert len(gaps) > 100  # a long run, every step of it checked
+    assert max(abs(g) for g in gaps) <= bound
+    # Served equally, not 10:1: the light tenant got its 20 requests while the heavy one got about as many.
+    assert sum(q.num_computed_tokens > 0 or q.is_finished for q in heavy) <= 2 * len(light)
+
+
+def test_without_separate_tenants_the_flood_takes_the_service():
+    """The same arrivals as one tenant (fair share cannot tell them apart): arrival order serves the heavy
+    sender ten times as much, and the gap leaves the bound, which shows the test above can fail."""
+    s = scheduler()
+    heavy, light = interleaved("", "", rounds=20)
+    for r in range(20):
+        for q in heavy[10 * r:10 * r + 10] + [light[r]]:
+            s.add(q)
+    bound = s.fair.bound(LONGEST_PROMPT, MOST_NEW_TOKENS, MAX_NUM_SEQS)
+    assert max(run_backlogged(s, heavy, light)) > 3 * bound
+
+
+def test_a_tenant_returning_from_idle_gets_no_burst_of_credit():
+    s = scheduler()
+    rng = random.Random(11)
+    heavy = [request("heavy", i, rng) for i in range(400)]
+    for q in heavy:
+        s.add(q)
+    for _ in range(300):  # the heavy tenant alone: its counter grows
+        step(s)
+    before = served(heavy, s.fair)
+    light = [request("light", i, rng) for i in range(30)]
+    for q in light:
+        s.add(q)
+    assert s.fair.counter("light") >= s.fair.counter("heavy") - 1e-9  # lifted to the backlogged one's
+    bound = s.fair.bound(LONGEST_PROMPT, MOST_NEW_TOKENS, MAX_NUM_SEQS)
+    steps = 0
+    while any(q.num_computed_tokens == 0 and not q.is_finished for q in light):
+        step(s)
+        steps += 1
+        # From its return on, the light tenant gets its share, not everything until it caught up.
+        assert served(light, s.fair) - (served(heavy, s.fair) - before) <= bound
+    assert steps > 50 and served(heavy, s.fair) - before >= 0.25 * served(light, s.fair)
+
+
+def test_tier_priority_still_decides_across_levels():
+    """A premium tenant served far more than a standard one still goes first: fair share orders tenants
+    within a level only."""
+    s = scheduler()
+    rng = random.Random(3)
+    s.fair.charge_output("premium-tenant", 10_000)
+    standard = [request("standard-tenant", i, rng, priority=1) for i in range(4)]
+    premium = [request("premium-tenant", i, rng, priority=2) for i in range(4)]
+    for q in standard + premium:
+        s.add(q)
+    batch = s.schedule(now=0.0)
+    assert {q.tenant for q, _ in batch.prefills} == {"premium-tenant"}
+
+
+def test_waiting_ages_across_levels_into_the_longest_waiting_request():
+    s = Scheduler(BlockManager(4096, 16), max_num_seqs=1, max_num_batched_tokens=64, aging_s=1.0)
+    rng = random.Random(5)
+    old_low = request("low", 0, rng, priority=0, arrival=0.0)
+    new_high = request("high", 0, rng, priority=1, arrival=5.0)  # waited 1 level less than `old_low` aged
+    s.add(new_high)
+    s.add(old_low)
+    batch = s.schedule(now=5.0)
+    assert [q for q, _ in batch.prefills] == [old_low]
+
+
+def test_preemption_takes_the_tenant_served_most_in_the_lowest_level():
+    s = Scheduler(BlockManager(8, 16), max_num_seqs=8, max_num_batched_tokens=256)
+    quiet = Sequence("quiet", list(range(40)), SamplingParams(max_tokens=100), tenant="quiet")
+    greedy = Sequence("greedy", list(range(40)), SamplingParams(max_tokens=100), tenant="greedy")
+    s.fair.charge_output("greedy", 500)
+    s.add(quiet)
+    s.add(greedy)
+    step(s)
+    assert {q.request_id for q in s.running} == {"quiet", "greedy"}  # 6 of 8 blocks
+    for _ in range(60):  # decodes grow until the pool runs dry
+        step(s)
+        if quiet.num_preemptions or greedy.num_preemptions:
+            break
+    assert (quiet.num_preemptions, greedy.num_preemptions) == (0, 1)
+
+
+def test_counters_charge_prompts_once_and_outputs_by_weight():
+    fair = FairShare(input_weight=1.0, output_weight=2.0)
+    s = Scheduler(BlockManager(64, 16), max_num_seqs=4, max_num_batched_tokens=64, fair_share=fair)
+    q = Sequence("a", list(range(20)), SamplingParams(max_tokens=5), tenant="t", share_weight=2.0)
+    s.add(q)
+    while not q.is_finished:
+        step(s)
+    assert fair.stats()["t"] == {"counter": (20 + 2 * 5) / 2, "service": (20 + 2 * 5) / 2, "input_tokens": 20,
+                                 "output_tokens": 5}
+    assert s.num_waiting == 0 and s.blocks.num_free_blocks == 64
