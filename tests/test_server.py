@@ -180,7 +180,7 @@ def test_adapters_setting_parses_and_rejects_bad_entries():
 def test_each_tenant_is_charged_its_tokens_over_its_tier_weight(tiny_dir, tokenizer, tmp_path):
     """The fair-share counters the scheduler keeps per tenant: prompt tokens + 2 x completion tokens (the
     default weights), divided by the tenant's tier weight (LORAMUX_FAIR_SHARE_TIER_WEIGHTS)."""
-    app = create_app(lambda: make_services(tmp_path, make_engine(tiny_dir, tokenizer),
+    app = create_app(lambda: make_services(tmp_path, make_engine(tiny_dir, tokenizer), metrics_key="scrape-key",
                                            fair_share_tier_weights={"premium": 2.0}))
     with TestClient(app) as client:
         services = app.state.services
@@ -196,3 +196,8 @@ def test_each_tenant_is_charged_its_tokens_over_its_tier_weight(tiny_dir, tokeni
         for tenant_id, (used, weight) in usage.items():
             expected = (used["prompt_tokens"] - used.get("cached_tokens", 0) + 2 * used["completion_tokens"]) / weight
             assert shares[tenant_id]["service"] == pytest.approx(expected)
+        # Behind the metrics key, Prometheus has the same per tenant (an open /metrics names none).
+        metrics = client.get("/metrics", headers={"Authorization": "Bearer scrape-key"}).text
+        for tenant_id in usage:
+            assert f'loramux_fair_share_service_tokens_total{{tenant="{tenant_id}"}} ' \
+                   f'{shares[tenant_id]["service"]}' in metrics

@@ -47,7 +47,11 @@ def create_app(services_factory, ledger_hooks: list | None = None, limiter_facto
         tiers = [t.name for t in await run_in_threadpool(services.tenancy.tiers)]
         await run_in_threadpool(lambda: services.engine.max_chars_per_token)  # the prompt length bound, once
         metrics = ServerMetrics(tiers)
-        metrics.set_state_source(lambda: {**services.engine.stats(), "adapter_cache": services.adapter_cache.stats()})
+        # Per-tenant series (fair share) only behind a metrics key: an open /metrics never names a tenant.
+        tenant_series = bool(services.settings.metrics_key)
+        metrics.set_state_source(lambda: {**{k: v for k, v in services.engine.stats().items()
+                                             if tenant_series or k != "fair_share"},
+                                          "adapter_cache": services.adapter_cache.stats()})
         app.state.services = services
         app.state.console_signer = SessionSigner(services.settings.console_secret or None,
                                                  services.settings.console_session_s)
