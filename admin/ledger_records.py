@@ -16,7 +16,14 @@ from datetime import datetime
 from sqlalchemy import String
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, StatementError
 
-from loramux.admin.pricing import PriceInfo, cost_of, load_prices, price_for, price_generation
+from loramux.admin.pricing import (
+    PriceInfo,
+    cost_of,
+    load_prices,
+    price_for,
+    price_for_composition,
+    price_generation,
+)
 from loramux.db.models import LedgerEntry, Money
 from loramux.usage import RequestRecord
 
@@ -79,7 +86,12 @@ def check_record(record) -> None:
 
 
 def ledger_row(record: RequestRecord, prices: Sequence[PriceInfo]) -> dict:
-    price = price_for(prices, record.model, record.adapter_id, record.tier, record.created_at)
+    if record.composition:  # combined adapters: the costliest component's price (price_for_composition)
+        price = price_for_composition(prices, record.model, [c.get("adapter_id") for c in record.composition],
+                                      record.tier, record.created_at, record.prompt_tokens, record.cached_tokens,
+                                      record.completion_tokens)
+    else:
+        price = price_for(prices, record.model, record.adapter_id, record.tier, record.created_at)
     return dict(
         request_id=record.request_id, tenant_id=record.tenant_id, key_id=record.key_id, model=record.model,
         adapter_id=record.adapter_id, adapter_version=record.adapter_version, tier=record.tier,

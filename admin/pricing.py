@@ -198,6 +198,24 @@ def price_for(prices: Sequence[PriceInfo], base_model: str, adapter_id: str | No
     return best
 
 
+def price_for_composition(prices: Sequence[PriceInfo], base_model: str, adapter_ids: Sequence[str],
+                          tier: str | None, at: datetime, prompt_tokens: int, cached_tokens: int,
+                          completion_tokens: int) -> PriceInfo | None:
+    """The price of a request that combined adapters (`adapters`): of the prices each component would have
+    been billed at alone (`price_for` with that adapter), the one that costs this request the most, the
+    first such component on a tie. So a composition never costs less than its most expensive component, and
+    is priced at the base model's (tier) price when no component has a price of its own; admins set it with
+    the ordinary adapter prices. None: no price at all."""
+    best: PriceInfo | None = None
+    best_cost = None
+    for adapter_id in adapter_ids:
+        price = price_for(prices, base_model, adapter_id, tier, at)
+        cost = cost_of(prompt_tokens, cached_tokens, completion_tokens, price)
+        if best_cost is None or cost > best_cost:
+            best, best_cost = price, cost
+    return best
+
+
 def cost_of(prompt_tokens: int, cached_tokens: int, completion_tokens: int, price: PriceInfo | None) -> Decimal:
     """Exact cost in USD: uncached prompt tokens at the input price, cached ones at the cached-input price,
     completion tokens at the output price (all per 1M tokens), rounded half-even to 12 decimal places."""

@@ -167,6 +167,13 @@ class Settings(BaseSettings):
     max_logit_bias_entries: int = Field(default=300, ge=0)  # `logit_bias` keys
     max_tools: int = Field(default=128, ge=0)  # `tools` of one request
     max_logprob_entries: int = Field(default=131_072, ge=1)  # about 8 MB of JSON
+    # Weighted composition of adapters per request (`"adapters": [{"model", "weight"}, ...]`, issue 29): the
+    # most components one request may combine and the most summed rank (the sum of each component's largest
+    # module rank; composites are served like adapters, so LORAMUX_MAX_LORA_RANK caps them too), 400 above
+    # either; how many built composites stay in host RAM (LRU, each about the size of its components).
+    composition_max_adapters: int = Field(default=4, ge=1, le=64)
+    composition_max_rank: int = Field(default=128, ge=1)
+    composition_cache_size: int = Field(default=8, ge=0)
 
     # Operator console (/console): the secret that signs its session cookies ("" = a random one per process,
     # so sessions end at a restart; set one shared by every ingress replica) and how long a session lasts.

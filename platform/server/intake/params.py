@@ -128,6 +128,12 @@ class GenerationParams(RequestBody):
                                   'before sampling; -100 bans a token, +100 all but forces it')
     user: str | None = Field(default=None, max_length=MAX_USER_CHARS,
                              description="your id of the end user, recorded in this request's ledger row")
+    # Parsed by loramux.server.intake.composition (400s naming the entry), not by pydantic (422s).
+    adapters: Any = Field(
+        default=None, description='combine adapters with weights (then `model` is the base model): '
+        '[{"model": "<adapter>", "weight": <number>}, ...]; see docs/tenant-api.md',
+        json_schema_extra={"type": "array", "items": {"type": "object", "properties": {
+            "model": {"type": "string"}, "weight": {"type": "number"}}, "required": ["model", "weight"]}})
 
     @field_validator("user")  # (over HTTP a control character is a 400 before this: see body_prechecks)
     @classmethod

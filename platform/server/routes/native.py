@@ -65,6 +65,7 @@ def _final_body(running: Running, out: RequestOutput) -> dict:
         "adapter_version": version.version if version else None,
         "adapter_tier": running.adapter_level,  # the field keeps its published name
         "fallback": running.extension(out).get("fallback"),
+        "composition": running.composition.extension() if running.composition is not None else None,
     }
 
 

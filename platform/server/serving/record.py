@@ -59,6 +59,7 @@ def finish(running: Running, outcome: str, admission: Admission | None, adapter_
         requested=running.requested, fallback=running.fallback_reason is not None, outcome=outcome,
         prompt_tokens=running.prompt_tokens, cached_tokens=cached, completion_tokens=completion, queue_ms=queue_ms,
         ttft_ms=ttft_ms, total_ms=total_ms, end_user=running.user, replica=running.replica,
+        composition=running.composition.ledger() if running.composition is not None else None,
         # Billed at the price in force when the request arrived: its wall-clock arrival time.
         created_at=utcnow() - timedelta(seconds=time.monotonic() - running.arrival))
     billing = []

@@ -15,6 +15,7 @@ from loramux.admin.ledger import durable
 from loramux.engine.async_engine import EngineDeadError
 from loramux.engine.engine import RequestOutput
 from loramux.server.http.errors import ApiError
+from loramux.server.serving.composition_choice import Composition
 from loramux.tenancy import TenantContext
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class Running:
     user: str | None = None  # the client's end-user id (OpenAI's `user`), for the ledger
     prompt_ids: list[int] = field(default_factory=list)  # for an echo of the prompt
     streamed: bool = False  # its outputs go to the client as they come (SSE), not in one final answer
+    composition: Composition | None = None  # the adapters it combines (`adapters`); then version is None
     _ended: bool = field(default=False, init=False)
     _billing: list[Future] = field(default_factory=list, init=False)  # the ledger's durability futures
     inter_token_s: list[float] = field(default_factory=list, init=False)
@@ -88,6 +90,8 @@ class Running:
         if self.version is not None:
             ext["adapter"] = {"id": self.version.adapter_id, "name": self.version.name,
                               "version": self.version.version, "cache_tier": self.adapter_level}
+        if self.composition is not None:
+            ext["composition"] = self.composition.extension()
         if self.fallback_reason is not None:
             ext["fallback"] = {"requested": self.requested, "reason": self.fallback_reason}
         if out is not None and out.speculation:  # draft tokens proposed / accepted per method (choice 0)

@@ -23,17 +23,20 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
+from loramux.adapters.composition_cache import CompositionCache
 from loramux.adapters.registry import BASE_MODEL_ALIAS
 from loramux.engine.engine import RequestError, RequestOutput
 from loramux.engine.sampling_params import SamplingParams, StructuredOutput
 from loramux.rate_limits import RateLimiter
 from loramux.server.http.errors import ApiError
 from loramux.server.http.logs import request_id_var
+from loramux.server.intake.composition import Component, check_base, parse_adapters
 from loramux.server.intake.params import GenerationParams, check_logprob_volume, check_prompt_bound, resolve_max_tokens
 from loramux.server.intake.prompts import Prompt, tokens_per_message
 from loramux.server.intake.response_format import compile_structured
 from loramux.server.serving.adapter_choice import acquire_adapter
 from loramux.server.serving.admission import Admitted, admit
+from loramux.server.serving.composition_choice import Composition, acquire_composition
 from loramux.server.serving.record import finish
 from loramux.server.serving.running import Running
 from loramux.services.medusa import heads_for_request
@@ -59,6 +62,8 @@ class Server:
         self.ledger_hooks = ledger_hooks
         self.model_id = model_id
         self._admissions: dict[str, object] = {}
+        # Composites of requests' `adapters` (loramux.adapters.composition), built once each, LRU in host RAM.
+        self.compositions = CompositionCache(services.settings.composition_cache_size)
 
     def is_base(self, model: str | None) -> bool:
         return model in (None, "", BASE_MODEL_ALIAS, self.model_id)
@@ -84,7 +89,11 @@ class Server:
         tokens-per-minute bucket is charged the bound (prompt + n x max_tokens) at admission and settled
         with the real prompt + completion tokens when the request ends. `logprobs_per_token`: the logprob
         entries the answer holds per generated token (top_logprobs + 1 when logprobs are asked for, else 0),
-        bounded by `check_logprob_volume`. Raises ApiError with nothing held."""
+        bounded by `check_logprob_volume`. `body.adapters` (a weighted composition; `model` is then the base
+        model) is checked first, before admission. Raises ApiError with nothing held."""
+        components = parse_adapters(body.adapters, self.services.settings.composition_max_adapters)
+        if components is not None:
+            check_base(model, self.is_base(model), self.model_id)
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         request_id_var.set(request_id)  # log lines of this request carry its id
         engine = self.services.engine
@@ -108,11 +117,14 @@ class Server:
         except BaseException:
             admitted.release()
             raise
-        return await self.launch(admitted, model, prompt_ids, params, request_id, n=n, user=body.user)
+        return await self.launch(admitted, model, prompt_ids, params, request_id, n=n, user=body.user,
+                                 components=components)
 
     async def launch(self, admitted: Admitted, model: str | None, prompt_ids: list[int], params: SamplingParams,
-                     request_id: str, n: int = 1, user: str | None = None) -> Running:
-        """Start an admitted request: its adapter (404, 503 or the tenant's fallback), then the engine.
+                     request_id: str, n: int = 1, user: str | None = None,
+                     components: list[Component] | None = None) -> Running:
+        """Start an admitted request: its adapter (404, 503 or the tenant's fallback), or with `components`
+        the composite of those adapters (`acquire_composition`: 404, 400, 503), then the engine.
         From here the admission belongs to the request (given back once when it ends); on an error it is
         given back at once and ApiError raised.
 
@@ -126,7 +138,14 @@ class Server:
         streams: list[AsyncIterator[RequestOutput]] = []
         ids = [request_id] + [f"{request_id}.{i}" for i in range(1, n)]
         started: list[Running] = []  # the Running, once it exists, for an abort of a stalled reader
+        composition: Composition | None = None
         try:
+            if components is not None:
+                settings = self.services.settings
+                composition = await acquire_composition(
+                    self.services.registry, self.services.adapter_cache, self.compositions, tenant, components,
+                    arrival + admitted.timeout_s - time.monotonic(), max_rank=settings.composition_max_rank,
+                    max_lora_rank=settings.max_lora_rank, base_model_id=self.model_id)
             version, lease, fallback_reason = (None, None, None) if self.is_base(model) else await acquire_adapter(
                 self.services.registry, self.services.adapter_cache, tenant, model,
                 arrival + admitted.timeout_s - time.monotonic(), self.model_id)
@@ -139,13 +158,14 @@ class Server:
             salt = tenant.tenant_id if self.services.settings.prefix_cache_per_tenant else None
             engine = self.services.engine
             share_weight = self.services.settings.fair_share_tier_weights.get(tenant.tier.name, 1.0)
+            served = composition.adapter if composition else lease.adapter if lease else None
 
             def generate(i: int) -> AsyncIterator[RequestOutput]:
                 own = params if i == 0 or params.seed is None else \
                     dataclasses.replace(params, seed=(params.seed + i) % SEED_LIMIT)
                 stream = engine.generate(ids[i], prompt_ids, own, priority=tenant.tier.priority,
                                          tenant=tenant.tenant_id, share_weight=share_weight,
-                                         adapter=lease.adapter if lease else None, arrival=arrival, cache_salt=salt,
+                                         adapter=served, arrival=arrival, cache_salt=salt,
                                          on_abandoned=lambda out: started and self._abandon(started[0], i, out),
                                          **speculators)
                 streams.append(stream)
@@ -170,7 +190,7 @@ class Server:
         self._admissions[request_id] = admitted.admission
         running = Running(request_id, tenant, model or BASE_MODEL_ALIAS, version, lease, fallback_reason,
                           len(prompt_ids), arrival, ids, streams, firsts, self._finished, user=user,
-                          prompt_ids=prompt_ids)
+                          prompt_ids=prompt_ids, composition=composition)
         started.append(running)
         return running
 

@@ -1,0 +1,144 @@
+"""The composite adapter a request with `adapters` runs with: each component resolved for the tenant (404
+naming the one it cannot see), checked against the limits (400), then the composite from the host-RAM LRU,
+or built once from the components brought into host RAM through the adapter cache (their leases are given
+back as soon as it is built, whatever happens: the request runs on the composite alone).
+
+No fallback: a component that cannot be loaded within the deadline is a 503 (`adapter_unavailable`), as for
+a tenant without a fallback; serving something else than the combination asked for would be a silent change.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from fastapi.concurrency import run_in_threadpool
+
+from loramux.adapters.cache_levels import AdapterCache, AdapterLoadError
+from loramux.adapters.composition import CompositionError, compose, composition_digest, refusal_reason
+from loramux.adapters.composition_cache import CompositionCache
+from loramux.adapters.peft_format import LoRAAdapter
+from loramux.adapters.registry import AdapterNotFoundError, AdapterRegistry, AdapterVersionInfo
+from loramux.server.http.errors import ApiError
+from loramux.server.intake.composition import Component
+from loramux.tenancy import TenantContext
+
+
+@dataclass(frozen=True)
+class Composition:
+    """What a request with `adapters` runs: the composite, and its components as resolved."""
+
+    adapter: LoRAAdapter
+    components: list[Component]
+    versions: list[AdapterVersionInfo]
+
+    def ledger(self) -> list[dict]:
+        """The ledger row's `composition`: [{"adapter_id", "version", "digest", "weight"}, ...]."""
+        return [{"adapter_id": v.adapter_id, "version": v.version, "digest": v.digest, "weight": c.weight}
+                for c, v in zip(self.components, self.versions)]
+
+    def extension(self) -> list[dict]:
+        """The response's `loramux.composition`: each component as asked and as served."""
+        return [{"model": c.model, "adapter_id": v.adapter_id, "name": v.name, "version": v.version,
+                 "weight": c.weight} for c, v in zip(self.components, self.versions)]
+
+
+def component_rank(version: AdapterVersionInfo) -> int:
+    """A component's rank in the composite's sum, as PEFT counts it: its r, or its largest module rank under
+    a rank_pattern (from the version's summary, recorded at upload)."""
+    modules = (version.summary or {}).get("modules") or {}
+    return max([version.rank, *(int(m.get("rank_max", 0)) for m in modules.values())])
+
+
+def _summary_refusal(version: AdapterVersionInfo) -> str | None:
+    """Why the version cannot be combined, from its upload summary (before loading anything); None when the
+    summary has nothing against it (the loaded adapter is checked again: `refusal_reason`)."""
+    summary = version.summary or {}
+    if summary.get("dora"):
+        return "it is a DoRA adapter (use_dora), whose magnitude rescaling does not add up across adapters"
+    if summary.get("embedding"):
+        return "it has a LoRA on the embedding (embed_tokens), which a composition cannot stack"
+    if summary.get("heads"):
+        return ("it trains heads or whole modules (modules_to_save, trainable_token_indices), which a weighted "
+                "sum of deltas cannot combine")
+    return None
+
+
+def _cannot_combine(component: Component, reason: str) -> ApiError:
+    return ApiError(400, f"adapter {component.model!r} cannot be combined: {reason}", code="unsupported_adapter",
+                    param="adapters")
+
+
+async def resolve_components(registry: AdapterRegistry, tenant: TenantContext, components: list[Component],
+                             max_rank: int, max_lora_rank: int, base_model_id: str) -> list[AdapterVersionInfo]:
+    """Each component's latest version for the tenant, checked: visible (404 naming it), listed once, of a
+    format `cat` combines, and a summed rank within the limits (400s)."""
+    versions = []
+    for i, component in enumerate(components):
+        try:
+            version = await run_in_threadpool(registry.resolve, tenant.tenant_id, component.model)
+        except AdapterNotFoundError:
+            raise ApiError(404, f"adapters[{i}].model {component.model!r} not found: name an adapter listed by "
+                                f"GET /v1/models (the base model {base_model_id!r} is what `model` names)",
+                           code="model_not_found", param="adapters") from None
+        for j, seen in enumerate(versions):
+            if seen.adapter_id == version.adapter_id:
+                raise ApiError(400, f"adapters[{j}] and adapters[{i}] both name adapter {version.name!r}: list each "
+                                    "adapter once, with the sum of its weights", code="invalid_adapters",
+                               param="adapters")
+        reason = _summary_refusal(version)
+        if reason is not None:
+            raise _cannot_combine(component, reason)
+        versions.append(version)
+    ranks = [component_rank(v) for v in versions]
+    limit, setting = min((max_rank, "LORAMUX_COMPOSITION_MAX_RANK"), (max_lora_rank, "LORAMUX_MAX_LORA_RANK"))
+    if sum(ranks) > limit:
+        shown = " + ".join(f"{c.model} {r}" for c, r in zip(components, ranks))
+        raise ApiError(400, f"the combined rank is {sum(ranks)} ({shown}); this server combines adapters up to a "
+                            f"summed rank of {limit} ({setting}): combine fewer or smaller adapters",
+                       code="composition_too_large", param="adapters")
+    return versions
+
+
+async def acquire_composition(registry: AdapterRegistry, cache: AdapterCache, compositions: CompositionCache,
+                              tenant: TenantContext, components: list[Component], time_left: float, *,
+                              max_rank: int, max_lora_rank: int, base_model_id: str) -> Composition:
+    """The request's composite (see the module docstring). Raises ApiError with nothing held."""
+    versions = await resolve_components(registry, tenant, components, max_rank, max_lora_rank, base_model_id)
+    digest = composition_digest([(v.digest, c.weight) for c, v in zip(components, versions)])
+    composite = compositions.get(digest)
+    if composite is None:
+        composite = await _build(cache, compositions, components, versions, digest, time.monotonic() + time_left)
+    return Composition(composite, list(components), versions)
+
+
+async def _build(cache: AdapterCache, compositions: CompositionCache, components: list[Component],
+                 versions: list[AdapterVersionInfo], digest: str, deadline: float) -> LoRAAdapter:
+    """Lease every component into host RAM, build (or wait for another request's build of) the composite,
+    and give the leases back, whatever happens."""
+    leases = []
+    try:
+        for version in versions:
+            try:
+                leases.append(await cache.acquire(version, max(0.001, deadline - time.monotonic())))
+            except (AdapterLoadError, TimeoutError) as exc:
+                reason = (str(exc) if isinstance(exc, AdapterLoadError)
+                          else f"adapter {version.label} could not be loaded within the request's deadline")
+                raise ApiError(503, reason, retry_after_s=5.0, code="adapter_unavailable",
+                               param="adapters") from None
+        loaded = [lease.adapter for lease in leases]
+        for component, adapter in zip(components, loaded):
+            if not isinstance(adapter, LoRAAdapter):  # a scaled-out ingress holds no weights (loramux.cluster)
+                raise ApiError(400, "combining adapters per request is not available on a scaled-out (Ray Serve) "
+                                    "deployment", code="unsupported_parameter", param="adapters")
+            reason = refusal_reason(adapter)
+            if reason is not None:
+                raise _cannot_combine(component, reason)
+        parts = list(zip(loaded, (c.weight for c in components)))
+        try:
+            return await run_in_threadpool(compositions.get_or_build, digest,
+                                           lambda: compose(parts, f"composition-{digest[:16]}", digest))
+        except CompositionError as exc:
+            raise ApiError(400, str(exc), code="invalid_adapters", param="adapters") from None
+    finally:
+        for lease in leases:
+            cache.release(lease.adapter.digest)
