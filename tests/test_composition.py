@@ -4,6 +4,7 @@ zero padding aside), and the engine serving it generates PEFT's greedy tokens, a
 with plain adapters and the base model; refusals name the component; the host-RAM LRU builds once."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -162,6 +163,19 @@ def test_composites_generate_pefts_tokens_alone_and_in_a_mixed_batch(peft_case, 
         assert out.token_ids == expected[name][i], (name, i)
 
 
+def test_triton_kernels_serve_composites_like_pefts(peft_case, tokenizer):
+    """The composite's per-module ranks through the Triton kernels (interpreted on CPU, native on GPU)."""
+    pytest.importorskip("triton")
+    model_dir, _, _, expected = peft_case
+    adapters = _loaded(peft_case)
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    engine = _engine(model_dir, tokenizer, lora_impl="triton", speculative_tokens=0)
+    names = ["two", "three", "tone"]
+    outs = run_to_completion(engine, [(PROMPTS[1], params, _composite(adapters, n) if n in COMPOSITIONS
+                                       else adapters[n]) for n in names])
+    assert [o.token_ids for o in outs] == [expected[n][1] for n in names]
+
+
 def test_one_component_is_the_weighted_adapter(peft_case, tokenizer):
     model_dir, _, _, expected = peft_case
     adapters = _loaded(peft_case)
@@ -243,3 +257,19 @@ def test_cache_builds_each_composite_once_and_evicts_the_least_recently_used():
     with pytest.raises(RuntimeError):
         cache.get_or_build("d", failing)
     assert cache.get_or_build("d", lambda: "d") == "d"  # a failed build is not remembered
+
+
+def test_a_components_rank_is_pefts_r_or_its_largest_pattern_rank():
+    from datetime import datetime, timezone
+
+    from loramux.adapters.registry import AdapterVersionInfo
+    from loramux.server.serving.composition_choice import component_rank
+
+    version = AdapterVersionInfo(
+        adapter_id="ad_1", tenant_id="t", name="a", visibility="private", version=1, digest="d" * 64,
+        storage_key="k", size_bytes=1, rank=8, alpha=16.0, use_rslora=False, target_modules=("q_proj",),
+        base_model="m", created_at=datetime.now(timezone.utc))
+    assert component_rank(version) == 8
+    patterned = {"modules": {"q_proj": {"rank_max": 4}, "down_proj": {"rank_max": 12}}}
+    assert component_rank(dataclasses.replace(version, summary=patterned)) == 12
+    assert component_rank(dataclasses.replace(version, summary={"modules": {"q_proj": {"rank_max": 2}}})) == 8
