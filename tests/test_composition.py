@@ -5,6 +5,7 @@ with plain adapters and the base model; refusals name the component; the host-RA
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 
 import pytest
@@ -36,6 +37,9 @@ COMPOSITIONS = {
     "three": [("tone", 1.5), ("style", -0.5), ("legal", 0.8)],
     "zero-weight": [("tone", 1.0), ("legal", 0.0)],
 }
+# Where PEFT does not compute the weighted sum: an rsLoRA component first makes its composite's scale
+# sqrt(summed rank) instead of 1 (the tensors are the same; loramux runs them at scale 1).
+RSLORA_FIRST = [("legal", 0.3), ("tone", 0.7)]
 
 
 def _train_like(model, seed: int) -> None:
@@ -88,6 +92,8 @@ def build_peft_case(root, tokenizer):
         model.load_adapter(dirs[name], adapter_name=name)
     for name, parts in COMPOSITIONS.items():
         model.add_weighted_adapter([a for a, _ in parts], [w for _, w in parts], name, combination_type="cat")
+    model.add_weighted_adapter([a for a, _ in RSLORA_FIRST], [w for _, w in RSLORA_FIRST], "rslora-first",
+                               combination_type="cat")
     expected = {}
     for name in [*ADAPTERS, *COMPOSITIONS]:
         model.set_adapter(name)
@@ -136,6 +142,17 @@ def test_composite_tensors_are_pefts_cat_to_the_bit(peft_case, name):
             assert a.shape[0] == rows and b.shape[1] == rows
             assert torch.equal(a, a_ref[:rows]) and not a_ref[rows:].any(), (layer, target)
             assert torch.equal(b, b_ref[:, :rows]) and not b_ref[:, rows:].any(), (layer, target)
+
+
+def test_pefts_rslora_first_quirk_scales_the_same_tensors_by_sqrt_of_the_summed_rank(peft_case):
+    _, _, model, _ = peft_case
+    adapters = _loaded(peft_case)
+    composite = compose([(adapters[a], w) for a, w in RSLORA_FIRST], "rslora-first")
+    module = _peft_module(model, 0, "v_proj")  # legal (rank 8) and tone (rank 4) both adapt it
+    assert module.scaling["rslora-first"] == 12 / math.sqrt(12) != 1.0
+    a, b = composite.weights[(0, "v_proj")]
+    assert torch.equal(a, module.lora_A["rslora-first"].weight.data) and composite.scale == 1.0
+    assert torch.equal(b, module.lora_B["rslora-first"].weight.data)
 
 
 def _engine(model_dir, tokenizer, **overrides):
