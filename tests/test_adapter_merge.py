@@ -1,0 +1,146 @@
+"""Stored merges of adapters: every method equals PEFT's own `add_weighted_adapter` on a real PeftModel of the
+tiny Llama (tensor for tensor, same seed for DARE), the merged adapter served through the admin API generates
+what HF + PEFT's merged model generates, its provenance is answered by the API, shown by the console and the
+CLI makes one; refusals (unknown or invisible components, method preconditions, DoRA) name what to fix."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from conftest import admin_client, make_engine, make_services, new_tenant_key
+from loramux.adapters.merge import MergeComponent, MergeError, check_components, check_request, merge
+from loramux.adapters.peft_format import build_adapter, load_adapter_dir
+from loramux.testing import LiveServer, save_tiny_hf_model, write_peft_adapter
+
+ADMIN_KEY = "lmxa-merge-admin-key-0123456789abcdefghijklmnop"
+NEW_TOKENS = 8
+PROMPTS = [[1, 450, 3200, 17, 99, 23001, 871], [1, 12, 5, 4000, 300, 17, 12, 5]]
+# (name, rank, targets, seed, alpha): two of rank 8 on different targets, one of rank 4 (cat, svd only).
+SPECS = [("a", 8, ["q_proj", "v_proj"], 1, 16.0), ("b", 8, ["q_proj", "v_proj", "down_proj"], 2, 8.0),
+         ("c", 4, ["q_proj", "o_proj"], 3, 12.0)]
+# method: (components, weights, parameters)
+CASES = {
+    "cat": (["a", "c"], [1.0, 0.7], {}),
+    "linear": (["a", "b"], [0.6, 0.4], {}),
+    "ties": (["a", "b"], [1.0, 0.5], {"density": 0.6, "majority_sign_method": "frequency"}),
+    "dare_linear": (["a", "b"], [0.8, 0.5], {"density": 0.7, "seed": 1234}),
+    "dare_ties": (["a", "b"], [0.8, -0.5], {"density": 0.5, "seed": 99}),
+    "svd": (["a", "b", "c"], [1.0, 0.5, 0.8], {"svd_rank": 6}),
+}
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_dir, tiny_cfg, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("merge-adapters")
+    return {name: write_peft_adapter(root / name, tiny_cfg, rank, targets, seed=seed, alpha=alpha, b_std=0.3)
+            for name, rank, targets, seed, alpha in SPECS}
+
+
+def peft_merged(model_dir: Path, dirs: dict[str, Path], names, weights, method, params):
+    """PEFT's merge on a real PeftModel of the base: (the model, with the merged adapter active)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = PeftModel.from_pretrained(base, dirs[names[0]], adapter_name="c0")
+    for i, name in enumerate(names[1:], 1):
+        model.load_adapter(dirs[name], adapter_name=f"c{i}")
+    kwargs = {k: v for k, v in params.items() if k != "seed"}
+    torch.manual_seed(params.get("seed", 0))
+    model.add_weighted_adapter([f"c{i}" for i in range(len(names))], weights, "merged", combination_type=method,
+                               **kwargs)
+    model.set_adapter("merged")
+    return model
+
+
+def peft_tensors(model) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]:
+    out = {}
+    for name, module in model.named_modules():
+        if hasattr(module, "lora_A") and "merged" in module.lora_A:
+            parts = name.split(".")
+            key = (int(parts[parts.index("layers") + 1]), parts[-1])
+            out[key] = (module.lora_A["merged"].weight.detach(), module.lora_B["merged"].weight.detach(),
+                        module.scaling["merged"])
+    return out
+
+
+@pytest.mark.parametrize("method", list(CASES))
+def test_each_method_equals_peft_add_weighted_adapter(method, adapters, tiny_dir, tiny_cfg):
+    names, weights, params = CASES[method]
+    components = [MergeComponent(n, load_adapter_dir(adapters[n], tiny_cfg), w) for n, w in zip(names, weights)]
+    checked = check_request(method, params, weights)
+    check_components(method, checked, components, tiny_cfg)
+    merged = merge(method, checked, components, tiny_cfg)
+    # Through the upload's validation, as the registry stores it.
+    ours = build_adapter("m", merged.config, merged.weights, tiny_cfg)
+    want = peft_tensors(peft_merged(tiny_dir, adapters, names, weights, method, params))
+    assert set(ours.weights) == set(want) and want
+    for key, (a, b, scale) in want.items():
+        torch.testing.assert_close(ours.weights[key][0], a, rtol=0, atol=0)
+        torch.testing.assert_close(ours.weights[key][1], b, rtol=0, atol=0)
+        assert ours.scale_of(key) == scale
+    if method.startswith("dare"):  # reproducible: the same seed gives the same bytes, another seed others
+        assert merge(method, checked, components, tiny_cfg).weights == merged.weights
+        other = merge(method, {**checked, "seed": checked["seed"] + 1}, components, tiny_cfg)
+        assert other.weights != merged.weights
+
+
+def test_dare_without_a_seed_gets_one_to_record():
+    params = check_request("dare_ties", {"density": 0.5}, [1.0, 1.0])
+    assert isinstance(params["seed"], int) and params["majority_sign_method"] == "total"
+    assert "seed" not in check_request("ties", {"density": 0.5}, [1.0, 1.0])
+
+
+@pytest.mark.parametrize("method, params, weights, param, words", [
+    ("mean", {}, [1, 1], "method", "method must be one of cat, linear"),
+    ("cat", {"density": 0.5}, [1, 1], "parameters.density", "does not apply to method cat"),
+    ("ties", {}, [1, 1], "parameters.density", "needs parameters.density in (0, 1]"),
+    ("dare_ties", {"density": 0}, [1, 1], "parameters.density", "got 0"),
+    ("dare_linear", {"density": 1.5}, [1, 1], "parameters.density", "(0, 1]"),
+    ("ties", {"density": 0.5, "majority_sign_method": "most"}, [1, 1], "parameters.majority_sign_method",
+     "total, frequency"),
+    ("svd", {"svd_rank": 0}, [1, 1], "parameters.svd_rank", "positive integer"),
+    ("svd", {"svd_clamp": 2}, [1, 1], "parameters.svd_clamp", "quantile"),
+    ("dare_linear", {"density": 0.5, "seed": -1}, [1, 1], "parameters.seed", "integer"),
+    ("cat", {}, [1], "components", "2 to 16 components"),
+    ("cat", {}, [1, float("nan")], "components[1].weight", "finite number"),
+])
+def test_request_refusals_name_the_parameter(method, params, weights, param, words):
+    with pytest.raises(MergeError) as info:
+        check_request(method, params, weights)
+    assert info.value.param == param and words in str(info.value), str(info.value)
+    assert info.value.code == "invalid_merge"
+
+
+def test_component_preconditions(adapters, tiny_cfg, tmp_path):
+    a, b, c = (load_adapter_dir(adapters[n], tiny_cfg) for n in "abc")
+    with pytest.raises(MergeError, match=r"same rank \(a r=8, c r=4\); use cat or svd"):
+        check_components("linear", {}, [MergeComponent("a", a, 1), MergeComponent("c", c, 1)], tiny_cfg)
+    with pytest.raises(MergeError, match="rank 64 is larger than the smallest merged projection"):
+        check_components("svd", {"svd_rank": 64}, [MergeComponent("a", a, 1), MergeComponent("b", b, 1)], tiny_cfg)
+    with pytest.raises(MergeError, match="rank 20, above this server's limit of 16"):
+        check_components("cat", {}, [MergeComponent("a", a, 1), MergeComponent("b", b, 1),
+                                     MergeComponent("c", c, 1)], tiny_cfg, max_rank=16)
+    dora = _peft_dir(tmp_path / "dora", tiny_cfg, use_dora=True)
+    with pytest.raises(MergeError, match=r"component d has DoRA \(lora_magnitude_vector\)"):
+        check_components("cat", {}, [MergeComponent("a", a, 1), MergeComponent("d", dora, 1)], tiny_cfg)
+
+
+def _peft_dir(path: Path, cfg, **lora):
+    """A small PEFT adapter with options write_peft_adapter does not write (DoRA), loaded."""
+    config = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"], **lora}
+    from safetensors.torch import save
+
+    g = torch.Generator().manual_seed(5)
+    tensors = {}
+    for layer in range(cfg.num_layers):
+        prefix = f"base_model.model.model.layers.{layer}.self_attn.q_proj"
+        tensors[f"{prefix}.lora_A.weight"] = torch.randn(8, cfg.hidden_size, generator=g)
+        tensors[f"{prefix}.lora_B.weight"] = torch.randn(cfg.q_size, 8, generator=g)
+        if lora.get("use_dora"):
+            tensors[f"{prefix}.lora_magnitude_vector"] = torch.rand(cfg.q_size, generator=g) + 0.5
+    return build_adapter(path.name, json.dumps(config), save(tensors), cfg)
