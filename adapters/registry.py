@@ -85,6 +85,9 @@ class AdapterVersionInfo:
     base_family: str | None = None  # model_type of the base it was validated against (None: not recorded)
     # What the adapter changes (adapters/summary.py); None for versions uploaded before it was recorded (0010).
     summary: dict | None = field(default=None, hash=False, compare=False)
+    # Where a merged version came from (adapters/merge.py): {"method", "parameters", "components": [{"adapter_id",
+    # "version", "digest", "weight"}]}; None for an upload.
+    provenance: dict | None = field(default=None, hash=False, compare=False)
 
     @property
     def label(self) -> str:
@@ -97,7 +100,7 @@ def _version_info(a: Adapter, v: AdapterVersion) -> AdapterVersionInfo:
         digest=v.digest, storage_key=v.storage_key, size_bytes=v.size_bytes, rank=v.rank, alpha=v.alpha,
         use_rslora=v.use_rslora, target_modules=tuple(v.target_modules), base_model=v.base_model,
         created_at=v.created_at, claimed_base_model=v.claimed_base_model, base_family=v.base_family,
-        summary=v.summary)
+        summary=v.summary, provenance=v.provenance)
 
 
 def _check_visibility(visibility: str) -> None:
@@ -125,10 +128,12 @@ class AdapterRegistry:
 
     # -- adapters --------------------------------------------------------------------------------
     def register(self, tenant_id: str, name: str, files: Mapping[str, bytes | Path],
-                 visibility: str = "private", allow_base_mismatch: bool = False) -> AdapterVersionInfo:
+                 visibility: str = "private", allow_base_mismatch: bool = False,
+                 provenance: dict | None = None) -> AdapterVersionInfo:
         """Validate and store an upload as the next version of `name` (created when new). Uploading the
         bytes of the current version again returns that version instead of adding an identical one.
-        `allow_base_mismatch`: accept a config naming another hub model (the operator knows the shapes match)."""
+        `allow_base_mismatch`: accept a config naming another hub model (the operator knows the shapes match).
+        `provenance`: recorded with a new version made by a merge (see adapters/merge.py)."""
         check_name(name)
         _check_visibility(visibility)
         tenant = self.tenancy.tenant(tenant_id)
@@ -143,7 +148,8 @@ class AdapterRegistry:
         _reserve_blob(self.db, digest, key)
         try:
             self.store.put(key, blob)
-            return self._insert_version(tenant_id, name, visibility, digest, key, len(blob), blob, claimed_base)
+            return self._insert_version(tenant_id, name, visibility, digest, key, len(blob), blob, claimed_base,
+                                        provenance)
         except BaseException:
             self._after_failed_upload(digest, key)
             raise
@@ -168,7 +174,7 @@ class AdapterRegistry:
             self._tell_deleted(digest)
 
     def _insert_version(self, tenant_id, name, visibility, digest, key, size, blob,
-                        claimed_base: str | None = None) -> AdapterVersionInfo:
+                        claimed_base: str | None = None, provenance: dict | None = None) -> AdapterVersionInfo:
         meta = unpack(blob, name)  # the normalised config, as the engine will see it
         for attempt in range(5):  # two uploads of one name racing for the same version number
             try:
@@ -198,7 +204,8 @@ class AdapterRegistry:
                         rank=meta.rank, alpha=meta.alpha, use_rslora=meta.use_rslora,
                         target_modules=list(meta.target_modules), base_model=self.base_model_id,
                         claimed_base_model=claimed_base, base_family=self.base_config.model_type,
-                        summary=describe(meta, self.base_config, self.device_dtype_bytes), status="ready")
+                        summary=describe(meta, self.base_config, self.device_dtype_bytes), provenance=provenance,
+                        status="ready")
                     s.add(version)
                     s.flush()
                     return _version_info(adapter, version)

@@ -31,6 +31,19 @@ def add_parser(sub) -> None:
     up.add_argument("--public", action="store_true")
     up.add_argument("--allow-base-mismatch", action="store_true",
                     help="accept a base_model_name_or_path that names another model (the shapes are still checked)")
+    mg = ad.add_parser("merge", help="merge adapters into a new one (or a new version) with PEFT's "
+                                     "add_weighted_adapter")
+    mg.add_argument("tenant_id", help="the new adapter's owner (an id or a name)")
+    mg.add_argument("name", help="the new adapter's name (an existing one gets a new version)")
+    mg.add_argument("components", nargs="+", metavar="ADAPTER[@VERSION][=WEIGHT]",
+                    help="an adapter id or name the tenant can use, optionally @version and =weight (default 1)")
+    mg.add_argument("--method", required=True, help="cat, linear, ties, dare_linear, dare_ties or svd")
+    mg.add_argument("--density", type=float, help="ties, dare_*: the fraction of entries kept, in (0, 1]")
+    mg.add_argument("--majority-sign-method", help="ties, dare_ties: total (default) or frequency")
+    mg.add_argument("--seed", type=int, help="dare_*: the random seed (default: one the server picks and records)")
+    mg.add_argument("--svd-rank", type=int, help="svd: the merged rank (default: the largest component rank)")
+    mg.add_argument("--svd-clamp", type=float, help="svd: clamp to this quantile")
+    mg.add_argument("--public", action="store_true")
     al = ad.add_parser("list")
     al.add_argument("--tenant-id")
     for name in ("show", "delete", "warm", "pin", "unpin"):
@@ -126,6 +139,8 @@ def _dispatch(client, args) -> int:
     if cmd == "adapters":
         if action == "upload":
             return _upload(client, args)
+        if action == "merge":
+            return _merge(client, args)
         if action == "list":
             return _show(client.get("/admin/adapters", params={"tenant_id": args.tenant_id} if args.tenant_id else {}))
         path = f"/admin/adapters/{args.adapter_id}"
@@ -173,6 +188,37 @@ def _upload(client, args) -> int:
     fields = {"tenant_id": args.tenant_id, "name": args.name, "visibility": "public" if args.public else "private",
               "allow_base_mismatch": "true" if args.allow_base_mismatch else "false"}
     return _send_files(client, "/admin/adapters", parts, fields, args.name)
+
+
+def merge_component(text: str) -> dict:
+    """`ADAPTER[@VERSION][=WEIGHT]` as a component of POST /admin/adapters/merge (ValueError naming the part)."""
+    ref, _, weight = text.partition("=")
+    ref, _, version = ref.partition("@")
+    component: dict = {"adapter": ref}
+    if version:
+        if not version.isdigit():
+            raise ValueError(f"component {text!r}: the version after '@' must be a number")
+        component["version"] = int(version)
+    if weight:
+        try:
+            component["weight"] = float(weight)
+        except ValueError:
+            raise ValueError(f"component {text!r}: the weight after '=' must be a number") from None
+    return component
+
+
+def _merge(client, args) -> int:
+    try:
+        components = [merge_component(text) for text in args.components]
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    parameters = {"density": args.density, "majority_sign_method": args.majority_sign_method, "seed": args.seed,
+                  "svd_rank": args.svd_rank, "svd_clamp": args.svd_clamp}
+    body = {"tenant_id": args.tenant_id, "name": args.name, "method": args.method, "components": components,
+            "visibility": "public" if args.public else "private",
+            "parameters": {k: v for k, v in parameters.items() if v is not None}}
+    return _show(client.post("/admin/adapters/merge", json=body))
 
 
 def _upload_medusa(client, args) -> int:

@@ -144,3 +144,152 @@ def _peft_dir(path: Path, cfg, **lora):
         if lora.get("use_dora"):
             tensors[f"{prefix}.lora_magnitude_vector"] = torch.rand(cfg.q_size, generator=g) + 0.5
     return build_adapter(path.name, json.dumps(config), save(tensors), cfg)
+
+
+# ---------------------------------------------------------------------------------------------- over HTTP
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tokenizer, adapters):
+    """A live server on a tiny Llama with weights large enough that adapters change greedy tokens; tenant acme
+    owns a, b, c (uploaded through the API), tenant other a private `secret` and a public `shared`.
+    Yields (server, admin client, acme's key, model dir)."""
+    from loramux.server.app import create_app
+
+    root = tmp_path_factory.mktemp("merge-served")
+    model_dir = root / "model"
+    save_tiny_hf_model(model_dir, len(tokenizer), weight_scale=4.0, tokenizer=tokenizer)
+    engine = make_engine(model_dir, tokenizer, max_lora_rank=16, adapter_pool_bytes=64 * 2**20)
+    app = create_app(lambda: make_services(root, engine, admin_key=ADMIN_KEY, max_upload_bytes=16 * 2**20,
+                                           max_lora_rank=16))
+    with LiveServer(app) as server, admin_client(server, ADMIN_KEY) as admin:
+        key = new_tenant_key(server.services, "acme", "premium")
+        server.services.tenancy.ensure_tenant("other", tier="standard")
+        for tenant, name, source, visibility in (("acme", "a", "a", "private"), ("acme", "b", "b", "private"),
+                                                 ("acme", "c", "c", "private"), ("other", "secret", "a", "private"),
+                                                 ("other", "shared", "b", "public")):
+            answer = upload(admin, tenant, name, adapters[source], visibility=visibility)
+            assert answer.status_code == 201, answer.text
+        yield server, admin, key, model_dir
+
+
+def upload(admin: httpx.Client, tenant: str, name: str, directory: Path, **fields) -> httpx.Response:
+    files = {field: (f, (directory / f).read_bytes()) for field, f in (("adapter_config", "adapter_config.json"),
+                                                                      ("adapter_model", "adapter_model.safetensors"))}
+    return admin.post("/admin/adapters", data={"tenant_id": tenant, "name": name, **fields}, files=files)
+
+
+def merge_body(name: str, method: str, components: list[dict], **parameters) -> dict:
+    return {"tenant_id": "acme", "name": name, "method": method, "components": components, "parameters": parameters}
+
+
+def stored_counts(server) -> tuple[int, int, int]:
+    """(adapter rows, version rows, blobs in the store): what a refused merge must leave unchanged."""
+    from sqlalchemy import func, select
+
+    from loramux.db import Adapter, AdapterVersion
+
+    with server.services.db.session() as s:
+        adapters_n = s.scalar(select(func.count()).select_from(Adapter))
+        versions_n = s.scalar(select(func.count()).select_from(AdapterVersion))
+    return adapters_n, versions_n, len(server.services.registry.store.list_keys("blobs/"))
+
+
+@pytest.mark.parametrize("method, names, weights, parameters", [
+    ("cat", ["a", "c"], [1.0, 0.7], {}),
+    ("dare_ties", ["a", "b"], [0.9, 0.6], {"density": 0.6, "seed": 7}),
+    ("svd", ["a", "b", "c"], [1.0, 0.5, 0.8], {"svd_rank": 6}),
+])
+def test_a_served_merge_generates_what_peft_merged_model_generates(method, names, weights, parameters, served,
+                                                                   adapters, tokenizer):
+    server, admin, key, model_dir = served
+    components = [{"adapter": n, "weight": w} for n, w in zip(names, weights)]
+    answer = admin.post("/admin/adapters/merge", json=merge_body(f"m-{method}", method, components, **parameters))
+    assert answer.status_code == 201, answer.text
+    merged = answer.json()
+    versions = {n: server.services.registry.resolve(server.services.tenancy.tenant("acme").id, n) for n in names}
+    assert merged["provenance"]["method"] == method
+    assert merged["provenance"]["parameters"] == ({**parameters, "majority_sign_method": "total"}
+                                                  if method == "dare_ties" else parameters)
+    assert merged["provenance"]["components"] == [
+        {"adapter_id": versions[n].adapter_id, "version": 1, "digest": versions[n].digest, "weight": w}
+        for n, w in zip(names, weights)]
+    model = peft_merged(model_dir, adapters, names, weights, method, parameters).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    base_model = model.get_base_model()
+    for ids in PROMPTS:
+        with torch.inference_mode():
+            want = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(ids):]
+            with model.disable_adapter():
+                plain = base_model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
+        body = {"model": f"m-{method}", "prompt": ids, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+        resp = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120,
+                          headers={"Authorization": f"Bearer {key}"})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["text"] == tokenizer.decode(want.tolist())
+        assert want.tolist() != plain[0, len(ids):].tolist()  # the merge changes the answer
+
+
+def test_provenance_in_the_api_and_a_merge_of_an_existing_name_is_a_new_version(served):
+    server, admin, _, _ = served
+    first = admin.post("/admin/adapters/merge", json=merge_body("blend", "linear", [{"adapter": "a"},
+                                                                                    {"adapter": "b", "weight": 0.5}]))
+    assert first.status_code == 201, first.text
+    again = admin.post("/admin/adapters/merge", json=merge_body(
+        "blend", "ties", [{"adapter": first.json()["id"], "version": 1}, {"adapter": "other/shared", "weight": 0.3}],
+        density=0.5))
+    assert again.status_code == 201, again.text
+    assert again.json()["id"] == first.json()["id"] and again.json()["version"] == 2
+    detail = admin.get(f"/admin/adapters/{first.json()['id']}").json()
+    v1, v2 = detail["versions"]
+    assert v1["provenance"]["method"] == "linear" and v1["provenance"]["parameters"] == {}
+    assert v2["provenance"]["components"][0] == {"adapter_id": first.json()["id"], "version": 1,
+                                                 "digest": first.json()["digest"], "weight": 1.0}
+    assert v2["provenance"]["parameters"] == {"density": 0.5, "majority_sign_method": "total"}
+    listed = {a["name"]: a for a in admin.get("/admin/adapters", params={"tenant_id": "acme"}).json()["adapters"]}
+    assert listed["blend"]["provenance"]["method"] == "ties" and listed["a"]["provenance"] is None
+
+
+@pytest.mark.parametrize("body, status, param, words", [
+    (merge_body("x", "cat", [{"adapter": "a"}, {"adapter": "nope"}]), 404, None,
+     "components[1]: adapter 'nope' not found for tenant 'acme'"),
+    (merge_body("x", "cat", [{"adapter": "a"}, {"adapter": "other/secret"}]), 404, None, "components[1]"),
+    (merge_body("x", "cat", [{"adapter": "a", "version": 9}, {"adapter": "b"}]), 404, None, "'a@9' not found"),
+    (merge_body("x", "linear", [{"adapter": "a"}, {"adapter": "c"}]), 400, "components", "use cat or svd"),
+    (merge_body("x", "ties", [{"adapter": "a"}, {"adapter": "b"}]), 400, "parameters.density", "(0, 1]"),
+    (merge_body("x", "svd", [{"adapter": "a"}, {"adapter": "b"}], svd_rank=200), 400, "parameters.svd_rank",
+     "(32 wide); give parameters.svd_rank <= 32"),
+    (merge_body("x", "cat", [{"adapter": "a"}, {"adapter": "b"}, {"adapter": "c"}]), 400, "components",
+     "rank 20, above this server's limit of 16"),
+    (merge_body("x", "cat", [{"adapter": "a"}, {"adapter": "b"}], seed=3), 400, "parameters.seed",
+     "does not apply to method cat"),
+    (merge_body("ad_x", "cat", [{"adapter": "a"}, {"adapter": "b"}]), 400, None, "reserved"),
+    ({**merge_body("x", "cat", [{"adapter": "a"}, {"adapter": "b"}]), "tenant_id": "ghost"}, 404, None, "ghost"),
+])
+def test_refusals_name_what_to_fix_and_store_nothing(served, body, status, param, words):
+    server, admin, _, _ = served
+    before = stored_counts(server)
+    answer = admin.post("/admin/adapters/merge", json=body)
+    assert answer.status_code == status, answer.text
+    error = answer.json()["error"]
+    assert words in error["message"], error
+    if param:
+        assert error["param"] == param and error["code"] == "invalid_merge"
+    assert stored_counts(server) == before
+
+
+def test_a_merge_whose_store_write_fails_leaves_no_rows_or_blob(served, monkeypatch):
+    from loramux.adapters.store import StoreError
+
+    server, admin, _, _ = served
+    before = stored_counts(server)
+
+    def broken_put(key, data):
+        raise StoreError("the store is down")
+
+    monkeypatch.setattr(server.services.registry.store, "put", broken_put)
+    answer = admin.post("/admin/adapters/merge", json=merge_body("broken", "cat", [{"adapter": "a"},
+                                                                                   {"adapter": "c"}]))
+    assert answer.status_code >= 500
+    monkeypatch.undo()
+    assert stored_counts(server) == before

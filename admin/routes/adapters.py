@@ -2,10 +2,11 @@
 (the operations are `loramux.services.adapters`)."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
+from pydantic import ConfigDict, Field
 
 from loramux.adapters.registry import AdapterVersionInfo
 from loramux.admin.routes.schemas import (
@@ -20,6 +21,7 @@ from loramux.admin.routes.schemas import (
 from loramux.admin.uploads import receive_upload
 from loramux.server.deps import ServicesDep
 from loramux.server.http.bodies import RequestBody
+from loramux.services import adapter_merges as merges
 from loramux.services import adapters as ops
 
 router = APIRouter(prefix="/adapters")
@@ -39,6 +41,34 @@ async def upload_adapter(request: Request, services: ServicesDep) -> AdapterVers
     async with receive_upload(request, cap) as (fields, files):
         ops.check_upload_fields(fields)
         return await run_in_threadpool(ops.register_upload, services, fields, files)
+
+
+class MergeComponentBody(RequestBody):
+    model_config = ConfigDict(extra="forbid")
+    adapter: str = Field(max_length=300, description="an adapter id (ad_...) or a name the tenant can use "
+                                                     "(its own, or owner/name of a public adapter)")
+    version: int | None = Field(default=None, ge=1, le=999_999_999, description="default: the latest version")
+    weight: float = Field(default=1.0, allow_inf_nan=False)
+
+
+class MergeBody(RequestBody):
+    model_config = ConfigDict(extra="forbid")
+    tenant_id: str = Field(max_length=200, description="the new adapter's owner, an id or a name")
+    name: str = Field(max_length=200, description="the new adapter's name; an existing one gets a new version")
+    visibility: Literal["private", "public"] = "private"
+    method: str = Field(max_length=40, description="cat, linear, ties, dare_linear, dare_ties or svd")
+    parameters: dict[str, Any] = Field(default_factory=dict, description=(
+        "density (ties, dare_*), majority_sign_method (ties, dare_ties), seed (dare_*), svd_rank and svd_clamp (svd)"))
+    components: list[MergeComponentBody] = Field(max_length=64)
+
+
+@router.post("/merge", status_code=201, response_model=UploadedAdapter)
+async def merge_adapters(body: MergeBody, services: ServicesDep) -> AdapterVersionInfo:
+    """Merge adapters with PEFT's add_weighted_adapter into a new adapter (or a new version of `name`), stored
+    like an upload, with its provenance (method, parameters, components with their versions and digests)."""
+    components = [merges.ComponentRef(c.adapter, c.version, c.weight) for c in body.components]
+    return await run_in_threadpool(merges.merge_adapters, services, body.tenant_id, body.name, components,
+                                   body.method, body.parameters, body.visibility)
 
 
 @router.get("", response_model=AdapterList)

@@ -93,6 +93,23 @@ class AdapterSummary(Out):
     device_bytes: DeviceBytes = Field(description="bytes the adapter takes in device memory, at the engine's dtype")
 
 
+class MergedComponent(Out):
+    adapter_id: str
+    version: int
+    digest: str = Field(description="the component version's content digest")
+    weight: float
+
+
+class Provenance(Out):
+    """How a merged version was made (POST /admin/adapters/merge)."""
+
+    method: Literal["cat", "linear", "ties", "dare_linear", "dare_ties", "svd"]
+    parameters: dict = Field(description="the method's parameters as run (density, majority_sign_method, seed, "
+                                         "svd_rank, svd_clamp); DARE's seed is recorded even when chosen by the server")
+    components: list[MergedComponent]
+    peft_version: str | None = Field(default=None, description="the PEFT release whose add_weighted_adapter merged")
+
+
 class UploadedAdapter(Out):
     id: str = Field(validation_alias=AliasChoices("id", "adapter_id"))
     name: str
@@ -103,6 +120,9 @@ class UploadedAdapter(Out):
     summary: AdapterSummary | None = Field(
         default=None, description="what the adapter changes (modules and ranks, DoRA, embedding LoRA, heads, device "
                                   "bytes); null for versions uploaded before it was recorded")
+    provenance: Provenance | None = Field(
+        default=None, description="for a version made by a merge: method, parameters and components; null for an "
+                                  "upload")
 
 
 class AdapterVersion(UploadedAdapter):

@@ -64,7 +64,8 @@ def install_error_handlers(app: FastAPI) -> None:
     handle(MedusaNotFoundError, lambda e: error_response(404, str(e), "medusa_not_found"))
     handle(InvalidNameError, lambda e: error_response(400, str(e), "invalid_name"))
     handle(AdapterFormatError, lambda e: error_response(413 if getattr(e, "code", "") == "too_large" else 400,
-                                                        str(e), getattr(e, "code", "invalid_adapter")))
+                                                        str(e), getattr(e, "code", "invalid_adapter"),
+                                                        getattr(e, "param", None)))
     handle(UploadError, lambda e: error_response(e.status, str(e), "upload_rejected"))
     handle(AdapterLoadError, lambda e: error_response(503, str(e), "adapter_unavailable", retry_after_s=5))
     handle(AdapterUnavailableError, lambda e: error_response(503, str(e), "adapter_unavailable", retry_after_s=5))

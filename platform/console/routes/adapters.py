@@ -1,6 +1,7 @@
 """Adapters: every tenant's, with where each one's latest version is now (S3/store, disk, RAM, device) and
 its requests and tokens in the last hour; upload (with a progress bar; the validator's message on a
-refusal), versions, visibility, delete, warm and pin.
+refusal), merge (PEFT's add_weighted_adapter, `loramux.services.adapter_merges`), versions with the provenance
+of merged ones, visibility, delete, warm and pin.
 
 Every operation is the admin API's own (`loramux.services.adapters`, uploads through `receive_upload`), so
 the console accepts and refuses exactly what the API does, and a refused upload stores nothing.
@@ -11,15 +12,18 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, RedirectResponse
 
-from loramux.adapters.registry import RegistryError
+from loramux.adapters.registry import AdapterNotFoundError, RegistryError
 from loramux.adapters.validation_common import AdapterFormatError
 from loramux.admin.uploads import receive_upload
 from loramux.console.deps import CheckedForm, CsrfRejected, Operator, render
 from loramux.console.session import CSRF_FIELD, csrf_matches
+from loramux.names import InvalidNameError
 from loramux.server.deps import ServicesDep
 from loramux.server.http.errors import ApiError
+from loramux.services import adapter_merges as merges
 from loramux.services import adapters as ops
 from loramux.services import tenants
+from loramux.tenancy import TenancyError, TenantNotFoundError
 
 router = APIRouter(prefix="/adapters")
 
@@ -57,6 +61,32 @@ async def upload(request: Request, operator: Operator, services: ServicesDep):
     return JSONResponse({"ok": True, "adapter": {"id": version.adapter_id, "name": version.name,
                                                  "version": version.version, "digest": version.digest}},
                         status_code=201)
+
+
+_MERGE_PARAMETERS = {"density": float, "majority_sign_method": str, "seed": int, "svd_rank": int, "svd_clamp": float}
+
+
+@router.post("/merge")
+async def merge(request: Request, operator: Operator, form: CheckedForm, services: ServicesDep):
+    """Form: tenant_id, name, visibility, method, components (one `ADAPTER[@VERSION][=WEIGHT]` a line) and the
+    method's parameters (empty ones left out). The merged adapter's page on success; the refusal's words else."""
+    try:
+        parameters = {}
+        for key, kind in _MERGE_PARAMETERS.items():
+            text = (form.get(key) or "").strip()
+            if text:
+                try:
+                    parameters[key] = kind(text)
+                except ValueError:
+                    raise ApiError(400, f"parameters.{key} must be a {kind.__name__}, got {text[:40]!r}") from None
+        components = merges.parse_components(form.get("components") or "")
+        version = await run_in_threadpool(merges.merge_adapters, services, form.get("tenant_id") or "",
+                                          form.get("name") or "", components, form.get("method") or "", parameters,
+                                          form.get("visibility") or "private")
+    except (AdapterFormatError, RegistryError, ApiError, InvalidNameError, TenancyError) as exc:
+        status = 404 if isinstance(exc, (AdapterNotFoundError, TenantNotFoundError)) else 400
+        return render(request, "error.html", operator, status_code=status, message=str(exc))
+    return RedirectResponse(f"/console/adapters/{version.adapter_id}?notice=merged", status_code=303)
 
 
 @router.get("/{adapter_id}")
