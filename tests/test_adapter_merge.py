@@ -293,3 +293,64 @@ def test_a_merge_whose_store_write_fails_leaves_no_rows_or_blob(served, monkeypa
     assert answer.status_code >= 500
     monkeypatch.undo()
     assert stored_counts(server) == before
+
+
+def test_the_cli_merges(served):
+    import os
+    import subprocess
+    import sys
+
+    server = served[0]
+    env = {**os.environ, "LORAMUX_ADMIN_KEY": ADMIN_KEY, "PYTHONUNBUFFERED": "1"}
+
+    def cli(*args) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "loramux.cli", "admin", "--url", server.url, "adapters", "merge",
+                               *args], capture_output=True, text=True, timeout=120, env=env)
+
+    done = cli("acme", "cli-blend", "a@1", "c=0.25", "--method", "svd", "--svd-rank", "4")
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout)
+    assert answer["name"] == "cli-blend" and answer["version"] == 1 and answer["summary"]["rank"] == 4
+    assert answer["provenance"]["parameters"] == {"svd_rank": 4}
+    assert [c["weight"] for c in answer["provenance"]["components"]] == [1.0, 0.25]
+    refused = cli("acme", "cli-bad", "a", "b", "--method", "dare_linear", "--density", "1.5")
+    assert refused.returncode == 1 and "400" in refused.stderr and "parameters.density in (0, 1]" in refused.stderr
+    malformed = cli("acme", "cli-bad", "a@x", "b", "--method", "cat")
+    assert malformed.returncode == 2 and "the version after '@' must be a number" in malformed.stderr
+
+
+def _console(server) -> tuple[httpx.Client, str]:
+    """A signed-in console client and the adapters page's CSRF token."""
+    import re
+
+    client = httpx.Client(base_url=server.url, follow_redirects=False, timeout=60)
+    form = client.get("/console/login")
+    token = re.search(r'name="csrf_token" value="([^"]+)"', form.text).group(1)
+    assert client.post("/console/login", data={"admin_key": ADMIN_KEY, "csrf_token": token}).status_code == 303
+    page = client.get("/console/adapters")
+    assert page.status_code == 200 and 'id="merge-form"' in page.text
+    return client, re.search(r'<meta name="csrf-token" content="([^"]+)"', page.text).group(1)
+
+
+def test_the_console_merges_and_shows_the_provenance(served):
+    server = served[0]
+    client, csrf = _console(server)
+    acme = server.services.tenancy.tenant("acme")
+    form = {"csrf_token": csrf, "tenant_id": acme.id, "name": "console-blend", "visibility": "private",
+            "method": "dare_linear", "components": "a=0.5\nb@1=0.5", "density": "0.8", "seed": "11",
+            "majority_sign_method": "", "svd_rank": "", "svd_clamp": ""}
+    done = client.post("/console/adapters/merge", data=form)
+    assert done.status_code == 303, done.text
+    page = client.get(done.headers["location"])
+    assert page.status_code == 200 and "Adapters merged, validated and stored." in page.text
+    b = server.services.registry.resolve(acme.id, "b")
+    assert "Version 1 is a merge" in page.text and "<strong>dare_linear</strong>" in page.text
+    assert "seed <strong>11</strong>" in page.text and b.digest[:16] in page.text
+    refused = client.post("/console/adapters/merge", data={**form, "name": "console-bad", "method": "ties",
+                                                           "density": "", "seed": ""})
+    assert refused.status_code == 400 and "needs parameters.density in (0, 1]" in refused.text
+    unknown = client.post("/console/adapters/merge", data={**form, "components": "a\nnope"})
+    assert unknown.status_code == 404 and "components[1]: adapter &#39;nope&#39; not found" in unknown.text
+    forged = client.post("/console/adapters/merge", data={**form, "csrf_token": "guessed", "name": "forged"})
+    assert forged.status_code == 403
+    assert "forged" not in {v.name for v in server.services.registry.list_all(acme.id)}
