@@ -21,7 +21,7 @@ Methods (PEFT's `combination_type`):
 DARE draws its masks from torch's global generator: the merge runs under `torch.random.fork_rng` seeded with
 `seed` (a request without one gets a random seed, recorded), so the same request gives the same bytes, equal
 to what PEFT gives after `torch.manual_seed(seed)` on a real PeftModel of the base model with the same
-components (for bases whose projections PEFT visits in Llama's order: q, k, v, o, gate, up, down per layer).
+components (the skeleton defines the projections in the order HF's model classes do, which PEFT follows).
 
 PEFT needs a PeftModel to merge in. It is built on a skeleton of the base model: its projections by their
 own names and shapes, the LoRA weights real, no base weights loaded. Not on the meta device: PEFT moves a new
@@ -68,6 +68,9 @@ PARAMETERS = {"cat": (), "linear": (), "ties": ("density", "majority_sign_method
 _EQUAL_RANKS = ("linear", "ties", "dare_linear", "dare_ties")
 _DENSITY = ("ties", "dare_linear", "dare_ties")
 SIGN_METHODS = ("total", "frequency")
+# The order HF's Phi-3 defines its projections in (o_proj before qkv_proj), which is the order PEFT visits them
+# and DARE draws its masks in; the other families define theirs in base_targets' order.
+_PHI3_ORDER = ("o_proj", "qkv_proj", "gate_up_proj", "down_proj")
 MAX_COMPONENTS = 16
 MAX_SEED = 2**63 - 1
 MERGED = "merged"
@@ -241,7 +244,8 @@ def _skeleton(base: ModelConfig) -> torch.nn.Module:
     scalar broadcast to its shape (no memory; see the module docstring for why not meta)."""
     zero = torch.zeros((), dtype=torch.float32)
     root, shapes = torch.nn.Module(), checkpoint_shapes(base)
-    for (_, target), name in module_names(base).items():
+    order = _PHI3_ORDER if base.fused_projections else base_targets(base)
+    for (_, target), name in sorted(module_names(base).items(), key=lambda kv: (kv[0][0], order.index(kv[0][1]))):
         parent = root
         *path, leaf = name.split(".")
         for part in path:

@@ -354,3 +354,73 @@ def test_the_console_merges_and_shows_the_provenance(served):
     forged = client.post("/console/adapters/merge", data={**form, "csrf_token": "guessed", "name": "forged"})
     assert forged.status_code == 403
     assert "forged" not in {v.name for v in server.services.registry.list_all(acme.id)}
+
+
+def _peft_saved(model_dir: Path, path: Path, seed: int, **lora) -> Path:
+    """An adapter made by PEFT itself (rank/alpha patterns, layer subsets, rsLoRA), its LoRA weights random."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(**lora))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=g) * 0.3)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("method, parameters", [("cat", {}), ("svd", {"svd_rank": 5})])
+def test_per_module_ranks_scales_and_layer_subsets_merge_as_peft_does(method, parameters, tiny_dir, tiny_cfg,
+                                                                      tmp_path):
+    dirs = {"patterns": _peft_saved(tiny_dir, tmp_path / "patterns", 1, r=8, lora_alpha=16, use_rslora=True,
+                                    target_modules=["q_proj", "v_proj", "down_proj"], rank_pattern={"q_proj": 4},
+                                    alpha_pattern={"v_proj": 5}),
+            # PEFT gives the merge the first component's layer options and fails on a module of the targets' union
+            # that no component has in some layer: this subset is second and only on a module the first has.
+            "subset": _peft_saved(tiny_dir, tmp_path / "subset", 2, r=6, lora_alpha=3,
+                                  target_modules=["q_proj"], layers_to_transform=[1])}
+    names, weights = ["patterns", "subset"], [0.8, 1.3]
+    components = [MergeComponent(n, load_adapter_dir(dirs[n], tiny_cfg), w) for n, w in zip(names, weights)]
+    check_components(method, parameters, components, tiny_cfg)
+    merged = merge(method, check_request(method, parameters, weights), components, tiny_cfg)
+    ours = build_adapter("m", merged.config, merged.weights, tiny_cfg)
+    want = peft_tensors(peft_merged(tiny_dir, dirs, names, weights, method, parameters))
+    assert set(ours.weights) == set(want) and (0, "down_proj") in want
+    for key, (a, b, scale) in want.items():
+        torch.testing.assert_close(ours.weights[key][0], a, rtol=0, atol=0)
+        torch.testing.assert_close(ours.weights[key][1], b, rtol=0, atol=0)
+        assert ours.scale_of(key) == scale
+
+
+@pytest.mark.parametrize("method, parameters", [("cat", {}), ("ties", {"density": 0.5}),
+                                                ("dare_linear", {"density": 0.5, "seed": 5}), ("svd", {})])
+def test_fused_projections_merge_as_peft_does(method, parameters, tokenizer, tmp_path):
+    """Phi-3 fuses q/k/v and gate/up in its checkpoint: the merge sees the fused modules, as PEFT does."""
+    from loramux.model.loader import read_model_config
+
+    model_dir = tmp_path / "phi3"
+    save_tiny_hf_model(model_dir, len(tokenizer), model_type="phi3", num_key_value_heads=4,
+                       pad_token_id=0)
+    cfg = read_model_config(model_dir)[0]
+    dirs = {name: write_peft_adapter(tmp_path / name, cfg, 8, targets, seed=seed, b_std=0.3)
+            for name, targets, seed in (("x", ["qkv_proj", "o_proj"], 1), ("y", ["qkv_proj", "gate_up_proj"], 2))}
+    names, weights = ["x", "y"], [0.7, 0.6]
+    components = [MergeComponent(n, load_adapter_dir(dirs[n], cfg), w) for n, w in zip(names, weights)]
+    checked = check_request(method, parameters, weights)
+    merged = merge(method, checked, components, cfg)
+    ours = build_adapter("m", merged.config, merged.weights, cfg)
+    want = peft_tensors(peft_merged(model_dir, dirs, names, weights, method, parameters))
+    assert {t for _, t in want} == {"qkv_proj", "o_proj", "gate_up_proj"}
+    q, kv = cfg.q_size, cfg.kv_size
+    for (layer, target), (a, b, scale) in want.items():
+        parts = {"qkv_proj": (("q_proj", q), ("k_proj", kv), ("v_proj", kv)),
+                 "gate_up_proj": (("gate_proj", cfg.intermediate_size), ("up_proj", cfg.intermediate_size))
+                 }.get(target, ((target, b.shape[0]),))
+        rows = b.split([n for _, n in parts])
+        for (part, _), b_rows in zip(parts, rows):
+            torch.testing.assert_close(ours.weights[(layer, part)][0], a, rtol=0, atol=0)
+            torch.testing.assert_close(ours.weights[(layer, part)][1], b_rows, rtol=0, atol=0)
+            assert ours.scale_of((layer, part)) == scale
