@@ -226,3 +226,37 @@ def test_empty_states_say_what_to_do_next(browser, tmp_path_factory, tiny_dir, t
         context.close()
     finally:
         stack.close()
+
+
+def test_an_operator_merges_adapters_and_sees_where_the_merge_came_from(page, stack, tmp_path):
+    server, _, cfg, _ = stack
+    expect = sync_api.expect
+    server.services.tenancy.ensure_tenant("mergeco", tier="standard")
+    tenant = server.services.tenancy.tenant("mergeco")
+    parts = {}
+    for name, seed in (("tone", 1), ("facts", 2)):
+        directory = write_peft_adapter(tmp_path / name, cfg, 4, ["q_proj", "v_proj"], seed=seed)
+        parts[name] = server.services.registry.register(tenant.id, name, {
+            f: directory / f for f in ("adapter_config.json", "adapter_model.safetensors")})
+    sign_in(page)
+    page.goto("/console/adapters")
+    page.get_by_label("Owner").select_option(label="mergeco")
+    page.get_by_label("New adapter").fill("blend")
+    page.get_by_label("Method", exact=True).select_option("ties")
+    page.get_by_label("Components").fill("tone=0.7\nfacts@1=0.3")
+    page.get_by_label("density", exact=True).fill("0.5")
+    page.get_by_role("button", name="Merge and store").click()
+    page.wait_for_url("**?notice=merged")
+    expect(page.get_by_role("heading", name="Version 1 is a merge")).to_be_visible()
+    section = page.locator("section.provenance")
+    expect(section).to_contain_text("ties")
+    expect(section).to_contain_text(parts["facts"].digest[:16])
+    shoot(page, "adapter-merged")
+    page.goto("/console/adapters")
+    page.get_by_label("Owner").select_option(label="mergeco")
+    page.get_by_label("New adapter").fill("bad")
+    page.get_by_label("Method", exact=True).select_option("linear")
+    page.get_by_label("Components").fill("tone\nmissing")
+    page.get_by_role("button", name="Merge and store").click()
+    expect(page.get_by_role("alert")).to_contain_text("components[1]: adapter 'missing' not found")
+    assert "bad" not in {v.name for v in server.services.registry.list_all(tenant.id)}
