@@ -18,8 +18,8 @@ Methods (PEFT's `combination_type`):
   svd          the weighted sum of the delta weights (B A x scale), truncated by SVD to `svd_rank` (default: the
                largest component rank); `svd_clamp` clamps to a quantile.
 
-DARE draws its masks from torch's global generator: the merge runs under `torch.random.fork_rng` seeded with
-`seed` (a request without one gets a random seed, recorded), so the same request gives the same bytes, equal
+DARE draws its masks from torch's global generator: the merge runs in a process of its own seeded with `seed`
+(a request without one gets a random seed, recorded), so the same request gives the same bytes, equal
 to what PEFT gives after `torch.manual_seed(seed)` on a real PeftModel of the base model with the same
 components (the skeleton defines the projections in the order HF's model classes do, which PEFT follows).
 
@@ -37,8 +37,10 @@ rank_pattern is emptied), lora_alpha = r, and use_rslora of the first component 
 """
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import math
+import multiprocessing
 import random
 import re
 from collections.abc import Mapping, Sequence
@@ -261,7 +263,21 @@ def _skeleton(base: ModelConfig) -> torch.nn.Module:
 
 def merge(method: str, params: Mapping, components: Sequence[MergeComponent], base: ModelConfig) -> MergedAdapter:
     """Merge checked components (see `check_request`, `check_components`) with PEFT's add_weighted_adapter on a
-    skeleton PeftModel of `base`; return the merged adapter's files. CPU work: run it off the event loop."""
+    skeleton PeftModel of `base`; return the merged adapter's files. CPU work: run it off the event loop.
+
+    A random method (DARE) runs in a fresh process: PEFT draws its masks from torch's global generator, which
+    in a serving process the engine's unseeded sampling draws from too (from another thread), so a seed
+    there would not make the masks reproducible, and re-seeding would disturb the engine's draws. The other
+    methods draw nothing that reaches the result and run here."""
+    if "seed" not in params:
+        return _merge_here(method, params, components, base)
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+        return pool.submit(_merge_here, method, params, components, base).result()
+
+
+def _merge_here(method: str, params: Mapping, components: Sequence[MergeComponent], base: ModelConfig
+                ) -> MergedAdapter:
     from peft import LoraConfig, get_peft_model
 
     names = module_names(base)
@@ -292,8 +308,10 @@ def merge(method: str, params: Mapping, components: Sequence[MergeComponent], ba
     kwargs = {"density": params.get("density"), "majority_sign_method": params.get("majority_sign_method", "total")}
     if method == "svd":
         kwargs.update(svd_rank=params.get("svd_rank"), svd_clamp=params.get("svd_clamp"))
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(params.get("seed", 0))
+    with torch.no_grad():
+        if "seed" in params:  # in its own process (see `merge`)
+            torch.set_num_threads(1)
+            torch.manual_seed(params["seed"])
         model.add_weighted_adapter(adapter_names, [float(c.weight) for c in components], MERGED,
                                    combination_type=method, **kwargs)
     return _peft_files(model, base)
