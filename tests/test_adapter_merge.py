@@ -424,3 +424,16 @@ def test_fused_projections_merge_as_peft_does(method, parameters, tokenizer, tmp
             torch.testing.assert_close(ours.weights[(layer, part)][0], a, rtol=0, atol=0)
             torch.testing.assert_close(ours.weights[(layer, part)][1], b_rows, rtol=0, atol=0)
             assert ours.scale_of((layer, part)) == scale
+
+
+@pytest.mark.parametrize("lora, words", [
+    (dict(target_modules=["q_proj", "embed_tokens"]), "has a LoRA on embed_tokens"),
+    (dict(target_modules=["q_proj"], modules_to_save=["lm_head"]), "has trained heads or trainable tokens"),
+    (dict(target_modules=["q_proj"], trainable_token_indices=[5, 17]), "has trained heads or trainable tokens"),
+])
+def test_embedding_and_head_components_are_refused_by_name(lora, words, adapters, tiny_dir, tiny_cfg, tmp_path):
+    other = load_adapter_dir(_peft_saved(tiny_dir, tmp_path / "x", 3, r=8, lora_alpha=16, **lora), tiny_cfg)
+    components = [MergeComponent("a@1", load_adapter_dir(adapters["a"], tiny_cfg), 1), MergeComponent("x@2", other, 1)]
+    with pytest.raises(MergeError) as info:
+        check_components("cat", {}, components, tiny_cfg)
+    assert info.value.param == "components[1]" and f"component x@2 {words}" in str(info.value)
