@@ -103,7 +103,7 @@ class MergedComponent(Out):
 class Provenance(Out):
     """How a merged version was made (POST /admin/adapters/merge)."""
 
-    method: Literal["cat", "linear", "ties", "dare_linear", "dare_ties", "svd"]
+    method: str = Field(description="cat, linear, ties, dare_linear, dare_ties or svd (PEFT's combination_type)")
     parameters: dict = Field(description="the method's parameters as run (density, majority_sign_method, seed, "
                                          "svd_rank, svd_clamp); DARE's seed is recorded even when chosen by the server")
     components: list[MergedComponent]
