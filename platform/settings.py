@@ -148,6 +148,9 @@ class Settings(BaseSettings):
     # structured-output constraint (a JSON schema, regex, tool-call schema) may take before the request is
     # refused with 400 (compiled off the event loop, cached by the engine).
     max_n: int = Field(default=16, ge=1, le=128)
+    # Fan-out (`models`: one prompt to several adapters in one call): the most adapters one request may name on
+    # this server, whatever its tier's `max_fanout` (400 above it).
+    max_fanout: int = Field(default=16, ge=1, le=128)
     structured_compile_timeout_s: float = Field(default=10.0, gt=0)
     # Structured-output compiles (issue 24) run in worker processes, killed past the timeout above: at most
     # this many at once (a compile waits for a free worker at most the timeout, then 503), each allowed

@@ -56,6 +56,7 @@ class TierInfo:
     max_timeout_s: float
     max_choices: int = 8  # the most choices (OpenAI's `n`) one request may ask for
     max_adapter_head_bytes: int = 0  # trained heads / embeddings in an upload; 0 = only the server's limit
+    max_fanout: int = 8  # the most adapters one fan-out request (`models`) may name
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ class KeyInfo:
 
 def _tier_info(t: Tier) -> TierInfo:
     return TierInfo(t.name, t.priority, t.requests_per_min, t.tokens_per_min, t.max_concurrent,
-                    t.default_timeout_s, t.max_timeout_s, t.max_choices, t.max_adapter_head_bytes)
+                    t.default_timeout_s, t.max_timeout_s, t.max_choices, t.max_adapter_head_bytes, t.max_fanout)
 
 
 def _tenant_info(t: Tenant) -> TenantInfo:
@@ -133,6 +134,8 @@ class Tenancy:
             raise TenancyError("limits must be >= 0 (0 = unlimited)")
         if not 1 <= info.max_choices <= 128:
             raise TenancyError("max_choices must be in [1, 128]")
+        if not 1 <= info.max_fanout <= 128:
+            raise TenancyError("max_fanout must be in [1, 128]")
         if info.max_adapter_head_bytes < 0:
             raise TenancyError("max_adapter_head_bytes must be >= 0 (0 = only the server's limit)")
         with self.db.session() as s:

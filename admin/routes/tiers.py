@@ -28,6 +28,8 @@ class TierBody(RequestBody):
         default=0, ge=0, le=2**62, description="the most bytes of trained heads / embeddings (modules_to_save, "
                                                "embedding LoRA, trainable tokens) in an adapter its tenants upload; "
                                                "0 = only the server's LORAMUX_MAX_ADAPTER_HEAD_BYTES")
+    max_fanout: int = Field(default=8, ge=1, le=128, description="the most adapters one fan-out request "
+                                                                 "(`models`) may name")
 
 
 @router.get("", response_model=TierList)

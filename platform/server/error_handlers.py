@@ -23,7 +23,7 @@ from loramux.tenancy import KeyNotFoundError, TenancyError, TenantExistsError, T
 
 # Request fields whose malformed values are a 400, as OpenAI answers them (clients and SDKs handle a bad tool,
 # response_format or logit_bias as a 400); other malformed fields are a 422.
-BAD_REQUEST_FIELDS = frozenset({"tools", "tool_choice", "response_format", "logit_bias", "user"})
+BAD_REQUEST_FIELDS = frozenset({"tools", "tool_choice", "response_format", "logit_bias", "user", "models"})
 
 
 def _validation_error(exc: RequestValidationError) -> JSONResponse:

@@ -36,16 +36,17 @@ class CountLimits:
     stop: int = 16
     logit_bias: int = 300
     tools: int = 128
+    models: int = 16  # adapters one fan-out request names
 
     @classmethod
     def from_settings(cls, settings) -> CountLimits:
         return cls(messages=settings.max_messages, content_parts=settings.max_content_parts,
                    stop=settings.max_stop_sequences, logit_bias=settings.max_logit_bias_entries,
-                   tools=settings.max_tools)
+                   tools=settings.max_tools, models=settings.max_fanout)
 
 
 _SETTING = {"messages": "max_messages", "content_parts": "max_content_parts", "stop": "max_stop_sequences",
-            "logit_bias": "max_logit_bias_entries", "tools": "max_tools"}
+            "logit_bias": "max_logit_bias_entries", "tools": "max_tools", "models": "max_fanout"}
 
 
 def _too_many(param: str, count: int, limit: int, what: str, setting: str) -> ApiError:
@@ -67,6 +68,7 @@ def check_counts(body, limits: CountLimits) -> None:
     _check("stop", body.get("stop"), limits.stop, "stop", "stop sequences")
     _check("logit_bias", body.get("logit_bias"), limits.logit_bias, "logit_bias", "entries")
     _check("tools", body.get("tools"), limits.tools, "tools", "tools")
+    _check("models", body.get("models"), limits.models, "models", "adapters")
     messages = body.get("messages")
     if isinstance(messages, list):
         for i, message in enumerate(messages):
@@ -87,8 +89,9 @@ _ID_FIELDS = ("user", "model", "adapter_id", "adapter")
 
 
 def check_ids(body) -> None:
-    """400 naming the field when `user`, `model` or `adapter_id` holds a control character (U+0000-U+001F,
-    U+007F-U+009F): none belongs in an id, and PostgreSQL cannot even take a NUL in a query (a 500)."""
+    """400 naming the field when `user`, `model`, `adapter_id` or an entry of `models` holds a control
+    character (U+0000-U+001F, U+007F-U+009F): none belongs in an id, and PostgreSQL cannot even take a NUL in
+    a query (a 500)."""
     if not isinstance(body, dict):
         return
     for name in _ID_FIELDS:
@@ -96,6 +99,12 @@ def check_ids(body) -> None:
         if isinstance(value, str) and has_control_chars(value):
             raise ApiError(400, f"{name} must not contain control characters (U+0000-U+001F, U+007F-U+009F)",
                            code=f"invalid_{name}", param=name)
+    models = body.get("models")  # a fan-out's adapter references, each like `model`
+    if isinstance(models, list):
+        for i, value in enumerate(models):
+            if isinstance(value, str) and has_control_chars(value):
+                raise ApiError(400, f"models[{i}] must not contain control characters (U+0000-U+001F, "
+                                    "U+007F-U+009F)", code="invalid_models", param="models")
 
 
 class PrecheckedRoute(APIRoute):

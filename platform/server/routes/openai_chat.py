@@ -118,7 +118,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servic
         max_tokens=body.max_completion_tokens or body.max_tokens, default_max_tokens=DEFAULT_MAX_TOKENS,
         default_temperature=DEFAULT_TEMPERATURE, n=body.n, sampling={"structured": structured, "top_logprobs": top},
         logprobs_per_token=logprobs_in_one_answer(body.logprobs, top, body.stream),
-        constraints=constraints)
+        constraints=constraints, models=body.models)
 
     def choice(index: int, out: RequestOutput) -> dict:
         calls = parse_calls(out.text, plan) if plan is not None and out.finish_reason == "stop" else None
@@ -127,7 +127,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servic
             message["tool_calls"] = calls
         logprobs = ({"content": chat_logprobs(engine, out.token_ids, out.logprobs, out.top_logprobs)}
                     if body.logprobs else None)
-        return {"index": index, "message": message, "logprobs": logprobs,
+        return {"index": index, **running.choice_fields(index), "message": message, "logprobs": logprobs,
                 "finish_reason": "tool_calls" if calls else finish_reason(out)}
 
     def final(outs: list[RequestOutput]) -> JSONResponse:
@@ -139,7 +139,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servic
                 "model": body.model}
 
         def chunk(index: int, delta: dict, logprobs: list | None = None, reason: str | None = None) -> str:
-            return sse_event({**base, "choices": [{"index": index, "delta": delta, "finish_reason": reason,
+            return sse_event({**base, "choices": [{"index": index, **running.choice_fields(index), "delta": delta,
+                                                   "finish_reason": reason,
                                                    "logprobs": None if logprobs is None else {"content": logprobs}}]})
 
         streams = [ChoiceStream(plan) for _ in range(running.n)]
@@ -158,8 +159,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servic
                    for stream, out in zip(streams, running.lasts)]
         for i, reason in enumerate(reasons[:-1]):
             yield chunk(i, {}, reason=reason)
-        yield sse_event({**base, "choices": [{"index": running.n - 1, "delta": {}, "logprobs": None,
-                                              "finish_reason": reasons[-1]}],
+        yield sse_event({**base, "choices": [{"index": running.n - 1, **running.choice_fields(running.n - 1),
+                                              "delta": {}, "logprobs": None, "finish_reason": reasons[-1]}],
                          "usage": usage(running), "loramux": running.extension(running.lasts[0])})
         if body.stream_options and body.stream_options.include_usage:
             yield sse_event({**base, "choices": [], "usage": usage(running)})

@@ -30,6 +30,11 @@ class OpenAIParams(GenerationParams):
                                                 "LORAMUX_MAX_N (16); 400 above. The choices share the "
                                                 "prompt's KV blocks; with a seed, choice i samples with seed + i")
     stream_options: StreamOptions | None = None
+    models: list[str] | None = Field(
+        default=None, description="fan-out (an extension): the same prompt to each of these adapters (or the base "
+                                  "model) in one call, one choice per adapter with its `model`; at most the "
+                                  "tier's max_fanout (free 2, standard 8, premium 16) and LORAMUX_MAX_FANOUT (16); "
+                                  "`model` must be the base model or models[0], n must be 1, no adapter twice")
 
 
 def check_n(n: int, tier: TierInfo, server_max_n: int) -> None:
@@ -65,12 +70,12 @@ def finish_reason(out: RequestOutput | None) -> str:
 
 def usage(running: Running) -> dict:
     """OpenAI's usage: the prompt once, completion tokens of every choice, and the prompt's cached tokens
-    (what choice 0, which computed the shared prompt, found in the prefix cache)."""
+    (what choice 0, which computed the shared prompt, found in the prefix cache). A fan-out counts the prompt
+    and its cached tokens once per adapter: the sum of its ledger rows."""
     completion = sum(len(o.token_ids) for o in running.lasts if o is not None)
-    first = running.lasts[0]
-    return {"prompt_tokens": running.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": running.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": first.num_cached_tokens if first is not None else 0}}
+    prompt = running.billed_prompt_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": running.cached_tokens}}
 
 
 def final_json(running: Running, body: dict) -> JSONResponse:

@@ -88,7 +88,7 @@ async def completions(body: CompletionRequest, request: Request, services: Servi
         tenant, body.model, prompt, body, arrival, id_prefix="cmpl", max_tokens=body.max_tokens,
         default_max_tokens=DEFAULT_MAX_TOKENS, default_temperature=DEFAULT_TEMPERATURE, n=body.n,
         sampling={"structured": structured, "top_logprobs": k}, constraints=[(structured, None)],
-        logprobs_per_token=logprobs_in_one_answer(want_logprobs, k, body.stream))
+        logprobs_per_token=logprobs_in_one_answer(want_logprobs, k, body.stream), models=body.models)
     echo = _Echo(engine, prompt, running, body.logprobs) if body.echo else None
     before = len(echo.text) if echo else 0  # characters ahead of the generated text
 
@@ -99,7 +99,8 @@ async def completions(body: CompletionRequest, request: Request, services: Servi
         return joined(echo.logprobs, generated) if first and echo else generated
 
     def final(outs: list[RequestOutput]) -> JSONResponse:
-        choices = [{"index": i, "text": (echo.text if echo else "") + out.text, "finish_reason": finish_reason(out),
+        choices = [{"index": i, **running.choice_fields(i), "text": (echo.text if echo else "") + out.text,
+                    "finish_reason": finish_reason(out),
                     "logprobs": logprobs_of(out.token_ids, out.logprobs, out.top_logprobs, before, True)}
                    for i, out in enumerate(outs)]
         return final_json(running, {"object": "text_completion", "model": body.model, "choices": choices})
@@ -116,10 +117,10 @@ async def completions(body: CompletionRequest, request: Request, services: Servi
                 text = (echo.text if first and echo else "") + out.delta_text
                 started[i] = True
                 offsets[i] += len(out.delta_text)
-                yield sse_event({**base, "choices": [{"index": i, "text": text, "logprobs": lp,
-                                                      "finish_reason": None}]})
+                yield sse_event({**base, "choices": [{"index": i, **running.choice_fields(i), "text": text,
+                                                      "logprobs": lp, "finish_reason": None}]})
         for i in range(running.n):
-            event = {**base, "choices": [{"index": i, "text": "", "logprobs": None,
+            event = {**base, "choices": [{"index": i, **running.choice_fields(i), "text": "", "logprobs": None,
                                           "finish_reason": finish_reason(running.lasts[i])}]}
             if i == running.n - 1:
                 event.update(usage=usage(running), loramux=running.extension(running.lasts[0]))

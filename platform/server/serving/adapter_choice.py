@@ -21,11 +21,27 @@ async def acquire_adapter(registry: AdapterRegistry, cache: AdapterCache, tenant
     """(version, its host-RAM lease, why the fallback serves instead or None) for the adapter `model`
     names: resolved in the registry for the tenant (404 when it cannot see it) and brought into host RAM
     within `time_left`; when that fails, the tenant's fallback (the base model: no version) or a 503."""
+    version = await run_in_threadpool(resolve_adapter, registry, tenant, model, base_model_id)
+    return await load_adapter(registry, cache, tenant, version, time_left)
+
+
+def resolve_adapter(registry: AdapterRegistry, tenant: TenantContext, model: str, base_model_id: str,
+                    what: str = "model", param: str | None = None) -> AdapterVersionInfo:
+    """The version `model` names for the tenant; 404 naming it (`what`: where the request named it, e.g.
+    `models[2]`) when the tenant cannot see it, unknown or another tenant's private adapter alike. Blocking
+    (SQL): call it in the threadpool."""
     try:
-        version = await run_in_threadpool(registry.resolve, tenant.tenant_id, model)
+        return registry.resolve(tenant.tenant_id, model)
     except AdapterNotFoundError:
-        raise ApiError(404, f"model {model!r} not found: use the base model ({base_model_id!r} or 'base') "
-                              "or an adapter listed by GET /v1/models", code="model_not_found") from None
+        raise ApiError(404, f"{what} {model!r} not found: use the base model ({base_model_id!r} or 'base') "
+                            "or an adapter listed by GET /v1/models", code="model_not_found", param=param) from None
+
+
+async def load_adapter(registry: AdapterRegistry, cache: AdapterCache, tenant: TenantContext,
+                       version: AdapterVersionInfo, time_left: float
+                       ) -> tuple[AdapterVersionInfo | None, Acquired | None, str | None]:
+    """`version` brought into host RAM within `time_left` (its lease, to release once), or when that fails
+    the tenant's fallback (the base model: no version and no lease) or a 503; as `acquire_adapter`."""
     try:
         return version, await cache.acquire(version, max(0.001, time_left)), None
     except (AdapterLoadError, TimeoutError) as exc:

@@ -1,5 +1,6 @@
 """A request the engine accepted, from its first outputs to its ledger record: one HTTP request, one or
-more choices (OpenAI's `n`: sibling engine requests sharing the prompt), one record when it ends."""
+more choices (OpenAI's `n`: sibling engine requests sharing the prompt; or a fan-out's parts, one per
+adapter), one record when it ends (one per part for a fan-out)."""
 from __future__ import annotations
 
 import asyncio
@@ -16,6 +17,7 @@ from loramux.engine.async_engine import EngineDeadError
 from loramux.engine.engine import RequestOutput
 from loramux.server.http.errors import ApiError
 from loramux.server.serving.composition_choice import Composition
+from loramux.server.serving.fanout import Part
 from loramux.tenancy import TenantContext
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,9 @@ class Running:
     prompt_ids: list[int] = field(default_factory=list)  # for an echo of the prompt
     streamed: bool = False  # its outputs go to the client as they come (SSE), not in one final answer
     composition: Composition | None = None  # the adapters it combines (`adapters`); then version is None
+    # A fan-out's parts: choice i is served by parts[i] (its own adapter, lease and ledger row); empty for a
+    # plain request, whose choices all use `version` / `lease`.
+    parts: list[Part] = field(default_factory=list)
     _ended: bool = field(default=False, init=False)
     _billing: list[Future] = field(default_factory=list, init=False)  # the ledger's durability futures
     inter_token_s: list[float] = field(default_factory=list, init=False)
@@ -75,6 +80,30 @@ class Running:
         """The engine replica that served choice 0 (scale-out), None in a single process."""
         last = self.lasts[0] if self.lasts else None
         return last.replica if last is not None else None
+
+    @property
+    def billed_prompt_tokens(self) -> int:
+        """Prompt tokens billed: the prompt once (`n` choices share its KV blocks), or once per part of a
+        fan-out (each adapter computes it)."""
+        return self.prompt_tokens * max(1, len(self.parts))
+
+    @property
+    def cached_tokens(self) -> int:
+        """Billed prompt tokens found in the prefix cache: choice 0's (it computed the shared prompt), or the
+        sum over a fan-out's parts."""
+        if not self.parts:
+            return self.lasts[0].num_cached_tokens if self.lasts and self.lasts[0] is not None else 0
+        return sum(o.num_cached_tokens for o in self.lasts if o is not None)
+
+    def leases(self) -> list[Acquired]:
+        """Every host-RAM lease the request holds (its adapter's, or each part's), to give back once."""
+        held = [self.lease] + [p.lease for p in self.parts]
+        return [lease for lease in held if lease is not None]
+
+    def choice_fields(self, index: int) -> dict:
+        """Extra fields of choice `index` in answers and chunks: a fan-out part's `model` (as the client
+        named it); none for a plain request."""
+        return {"model": self.parts[index].requested} if self.parts else {}
 
     @property
     def adapter_level(self) -> str | None:
@@ -98,6 +127,8 @@ class Running:
             ext["speculation"] = out.speculation
         if self.n > 1:  # how much of the shared prompt each choice found in the prefix cache
             ext["choice_cached_tokens"] = [o.num_cached_tokens if o is not None else 0 for o in self.lasts]
+        if self.parts:
+            ext["fanout"] = [_part_extension(p) for p in self.parts]
         return ext
 
     def headers(self) -> dict[str, str]:
@@ -228,3 +259,14 @@ class Running:
             for stream in self._streams:
                 await stream.aclose()  # aborts the engine request if it is still running
             self.end("cancelled")
+
+
+def _part_extension(part: Part) -> dict:
+    """A fan-out part in the `loramux` extension: what was asked for, what served it, and any fallback."""
+    ext: dict = {"model": part.requested, "adapter": None}
+    if part.version is not None:
+        ext["adapter"] = {"id": part.version.adapter_id, "name": part.version.name, "version": part.version.version,
+                          "cache_tier": part.lease.level if part.lease else None}
+    if part.fallback_reason is not None:
+        ext["fallback"] = {"requested": part.requested, "reason": part.fallback_reason}
+    return ext

@@ -7,9 +7,11 @@ bound cannot fit the context (400) -> tokenizing -> max_tokens against the conte
 structured-output constraint, off the event loop and bounded in time (400) -> the adapter: resolve in the
 registry (404), bring it into host RAM within the deadline (503, or the tenant's fallback) -> its Medusa
 heads (the version's, else the base model's; never a refusal) -> the engine (one request per choice: `n`
-siblings sharing the prompt's KV blocks). Everything taken on the way (rate limit admission, adapter lease)
-is given back exactly once, when a later check refuses the request or when it ends, however it ends, and
-the finished request goes to the ledger hooks and the metrics (one record).
+siblings sharing the prompt's KV blocks). A fan-out (`models`, see `fanout`) checks its list first, is
+admitted once for all its parts, resolves and loads every adapter, and runs one engine request per adapter.
+Everything taken on the way (rate limit admission, adapter leases) is given back exactly once, when a later
+check refuses the request or when it ends, however it ends, and the finished request goes to the ledger
+hooks (one record; one per part for a fan-out) and the metrics.
 The steps live beside this module: `admission`, `adapter_choice`, `running` (outputs), `record` (the end).
 """
 from __future__ import annotations
@@ -37,6 +39,7 @@ from loramux.server.intake.response_format import compile_structured
 from loramux.server.serving.adapter_choice import acquire_adapter
 from loramux.server.serving.admission import Admitted, admit
 from loramux.server.serving.composition_choice import Composition, acquire_composition
+from loramux.server.serving.fanout import Part, acquire_parts, check_fanout, release_parts
 from loramux.server.serving.record import finish
 from loramux.server.serving.running import Running
 from loramux.services.medusa import heads_for_request
@@ -78,7 +81,8 @@ class Server:
                                body: GenerationParams, arrival: float, *, id_prefix: str, max_tokens: int | None,
                                default_max_tokens: int, default_temperature: float, n: int = 1,
                                sampling: dict | None = None, logprobs_per_token: int = 0,
-                               constraints: Sequence[tuple[StructuredOutput | None, str | None]] = ()) -> Running:
+                               constraints: Sequence[tuple[StructuredOutput | None, str | None]] = (),
+                               models: Sequence[str] | None = None) -> Running:
         """A route's request, cheapest checks first: `admit` with the prompt's token count bounded from its
         length (`Prompt.min_tokens`), then refuse a prompt whose bound cannot fit the context, and only then
         tokenize it (the threadpool), resolve max_tokens against the context, apply the route's defaults
@@ -90,10 +94,19 @@ class Server:
         with the real prompt + completion tokens when the request ends. `logprobs_per_token`: the logprob
         entries the answer holds per generated token (top_logprobs + 1 when logprobs are asked for, else 0),
         bounded by `check_logprob_volume`. `body.adapters` (a weighted composition; `model` is then the base
-        model) is checked first, before admission. Raises ApiError with nothing held."""
+        model) is checked first, before admission. With `models` (a fan-out, `check_fanout` first) the request
+        runs one sequence per adapter, each computing the prompt: admission holds one slot per adapter and is
+        charged the prompt bound and max_tokens once per adapter. A request has `adapters` or `models`, not
+        both. Raises ApiError with nothing held."""
         components = parse_adapters(body.adapters, self.services.settings.composition_max_adapters)
         if components is not None:
+            if models is not None:
+                raise ApiError(400, "send either `adapters` (one weighted composition of adapters) or `models` (the "
+                                    "prompt to each of several adapters), not both", param="models")
             check_base(model, self.is_base(model), self.model_id)
+        if models is not None:
+            check_fanout(models, model, n, tenant.tier, self.services.settings.max_fanout, self.is_base)
+        sequences, prompts = (len(models), len(models)) if models is not None else (n, 1)
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         request_id_var.set(request_id)  # log lines of this request carry its id
         engine = self.services.engine
@@ -103,10 +116,10 @@ class Server:
         # Each choice generates at most max_tokens and at most the room the prompt leaves in the context; a
         # prompt bound past the context is charged as the context (it is refused right after admission).
         per_choice = min(max_tokens or default_max_tokens, max(0, context - at_least))
-        admitted = await self.admit(tenant, body.timeout_s, min(at_least, context) + n * per_choice, arrival,
-                                    slots=n)
+        admitted = await self.admit(tenant, body.timeout_s, prompts * min(at_least, context) + sequences * per_choice,
+                                    arrival, slots=sequences)
         try:
-            check_logprob_volume(n, per_choice, logprobs_per_token, self.services.settings.max_logprob_entries)
+            check_logprob_volume(sequences, per_choice, logprobs_per_token, self.services.settings.max_logprob_entries)
             check_prompt_bound(at_least, context)  # exact for token ids; a bound from the length for text
             prompt_ids = await prompt.tokenize(engine)
             max_tokens = resolve_max_tokens(max_tokens, len(prompt_ids), context, default_max_tokens)
@@ -117,6 +130,8 @@ class Server:
         except BaseException:
             admitted.release()
             raise
+        if models is not None:
+            return await self.launch_fanout(admitted, model, models, prompt_ids, params, request_id, user=body.user)
         return await self.launch(admitted, model, prompt_ids, params, request_id, n=n, user=body.user,
                                  components=components)
 
@@ -191,6 +206,62 @@ class Server:
         running = Running(request_id, tenant, model or BASE_MODEL_ALIAS, version, lease, fallback_reason,
                           len(prompt_ids), arrival, ids, streams, firsts, self._finished, user=user,
                           prompt_ids=prompt_ids, composition=composition)
+        started.append(running)
+        return running
+
+    async def launch_fanout(self, admitted: Admitted, model: str | None, models: Sequence[str], prompt_ids: list[int],
+                            params: SamplingParams, request_id: str, user: str | None = None) -> Running:
+        """Start an admitted fan-out (see `fanout`): every adapter of `models` resolved (404 / 400) and in host
+        RAM (503 or the tenant's fallback, per adapter), then one engine request per adapter, all at once
+        (their prompts' KV differ, so none waits for another's), each with the same parameters and seed. As
+        `launch`: the admission belongs to the request from here, and an error gives it and every lease back."""
+        tenant, arrival = admitted.tenant, admitted.arrival
+        params.timeout_s = admitted.timeout_s
+        parts: list[Part] = []
+        streams: list[AsyncIterator[RequestOutput]] = []
+        ids = [request_id] + [f"{request_id}.{i}" for i in range(1, len(models))]
+        started: list[Running] = []  # the Running, once it exists, for an abort of a stalled reader
+        try:
+            parts = await acquire_parts(self.services.registry, self.services.adapter_cache, tenant, models,
+                                        arrival + admitted.timeout_s - time.monotonic(), self.model_id, self.is_base)
+            heads = await asyncio.gather(*(
+                heads_for_request(self.services, part.version, arrival + admitted.timeout_s - time.monotonic())
+                for part in parts))
+            for part in parts:
+                if part.version is not None:
+                    self.services.request_rates.record(part.version.adapter_id)
+            salt = tenant.tenant_id if self.services.settings.prefix_cache_per_tenant else None
+            engine = self.services.engine
+            share_weight = self.services.settings.fair_share_tier_weights.get(tenant.tier.name, 1.0)
+
+            def generate(i: int) -> AsyncIterator[RequestOutput]:
+                lease = parts[i].lease
+                stream = engine.generate(ids[i], prompt_ids, params, priority=tenant.tier.priority,
+                                         tenant=tenant.tenant_id, share_weight=share_weight,
+                                         adapter=lease.adapter if lease else None, arrival=arrival, cache_salt=salt,
+                                         on_abandoned=lambda out: started and self._abandon(started[0], i, out),
+                                         **({"medusa": heads[i]} if heads[i] is not None else {}))
+                streams.append(stream)
+                return stream
+
+            try:
+                results = await asyncio.gather(*(anext(generate(i)) for i in range(len(parts))),
+                                               return_exceptions=True)
+                for result in results:
+                    if isinstance(result, BaseException):
+                        raise result
+                firsts = [r for r in results if isinstance(r, RequestOutput)]
+            except RequestError as exc:
+                raise ApiError(400, str(exc)) from None
+        except BaseException:
+            for stream in streams:
+                await stream.aclose()  # aborts the parts already in the engine
+            admitted.release()
+            release_parts(self.services.adapter_cache, parts)
+            raise
+        self._admissions[request_id] = admitted.admission
+        running = Running(request_id, tenant, model or BASE_MODEL_ALIAS, None, None, None, len(prompt_ids), arrival,
+                          ids, streams, firsts, self._finished, user=user, prompt_ids=prompt_ids, parts=parts)
         started.append(running)
         return running
 
