@@ -7,7 +7,9 @@ bad lists, unknown adapters, unloadable ones) hold nothing and bill nothing; a c
 part."""
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 
 import httpx
 import openai
@@ -307,18 +309,35 @@ def test_cancelling_a_streamed_fanout_bills_every_part(stack):
     models = ["ad0", "ad3", "ad7", "base"]
     body = {"model": "base", "prompt": "Count:", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
             "stream": True, "models": models}
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60,
-                      headers={"Authorization": f"Bearer {keys['acme']}"}) as resp:
-        request_id = resp.headers["x-request-id"]
-        seen: set[int] = set()
-        for line in resp.iter_lines():
-            if line.startswith("data: {"):
-                seen |= {c["index"] for c in json.loads(line[6:])["choices"]}
-            if len(seen) == len(models):
-                break  # every part has streamed: leave mid-stream
-        assert leases_held(server) == 3  # the three adapters, while it runs
-    wait_until(lambda: sorted(r.part for r in records if r.request_id == request_id) == [0, 1, 2, 3],
-               "a ledger record for every part", 30)
+    # Hold the engine once every part has produced output, so none can finish (a fast machine makes 400 tiny-model
+    # tokens in about a second) before the client leaves.
+    llm, resume, produced = server.services.engine.engine, threading.Event(), set()
+    real_step = llm.step
+
+    def step_until_every_part_has_output():
+        if len(produced) >= len(models):
+            resume.wait(30)
+        outputs = real_step()
+        produced.update(o.request_id for o in outputs)
+        return outputs
+
+    llm.step = step_until_every_part_has_output
+    try:
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {keys['acme']}"}) as resp:
+            request_id = resp.headers["x-request-id"]
+            seen: set[int] = set()
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    seen |= {c["index"] for c in json.loads(line[6:])["choices"]}
+                if len(seen) == len(models):
+                    assert leases_held(server) == 3  # the three adapters, while it runs
+                    break  # every part has streamed: leave mid-stream (the line iterator closes the connection)
+        wait_until(lambda: sorted(r.part for r in records if r.request_id == request_id) == [0, 1, 2, 3],
+                   "a ledger record for every part", 30)
+    finally:
+        resume.set()
+        llm.step = real_step
     rows = [r for r in records if r.request_id == request_id]
     assert {r.outcome for r in rows} == {"cancelled"} and all(0 < r.completion_tokens < 400 for r in rows)
     assert [r.requested for r in sorted(rows, key=lambda r: r.part)] == models
@@ -343,10 +362,11 @@ def test_one_admission_covers_every_part(stack, peft_reference):
                       headers=headers, timeout=60)
     assert resp.status_code == 400 and "exceed your tier's limit of 150 tokens per minute" in resp.text
     for _ in range(2):  # each fan-out is one request of the 2 per minute
-        resp = httpx.post(f"{server.url}/v1/completions", json={**body, "max_tokens": 20, "models": ["ad0", "ad1"]},
+        resp = httpx.post(f"{server.url}/v1/completions", json={**body, "max_tokens": 10, "models": ["ad0", "ad1"]},
                           headers=headers, timeout=60)
         assert resp.status_code == 200, resp.text
-    resp = httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=60)
+        assert resp.json()["usage"]["completion_tokens"] == 20  # two sequences of 10
+    resp = httpx.post(f"{server.url}/v1/completions", json={**body, "max_tokens": 10}, headers=headers, timeout=60)
     assert resp.status_code == 429 and "2 requests per minute" in resp.text
 
 
@@ -409,3 +429,114 @@ def test_the_ledger_has_a_row_per_adapter_adding_up_to_the_usage(billed, stream)
     assert sum(r.completion_tokens for r in rows) == usage["completion_tokens"] == 40
     assert sum(r.cached_tokens for r in rows) == usage["prompt_tokens_details"]["cached_tokens"]
     assert {r.outcome for r in rows} == {"length"}
+
+
+# -- the fan-out rules and lease handling without a server ------------------------------------------------
+
+class FakeRegistry:
+    def resolve(self, tenant_id: str, ref: str):
+        from types import SimpleNamespace
+
+        from loramux.adapters.registry import AdapterNotFoundError
+
+        if ref == "nope":
+            raise AdapterNotFoundError(ref)
+        return SimpleNamespace(adapter_id=f"ad_{ref}", version=1, digest=f"digest-{ref}", label=f"{ref}@1")
+
+
+class FakeCache:
+    """Acquires at once, or for `stuck` versions never (until cancelled), or fails for `broken` ones."""
+
+    def __init__(self, stuck=(), broken=()):
+        self.stuck, self.broken = set(stuck), set(broken)
+        self.held: list[str] = []
+        self.acquired = asyncio.Event()
+
+    async def acquire(self, version, timeout):
+        from types import SimpleNamespace
+
+        from loramux.adapters.cache_levels import AdapterLoadError
+
+        if version.adapter_id in self.broken:
+            raise AdapterLoadError(version, "gone")
+        if version.adapter_id in self.stuck:
+            await asyncio.Event().wait()
+        self.held.append(version.digest)
+        self.acquired.set()
+        return SimpleNamespace(adapter=SimpleNamespace(digest=version.digest), level="ram")
+
+    def release(self, digest: str) -> None:
+        self.held.remove(digest)
+
+
+def fake_tenant(fallback: str = "none"):
+    from loramux.tenancy import TenantContext, TierInfo
+
+    tier = TierInfo("standard", 1, 0, 0, 0, 60.0, 120.0, max_fanout=8)
+    return TenantContext("tn_x", "x", "active", "key_x", "lmx-x", tier, fallback)
+
+
+def is_base(ref) -> bool:
+    return ref in (None, "", "base", MODEL)
+
+
+def test_the_server_cap_is_named_when_it_is_below_the_tier():
+    from loramux.server.http.errors import ApiError
+    from loramux.server.serving.fanout import check_fanout
+
+    tenant = fake_tenant()
+    check_fanout(["a", "b", "c", "d"], "base", 1, tenant.tier, 4, is_base)
+    with pytest.raises(ApiError, match=r"this server allows at most 4 per request \(max_fanout\)"):
+        check_fanout(["a", "b", "c", "d", "e"], "base", 1, tenant.tier, 4, is_base)
+
+
+@pytest.mark.parametrize("fallback", ["none", "base"])
+def test_acquire_parts_gives_back_every_lease_when_one_adapter_fails(fallback):
+    from loramux.server.http.errors import ApiError
+    from loramux.server.serving.fanout import acquire_parts, release_parts
+
+    cache = FakeCache(broken={"ad_b"})
+
+    async def scenario():
+        return await acquire_parts(FakeRegistry(), cache, fake_tenant(fallback), ["a", "b", "base", "c"], 5.0,
+                                   MODEL, is_base)
+
+    if fallback == "none":
+        with pytest.raises(ApiError, match="b@1"):
+            asyncio.run(scenario())
+        assert cache.held == []
+        return
+    parts = asyncio.run(scenario())
+    assert [(p.requested, p.version.adapter_id if p.version else None, p.fallback_reason is not None)
+            for p in parts] == [("a", "ad_a", False), ("b", None, True), ("base", None, False), ("c", "ad_c", False)]
+    assert sorted(cache.held) == ["digest-a", "digest-c"]
+    release_parts(cache, parts)
+    assert cache.held == []
+
+
+def test_acquire_parts_cancelled_midway_gives_back_the_leases_taken():
+    from loramux.server.serving.fanout import acquire_parts
+
+    cache = FakeCache(stuck={"ad_b"})
+
+    async def scenario():
+        task = asyncio.ensure_future(acquire_parts(FakeRegistry(), cache, fake_tenant(), ["a", "b"], 5.0, MODEL,
+                                                   is_base))
+        await cache.acquired.wait()  # `a` is held, `b` never comes: the client goes away
+        assert cache.held == ["digest-a"]
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(scenario())
+    assert cache.held == []
+
+
+def test_an_unknown_adapter_is_a_404_before_anything_loads():
+    from loramux.server.http.errors import ApiError
+    from loramux.server.serving.fanout import acquire_parts
+
+    cache = FakeCache()
+    with pytest.raises(ApiError, match=r"models\[1\] 'nope' not found") as info:
+        asyncio.run(acquire_parts(FakeRegistry(), cache, fake_tenant(), ["a", "nope"], 5.0, MODEL, is_base))
+    assert info.value.status == 404 and info.value.param == "models" and not cache.acquired.is_set()
