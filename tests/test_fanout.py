@@ -248,6 +248,17 @@ def test_bad_fanouts_are_400_and_say_what_to_fix(stack, who, models, n, model, m
     assert len(records) == before and leases_held(server) == 0
 
 
+def test_a_fanout_cannot_also_combine_adapters(stack):
+    """`models` (each adapter on its own) and `adapters` (one weighted composition) are two different asks."""
+    server, _, records, _ = stack
+    before = len(records)
+    resp = post(stack, "completions", {"model": "base", "prompt": "hi", "max_tokens": 2, "models": ["ad0", "ad1"],
+                                       "adapters": [{"model": "ad0", "weight": 0.5}, {"model": "ad1", "weight": 0.5}]})
+    assert resp.status_code == 400, resp.text
+    assert "either `adapters`" in resp.json()["error"]["message"] and resp.json()["error"]["param"] == "models"
+    assert len(records) == before and leases_held(server) == 0
+
+
 def test_an_adapter_the_tenant_cannot_see_is_a_404_naming_it_with_nothing_held(stack, tiny_dir, tmp_path):
     server, keys, records, versions = stack
     services = server.services
