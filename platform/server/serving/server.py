@@ -170,17 +170,13 @@ class Server:
             heads = await heads_for_request(self.services, version,
                                             arrival + admitted.timeout_s - time.monotonic())
             speculators = {"medusa": heads} if heads is not None else {}
-            salt = tenant.tenant_id if self.services.settings.prefix_cache_per_tenant else None
-            engine = self.services.engine
-            share_weight = self.services.settings.fair_share_tier_weights.get(tenant.tier.name, 1.0)
+            engine, placement = self.services.engine, self._placement(tenant)
             served = composition.adapter if composition else lease.adapter if lease else None
 
             def generate(i: int) -> AsyncIterator[RequestOutput]:
                 own = params if i == 0 or params.seed is None else \
                     dataclasses.replace(params, seed=(params.seed + i) % SEED_LIMIT)
-                stream = engine.generate(ids[i], prompt_ids, own, priority=tenant.tier.priority,
-                                         tenant=tenant.tenant_id, share_weight=share_weight,
-                                         adapter=served, arrival=arrival, cache_salt=salt,
+                stream = engine.generate(ids[i], prompt_ids, own, adapter=served, arrival=arrival, **placement,
                                          on_abandoned=lambda out: started and self._abandon(started[0], i, out),
                                          **speculators)
                 streams.append(stream)
@@ -230,15 +226,12 @@ class Server:
             for part in parts:
                 if part.version is not None:
                     self.services.request_rates.record(part.version.adapter_id)
-            salt = tenant.tenant_id if self.services.settings.prefix_cache_per_tenant else None
-            engine = self.services.engine
-            share_weight = self.services.settings.fair_share_tier_weights.get(tenant.tier.name, 1.0)
+            engine, placement = self.services.engine, self._placement(tenant)
 
             def generate(i: int) -> AsyncIterator[RequestOutput]:
                 lease = parts[i].lease
-                stream = engine.generate(ids[i], prompt_ids, params, priority=tenant.tier.priority,
-                                         tenant=tenant.tenant_id, share_weight=share_weight,
-                                         adapter=lease.adapter if lease else None, arrival=arrival, cache_salt=salt,
+                stream = engine.generate(ids[i], prompt_ids, params, adapter=lease.adapter if lease else None,
+                                         arrival=arrival, **placement,
                                          on_abandoned=lambda out: started and self._abandon(started[0], i, out),
                                          **({"medusa": heads[i]} if heads[i] is not None else {}))
                 streams.append(stream)
@@ -264,6 +257,14 @@ class Server:
                           ids, streams, firsts, self._finished, user=user, prompt_ids=prompt_ids, parts=parts)
         started.append(running)
         return running
+
+    def _placement(self, tenant: TenantContext) -> dict:
+        """What every engine request of `tenant` carries: its tier's priority, who it is and its tier's weight
+        (the fair share within a tier), and its prefix-cache namespace (its own when tenants must not share)."""
+        settings = self.services.settings
+        return {"priority": tenant.tier.priority, "tenant": tenant.tenant_id,
+                "share_weight": settings.fair_share_tier_weights.get(tenant.tier.name, 1.0),
+                "cache_salt": tenant.tenant_id if settings.prefix_cache_per_tenant else None}
 
     def _abandon(self, running: Running, index: int, final: RequestOutput) -> None:
         """Choice `index` was aborted for a stalled reader; its siblings share that reader: abort them too."""
