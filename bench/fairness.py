@@ -42,6 +42,7 @@ class Stream:
 
     sent: float
     chunks: list[tuple[float, int]] = field(default_factory=list)  # (arrival, tokens in the chunk)
+    queue_ms: float | None = None  # the server's own account: how long it waited to be scheduled
 
     @property
     def ttft_s(self) -> float | None:
@@ -60,6 +61,8 @@ async def stream_completion(client, key: str, body: dict) -> Stream:
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[6:])
+            if isinstance(event.get("loramux"), dict):
+                result.queue_ms = event["loramux"].get("queue_ms")
             texts = [c.get("text") for c in event.get("choices", []) if c.get("text")]
             if texts:
                 result.chunks.append((time.monotonic(), len(texts)))
@@ -112,7 +115,9 @@ async def phase(url: str, keys: dict, model: str, args, heavy: bool, light: bool
                                    light_done))
         await asyncio.gather(*jobs)
     ttfts = [s.ttft_s * 1000 for s in light_done if s.ttft_s is not None]
+    queued = [s.queue_ms for s in light_done if s.queue_ms is not None]
     return {"light_ttft_p50_ms": percentile(ttfts, 50) if ttfts else None, "light_requests": len(light_done),
+            "light_queue_p50_ms": percentile(queued, 50) if queued else None,
             "heavy_tok_s": tok_s(heavy_done, start, until) if heavy else None,
             "light_tok_s": tok_s(light_done, start, until) if light else None,
             "start": start, "heavy": heavy_done, "light": light_done}
@@ -206,8 +211,10 @@ def main() -> None:
                     result = asyncio.run(phase(url, keys, base, args, heavy, light))
                     rows[name].append(result)
                     ttft = result["light_ttft_p50_ms"] or float("nan")
-                    print(f"round {r} {name:<12} B TTFT p50 {ttft:8.1f} ms ({result['light_requests']} requests)  "
-                          f"A {result['heavy_tok_s'] or 0:7.1f} tok/s", flush=True)
+                    queue = result["light_queue_p50_ms"] or float("nan")
+                    print(f"round {r} {name:<12} B TTFT p50 {ttft:8.1f} ms, queued p50 {queue:6.1f} ms "
+                          f"({result['light_requests']} requests)  A {result['heavy_tok_s'] or 0:7.1f} tok/s",
+                          flush=True)
                 if not args.no_fanout:
                     result = asyncio.run(fanout_vs_single(url, keys["standard"], info["adapters"], base,
                                                           args.max_tokens))
@@ -225,7 +232,7 @@ def main() -> None:
           f"under A's load {median('shared', 'light_ttft_p50_ms'):.1f} ms; "
           f"A: alone {median('heavy_alone', 'heavy_tok_s'):.1f} tok/s, with B {median('shared', 'heavy_tok_s'):.1f}")
     if args.plot is not None:
-        plot(rows["shared"][-1], args.plot, f"{describe_cpu()[:140]}")
+        plot(rows["shared"][-1], args.plot, describe_cpu().splitlines()[0][:140])
     print(f"FIGURE light_tenant_ttft_ratio {ttft_ratio:.2f}")
     print(f"FIGURE heavy_tenant_tok_s_ratio {heavy_ratio:.2f}")
     if fanouts:
