@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+from test_scheduler import advance
+
 from loramux.engine.block_manager import BlockManager
 from loramux.engine.fair_share import FairShare
 from loramux.engine.sampling_params import SamplingParams
@@ -27,13 +29,7 @@ def scheduler() -> Scheduler:
 
 def step(s: Scheduler, now: float = 0.0) -> None:
     """One engine step: schedule, 'run' (a token for every sequence due one), account, finish at max_tokens."""
-    batch = s.schedule(now=now)
-    for seq, n in batch.prefills:
-        if seq.num_computed_tokens + n == seq.num_tokens:
-            seq.output_token_ids.append(7)
-    for seq in batch.decodes:
-        seq.output_token_ids.append(7)
-    s.complete(batch)
+    advance(s, s.schedule(now=now))
     for seq in list(s.running):
         if len(seq.output_token_ids) >= seq.params.max_tokens:
             s.finish(seq, FinishReason.LENGTH)

@@ -73,18 +73,19 @@ class FairShare:
         self._last_left[level] = self.counter(tenant)
 
     def charge_input(self, tenant: str, tokens: int, weight: float = 1.0) -> None:
-        share = self._account(tenant)
-        amount = self.input_weight * tokens / weight
-        share.counter += amount
-        share.service += amount
-        share.input_tokens += tokens
+        """`tenant` (of tier weight `weight`) had `tokens` prompt tokens computed."""
+        self._account(tenant).input_tokens += tokens
+        self._charge(tenant, self.input_weight * tokens / weight)
 
     def charge_output(self, tenant: str, tokens: int, weight: float = 1.0) -> None:
+        """`tenant` (of tier weight `weight`) was given `tokens` output tokens."""
+        self._account(tenant).output_tokens += tokens
+        self._charge(tenant, self.output_weight * tokens / weight)
+
+    def _charge(self, tenant: str, amount: float) -> None:
         share = self._account(tenant)
-        amount = self.output_weight * tokens / weight
         share.counter += amount
         share.service += amount
-        share.output_tokens += tokens
 
     def bound(self, longest_prompt: int, most_new_tokens: int, max_num_seqs: int) -> float:
         """The largest difference in weighted service between two backlogged tenants of one level (see the
