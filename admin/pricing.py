@@ -202,13 +202,17 @@ def price_for_composition(prices: Sequence[PriceInfo], base_model: str, adapter_
                           tier: str | None, at: datetime, prompt_tokens: int, cached_tokens: int,
                           completion_tokens: int) -> PriceInfo | None:
     """The price of a request that combined adapters (`adapters`): of the prices each component would have
-    been billed at alone (`price_for` with that adapter), the one that costs this request the most, the
-    first such component on a tie. So a composition never costs less than its most expensive component, and
-    is priced at the base model's (tier) price when no component has a price of its own; admins set it with
-    the ordinary adapter prices. None: no price at all."""
+    been billed at alone (`price_for` with that adapter) and the base model's price for the tier, the one
+    that costs this request the most; on a tie the first component's (the base's only when it costs strictly
+    more). So a composition never costs less than its most expensive component, nor than the base model
+    itself: an adapter priced below the base (a $0 demo adapter) cannot buy base-model output cheaper
+    through a composition, whatever its weight. Every listed component counts, weight 0 included: it is
+    computed like any other (its rows are in the composite). Admins set it with the ordinary prices.
+    None: no price at all."""
     best: PriceInfo | None = None
     best_cost = None
-    for adapter_id in adapter_ids:
+    # The base model's price comes last, so it wins only when it costs strictly more than every component's.
+    for adapter_id in [*adapter_ids, None]:
         price = price_for(prices, base_model, adapter_id, tier, at)
         cost = cost_of(prompt_tokens, cached_tokens, completion_tokens, price)
         if best_cost is None or cost > best_cost:

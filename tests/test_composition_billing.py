@@ -49,10 +49,30 @@ def test_the_costliest_components_price_applies():
     # Components without prices of their own: the base model's price for the tier, as for a base request.
     assert price_for_composition(PRICES, BASE, ["ad_plain"], "premium", at, 10, 0, 10).id == 2
     assert price_for_composition(PRICES, BASE, ["ad_plain", "ad_other"], "standard", at, 10, 0, 10).id == 1
-    # A discounted adapter is billed at its price alone; beside an unpriced one, at the (costlier) base price.
-    assert price_for_composition(PRICES, BASE, ["ad_cheap"], "standard", at, 10, 0, 10).id == 6
+    # A discounted adapter is billed at the (costlier) base price, alone or beside an unpriced one.
+    assert price_for_composition(PRICES, BASE, ["ad_cheap"], "standard", at, 10, 0, 10).id == 1
     assert price_for_composition(PRICES, BASE, ["ad_cheap", "ad_plain"], "standard", at, 10, 0, 10).id == 1
     assert price_for_composition([], BASE, both, "standard", at, 10, 0, 10) is None
+
+
+def test_a_composition_never_costs_less_than_the_base_model():
+    """An adapter priced below the base (here $0) buys base-model output at no discount through a composition,
+    whatever its weight: the base model's price for the tier is the floor."""
+    at = T0 + timedelta(days=1)
+    prices = [*PRICES, _price(7, "ad_free_demo", None, "0", "0")]
+    assert price_for_composition(prices, BASE, ["ad_free_demo"], "standard", at, 10, 0, 10).id == 1
+    assert price_for_composition(prices, BASE, ["ad_free_demo"], "premium", at, 10, 0, 10).id == 2
+    assert price_for_composition(prices, BASE, ["ad_cheap", "ad_free_demo"], "standard", at, 10, 0, 10).id == 1
+    # A costlier component still sets the price; the base applies only when strictly costlier (ties: component).
+    assert price_for_composition(prices, BASE, ["ad_free_demo", "ad_output_heavy"], "standard", at, 10, 0,
+                                 1000).id == 3
+    assert price_for_composition([_price(8, "ad_same", None, "1", "1")], BASE, ["ad_same"], "standard", at, 10, 0,
+                                 10).id == 8
+    # In the ledger row: a weight-0 $0 component is billed at the base price, never $0.
+    record = _record(1000, 10, ["ad_free_demo"])
+    record.composition[0]["weight"] = 0
+    row = ledger_row(record, prices)
+    assert row["price_id"] == 1 and row["cost"] == cost_of(1000, 0, 10, PRICES[0]) > 0
 
 
 def test_the_ledger_row_bills_a_composition_at_that_price():
