@@ -118,9 +118,11 @@ def validate_medusa_files(files: Mapping[str, bytes | Path], hidden_size: int,
 
 
 def _parse_config(raw: bytes, hidden_size: int) -> dict:
-    try:
-        config = json.loads(raw)
-    except (UnicodeDecodeError, ValueError):
+    try:  # UTF-8 only (RFC 8259): json.loads(bytes) would also take UTF-16/32
+        config = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise fail("bad_config", f"{MEDUSA_CONFIG} is not UTF-8 text: save it as UTF-8") from None
+    except (ValueError, RecursionError):  # e.g. nesting past the parser's stack, an int of 5000 digits
         raise fail("bad_config", f"{MEDUSA_CONFIG} is not valid JSON") from None
     if not isinstance(config, dict):
         raise fail("bad_config", f"{MEDUSA_CONFIG} must hold a JSON object")

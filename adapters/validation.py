@@ -267,9 +267,11 @@ def _find_code_hook(value, depth: int = 0) -> str | None:
 
 def validate_config(raw: bytes | str, max_rank: int | None = None) -> dict:
     """Check `adapter_config.json` (given as its bytes or text) and return it parsed."""
-    try:
-        config = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    try:  # UTF-8 only (RFC 8259, and what PEFT's `open()` reads): json.loads(bytes) would also take UTF-16/32
+        config = json.loads(raw.decode("utf-8") if isinstance(raw, (bytes, bytearray)) else raw)
+    except UnicodeDecodeError:
+        raise fail("bad_json", f"{CONFIG_FILE} is not UTF-8 text: save it as UTF-8 (as PEFT writes it)") from None
+    except json.JSONDecodeError as exc:
         raise fail("bad_json", f"{CONFIG_FILE} is not valid JSON: {exc}") from None
     except (ValueError, RecursionError):  # e.g. nesting too deep, integers with too many digits
         raise fail("bad_json", f"{CONFIG_FILE} is not valid JSON (too deeply nested or a number too long)") \

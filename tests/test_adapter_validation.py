@@ -220,6 +220,10 @@ CASES = {
     # config
     "config-not-json": case(lambda f, m: {**f, CONFIG: b"{'r': 4}"}, "bad_json", "adapter_config.json is not valid"),
     "config-not-object": case(lambda f, m: {**f, CONFIG: b"[1, 2]"}, "bad_json", "must hold a JSON object"),
+    # json.loads(bytes) read UTF-16/32 too; PEFT reads the file as UTF-8 text
+    "config-utf16": case(lambda f, m: {**f, CONFIG: f[CONFIG].decode().encode("utf-16")}, "bad_json", "not UTF-8"),
+    "config-utf32-deep": case(lambda f, m: {**f, CONFIG: ("[" * 10_000).encode("utf-32")}, "bad_json", "not UTF-8"),
+    "config-utf8-bom": case(lambda f, m: {**f, CONFIG: b"\xef\xbb\xbf" + f[CONFIG]}, "bad_json", "BOM"),
     "auto-map": case(lambda f, m: edit_config(f, auto_map={"AutoModel": "evil.Model"}), "code_hook",
                      "sets 'auto_map'"),
     "trust-remote-code": case(lambda f, m: edit_config(f, trust_remote_code=True), "code_hook", "trust_remote_code"),

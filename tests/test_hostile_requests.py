@@ -484,3 +484,84 @@ def test_a_random_key_flood_is_cut_off_per_address_before_any_lookup(behind_prox
     assert keyed_chat(client, good, "203.0.113.5").status_code == 429  # the address is out, whatever its key
     assert keyed_chat(client, good, "198.51.100.9").status_code == 200  # other clients are not
     assert keyed_chat(client, random_key(), "198.51.100.9").status_code == 401
+
+
+# -- issue 36: the bytes the checks read are the bytes the parser reads -----------------------------------
+@pytest.fixture(scope="module")
+def encodings_client(tiny_dir, tokenizer, tmp_path_factory):
+    """The app over the tiny model (SQLite); a premium tenant's client."""
+    app = create_app(lambda: make_services(tmp_path_factory.mktemp("hostile-encodings"),
+                                           make_engine(tiny_dir, tokenizer)))
+    with TestClient(app) as client:
+        client.headers["Authorization"] = f"Bearer {new_tenant_key(app.state.services, 'enc', 'premium')}"
+        yield client
+
+
+def _deep_chat(levels: int) -> str:
+    """A chat body with a `∀` (U+2200: bytes 22 00 in UTF-16LE, a quote to a UTF-8 reader) ahead of
+    `levels` nested arrays: read as UTF-8 bytes the nesting sits inside a string."""
+    body = {"model": MODEL, "max_tokens": 1, "user": "\u2200", "messages": [_HI], "stop": "STOP"}
+    return json.dumps(body, ensure_ascii=False).replace('"STOP"', "[" * levels + "]" * levels)
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le", "utf-32-be"])
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/admin/tenants"])
+def test_a_json_body_in_utf16_or_utf32_is_a_400_asking_for_utf8_before_any_parse(encodings_client, encoding, route):
+    """json.loads guesses UTF-16/32 from the bytes; the depth scan read them as UTF-8 and missed the nesting,
+    and the parser's RecursionError was a 500. Every JSON route (an admin one too: the key is checked first,
+    so it is a 401 there without one) refuses the encoding by name."""
+    client = encodings_client
+    raw = _deep_chat(5000).encode(encoding)
+    headers = {"Content-Type": "application/json"}
+    if route.startswith("/admin"):
+        headers["Authorization"] = ""  # no admin key: the body is never read, and the answer is no 500
+        assert client.post(route, content=raw, headers=headers).status_code == 401
+        return
+    answer = client.post(route, content=raw, headers=headers)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["code"] == "invalid_json_encoding" and "UTF-8" in error["message"], error
+    shallow = client.post(route, content=_deep_chat(1).encode(encoding), headers=headers)
+    assert shallow.status_code == 400 and shallow.json()["error"]["code"] == "invalid_json_encoding"
+
+
+@pytest.mark.parametrize("raw, code", [
+    (b'{"model": "\xff\xfe", "prompt": "hi"}', "invalid_json_encoding"),  # invalid UTF-8
+    (b'{"model": "\xed\xa0\x80", "prompt": "hi"}', "invalid_json_encoding"),  # an encoded surrogate
+    (b'\x00{"model": "x", "prompt": "hi"}', "invalid_json_encoding"),  # a NUL: json.loads would read UTF-16BE
+    (b'{"a": ' + b"[" * 5000 + b"]" * 5000 + b"}", "json_too_deep"),
+])
+def test_bytes_that_are_no_utf8_json_text_are_a_400_naming_what_to_fix(encodings_client, raw, code):
+    answer = encodings_client.post("/v1/completions", content=raw, headers={"Content-Type": "application/json"})
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["code"] == code
+
+
+def test_a_utf8_byte_order_mark_is_ignored_as_the_parser_ignores_it(encodings_client):
+    """RFC 8259 lets a parser ignore a BOM; json.loads does, and the depth scan reads the same bytes."""
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode()
+    answer = encodings_client.post("/v1/completions", content=b"\xef\xbb\xbf" + body,
+                                   headers={"Content-Type": "application/json"})
+    assert answer.status_code == 200, answer.text
+    deep = b"\xef\xbb\xbf" + _deep_chat(5000).encode()
+    answer = encodings_client.post("/v1/chat/completions", content=deep, headers={"Content-Type": "application/json"})
+    assert answer.status_code == 400 and answer.json()["error"]["code"] == "json_too_deep", answer.text
+
+
+def test_an_integer_past_python_s_digit_limit_is_a_400_not_a_500(encodings_client):
+    """json.loads raises a plain ValueError (not a JSONDecodeError) on an int of more than 4300 digits."""
+    raw = b'{"model": "%s", "prompt": "hi", "max_tokens": %s}' % (MODEL.encode(), b"9" * 5000)
+    answer = encodings_client.post("/v1/completions", content=raw, headers={"Content-Type": "application/json"})
+    assert answer.status_code == 400, answer.text
+
+
+def test_deeply_nested_tool_call_arguments_in_a_string_are_a_400(encodings_client):
+    """An assistant message's tool-call arguments are JSON inside a JSON string: the body's depth scan skips
+    strings, so the parser of the arguments met the nesting (RecursionError, a 500)."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "[" * 100_000}}
+    body = {"model": MODEL, "max_tokens": 1, "tools": [_TOOL],
+            "messages": [_HI, {"role": "assistant", "content": None, "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": "call_1", "content": "ok"}]}
+    answer = encodings_client.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 400, answer.text
+    assert "arguments" in answer.json()["error"]["message"]

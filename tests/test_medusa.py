@@ -52,6 +52,9 @@ def test_heads_round_trip_and_refusals(tmp_path):
     assert refused({MEDUSA_CONFIG: files[MEDUSA_CONFIG]}).code == "missing_file"
     assert refused({**files, "notes.txt": b"x"}).code == "unexpected_file"
     assert refused({**files, MEDUSA_CONFIG: b"{not json"}).code == "bad_config"
+    utf16 = refused({**files, MEDUSA_CONFIG: files[MEDUSA_CONFIG].decode().encode("utf-16")})  # json.loads took it
+    assert utf16.code == "bad_config" and "not UTF-8" in str(utf16)
+    assert refused({**files, MEDUSA_CONFIG: b"[" * 50_000}).code == "bad_config"  # was a RecursionError
     for bad in ({"num_heads": 0}, {"num_heads": 9}, {"num_heads": True}, {"format": "medusa-2"}):
         config = {**json.loads(files[MEDUSA_CONFIG]), **bad}
         assert refused({**files, MEDUSA_CONFIG: json.dumps(config).encode()}).code == "bad_config", bad

@@ -16,8 +16,12 @@
    above it is refused at once, a chunked body as soon as the bytes streamed in pass it. Adapter uploads
    (`POST /admin/adapters`) and Medusa heads uploads (`POST /admin/medusa`) are passed through unbuffered:
    `loramux.admin.uploads:receive_upload` caps them itself while it spools them to disk.
-3. **The shape.** A JSON body nested deeper than `MAX_JSON_DEPTH` is refused (400) by a linear scan,
-   before any recursive parser or validator sees it.
+3. **The shape.** A JSON body must be UTF-8 (RFC 8259 §8.1) with no NUL byte, else 400
+   `invalid_json_encoding`: `json.loads` would otherwise guess UTF-16/32 from the bytes, and the depth scan
+   below, which reads them as UTF-8, would check other text than the parser reads (a UTF-16 body hid its
+   nesting from it). A UTF-8 byte order mark is ignored, as the parser does (RFC 8259 allows it). A JSON
+   body nested deeper than `MAX_JSON_DEPTH` is refused (400) by a linear scan, before any recursive parser
+   or validator sees it.
 
 A refusal that leaves a body unread closes the connection (`Connection: close`), so a client streaming
 hundreds of megabytes is cut off rather than drained. The body that passed is handed to the app from
@@ -48,7 +52,7 @@ OWN_AUTH_PREFIXES = ("/console",)
 # Capped by their route, at max_upload_bytes + 1 MiB.
 UPLOAD_ROUTES = frozenset({("POST", "/admin/adapters"), ("POST", "/admin/medusa"),
                            ("POST", "/console/adapters/upload")})
-_SCAN_IN_THREAD_BYTES = 64 * 1024  # a depth scan of a larger body runs in the threadpool, off the event loop
+_SCAN_IN_THREAD_BYTES = 64 * 1024  # encoding + depth scans of a larger body run in the threadpool, off the loop
 
 
 @dataclass(frozen=True)
@@ -140,6 +144,33 @@ def json_depth_exceeds(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
     return max(accumulate(map(_STEP.__getitem__, brackets))) > limit
 
 
+def json_encoding_problem(body: bytes) -> str | None:
+    """Why `body` is no UTF-8 JSON text the depth scan and the parser read alike, or None when it is.
+
+    `json.loads(bytes)` picks UTF-16/32 when a NUL byte sits in the first four, and UTF-8 otherwise; a NUL
+    byte is never valid in JSON text (a control character must be escaped), so a body that decodes strictly
+    as UTF-8 and holds no NUL is parsed as the UTF-8 the depth scan read."""
+    if b"\x00" in body:
+        return ("the JSON body holds a NUL byte: send JSON text encoded as UTF-8 (RFC 8259 section 8.1), "
+                "not UTF-16 or UTF-32, and escape control characters in strings (\\u0000)")
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return (f"the JSON body is not valid UTF-8 (byte {exc.start}): send JSON text encoded as UTF-8 "
+                "(RFC 8259 section 8.1)")
+    return None
+
+
+def json_body_refusal(body: bytes, limit: int = MAX_JSON_DEPTH) -> tuple[str, str] | None:
+    """(message, code) for a JSON body that is not UTF-8 or nests deeper than `limit`, else None."""
+    problem = json_encoding_problem(body)
+    if problem is not None:
+        return problem, "invalid_json_encoding"
+    if json_depth_exceeds(body, limit):
+        return f"the JSON body nests arrays and objects more than {limit} levels deep", "json_too_deep"
+    return None
+
+
 def _is_json(headers: Headers) -> bool:
     """The bodies FastAPI parses as JSON: no content type, or application/json or application/*+json."""
     content_type = headers.get("content-type")
@@ -211,11 +242,10 @@ class Ingress:
         if body is None:  # the client left before its body arrived: nobody to answer
             return
         if body and _is_json(headers):
-            deep = (await run_in_threadpool(json_depth_exceeds, body, self.max_json_depth)
-                    if len(body) > _SCAN_IN_THREAD_BYTES else json_depth_exceeds(body, self.max_json_depth))
-            if deep:
-                await self._refuse(scope, receive, send, 400, f"the JSON body nests arrays and objects more than "
-                                   f"{self.max_json_depth} levels deep", "json_too_deep")
+            refusal = (await run_in_threadpool(json_body_refusal, body, self.max_json_depth)
+                       if len(body) > _SCAN_IN_THREAD_BYTES else json_body_refusal(body, self.max_json_depth))
+            if refusal is not None:
+                await self._refuse(scope, receive, send, 400, *refusal)
                 return
         await self.app(scope, _replay(body, receive), send)
 

@@ -16,7 +16,6 @@ FastAPI parses anyway (Starlette caches `request.json()`, so it is parsed once).
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -119,7 +118,7 @@ class PrecheckedRoute(APIRoute):
             if request.method == "POST" and _is_json(request.headers.get("content-type")):
                 try:
                     body = await request.json()  # cached on the request: FastAPI reuses it
-                except (json.JSONDecodeError, UnicodeDecodeError):
+                except (ValueError, RecursionError):  # not JSON, an int past 4300 digits: FastAPI's own 400
                     body = None
                 check_counts(body, CountLimits.from_settings(request.app.state.services.settings))
                 check_ids(body)

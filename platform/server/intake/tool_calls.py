@@ -154,7 +154,7 @@ def answer_text(calls: list[MessageToolCall]) -> str:
 def _arguments(call: MessageToolCall):
     try:
         return json.loads(call.function.arguments)
-    except ValueError:
+    except (ValueError, RecursionError):  # a string is not depth-scanned at intake: `[[[...` nests past the stack
         raise ToolError(f"the tool call {call.id!r} of an assistant message has arguments that are not JSON: "
                         "send them as JSON text, e.g. \"{\\\"city\\\": \\\"Paris\\\"}\"") from None
 
@@ -220,7 +220,7 @@ def parse_calls(text: str, plan: ToolPlan) -> list[dict] | None:
             arguments = json.loads(call.arguments or "{}")
             if isinstance(arguments, str):
                 call.arguments, arguments = arguments, json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # the model's text may nest past the parser's stack
             return None
         if not isinstance(arguments, dict):
             return None
