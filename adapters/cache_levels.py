@@ -134,10 +134,12 @@ class _Entry:
 
 class HostCache:
     """Adapters in host RAM within a byte budget. Pinned entries (queued or running requests) are never
-    evicted, so the cache can exceed its budget only by what is pinned."""
+    evicted, so the cache can exceed its budget only by what is pinned. `reserved` bytes (composites being
+    built, `reserve`) count as if present: loads make room for them too."""
 
     def __init__(self, budget_bytes: int):
         self.budget = budget_bytes
+        self.reserved = 0
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
 
     @property
@@ -186,9 +188,29 @@ class HostCache:
         else:
             del self._entries[digest]
 
+    def reserve(self, nbytes: int) -> bool:
+        """Reserve `nbytes` for an entry to come (`insert_reserved`), evicting unpinned entries (least recently
+        used first) as needed; False, with nothing reserved, when pinned entries and other reservations leave
+        too little room: unlike `insert_pinned`, a reservation never takes the cache past its budget."""
+        self._make_room(nbytes)
+        if self.nbytes + self.reserved + nbytes > self.budget:
+            return False
+        self.reserved += nbytes
+        return True
+
+    def unreserve(self, nbytes: int) -> None:
+        self.reserved -= nbytes
+
+    def insert_reserved(self, adapter: LoRAAdapter, reserved: int) -> None:
+        """Turn a reservation of `reserved` bytes into the unpinned entry `adapter` (the most recently used)."""
+        self.reserved -= reserved
+        if adapter.digest not in self._entries:
+            self._entries[adapter.digest] = _Entry(adapter)
+        self._entries.move_to_end(adapter.digest)
+
     def _make_room(self, incoming: int) -> None:
         for digest in [d for d, e in self._entries.items() if e.pins == 0]:
-            if self.nbytes + incoming <= self.budget:
+            if self.nbytes + self.reserved + incoming <= self.budget:
                 return
             del self._entries[digest]
 
@@ -214,6 +236,8 @@ class AdapterCache:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="loramux-adapter-load",
                                                            initializer=_one_intra_op_thread)
         self.hits: Counter[str] = Counter()  # by level: ram, disk, store
+        # Called (with no argument, in the releasing thread) after every release: room may have come free.
+        self.release_listeners: list = []
         self.failures = 0
         self.downloads = 0
         # Seconds each successful load into host RAM took, by where it came from (each has its own lock).
@@ -342,6 +366,29 @@ class AdapterCache:
     def release(self, digest: str) -> None:
         with self._lock:
             self.host.release(digest)
+        for listener in self.release_listeners:
+            listener()
+
+    def pin(self, digest: str) -> LoRAAdapter | None:
+        """The entry `digest` pinned (give it back with `release`), or None when the host RAM cache lacks it."""
+        with self._lock:
+            return self.host.pin(digest)
+
+    def reserve(self, nbytes: int) -> bool:
+        """`HostCache.reserve` under the cache's lock."""
+        with self._lock:
+            return self.host.reserve(nbytes)
+
+    def unreserve(self, nbytes: int) -> None:
+        with self._lock:
+            self.host.unreserve(nbytes)
+        for listener in self.release_listeners:
+            listener()
+
+    def insert_reserved(self, adapter: LoRAAdapter, reserved: int) -> None:
+        """`HostCache.insert_reserved` under the cache's lock."""
+        with self._lock:
+            self.host.insert_reserved(adapter, reserved)
 
     def evict(self, digest: str) -> None:
         """Forget a version everywhere (its adapter was deleted); pinned RAM copies go at their last release."""
@@ -370,7 +417,8 @@ class AdapterCache:
         disk_bytes, disk_adapters = self.disk.nbytes, len(self.disk)  # under the disk cache's own lock
         load_seconds = {level: hist.snapshot() for level, hist in self.load_seconds.items()}  # their own locks
         with self._lock:  # the host cache and the counters only change under this lock
-            return {"host_bytes": self.host.nbytes, "host_budget_bytes": self.host.budget,
+            return {"host_bytes": self.host.nbytes, "host_reserved_bytes": self.host.reserved,
+                    "host_budget_bytes": self.host.budget,
                     "host_adapters": len(self.host), "disk_bytes": disk_bytes, "disk_budget_bytes": self.disk.budget,
                     "disk_adapters": disk_adapters, "hits": dict(self.hits), "downloads": self.downloads,
                     "load_failures": self.failures, "load_seconds": load_seconds}

@@ -34,7 +34,7 @@ import torch
 from loramux.adapters.peft_format import LoRAAdapter
 from loramux.model.llama import PROJECTION_SLICES
 
-__all__ = ["CompositionError", "compose", "composition_digest", "refusal_reason"]
+__all__ = ["CompositionError", "compose", "composite_nbytes", "composition_digest", "refusal_reason"]
 
 _TARGET_ORDER = {target: i for i, target in enumerate(PROJECTION_SLICES)}
 _KIND = "loramux.composition/cat/v1"  # keeps composite digests apart from any adapter version's digest
@@ -68,6 +68,12 @@ def refusal_reason(adapter: LoRAAdapter) -> str | None:
         return ("it trains heads or whole modules (modules_to_save, trainable_token_indices), which a weighted "
                 "sum of deltas cannot combine")
     return None
+
+
+def composite_nbytes(components: Sequence[LoRAAdapter]) -> int:
+    """The exact size of the composite of `components` (`compose`'s float32 A and B), known before building
+    it: every module's A and B hold each covering component's rows and columns once."""
+    return sum((a.numel() + b.numel()) * 4 for adapter in components for a, b in adapter.weights.values())
 
 
 def compose(components: Sequence[tuple[LoRAAdapter, float]], name: str, digest: str | None = None) -> LoRAAdapter:

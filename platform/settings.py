@@ -173,10 +173,12 @@ class Settings(BaseSettings):
     # Weighted composition of adapters per request (`"adapters": [{"model", "weight"}, ...]`, issue 29): the
     # most components one request may combine and the most summed rank (the sum of each component's largest
     # module rank; composites are served like adapters, so LORAMUX_MAX_LORA_RANK caps them too), 400 above
-    # either; how many built composites stay in host RAM (LRU, each about the size of its components).
+    # either. Built composites live in the host RAM cache (LORAMUX_HOST_CACHE_BYTES, with every adapter), built
+    # on their own threads, at most so many builds in flight per tenant (the others wait within their deadline).
     composition_max_adapters: int = Field(default=4, ge=1, le=64)
     composition_max_rank: int = Field(default=128, ge=1)
-    composition_cache_size: int = Field(default=8, ge=0)
+    composition_build_threads: int = Field(default=1, ge=1, le=64)
+    composition_builds_per_tenant: int = Field(default=2, ge=1)
 
     # Operator console (/console): the secret that signs its session cookies ("" = a random one per process,
     # so sessions end at a restart; set one shared by every ingress replica) and how long a session lasts.

@@ -1,19 +1,18 @@
 """Weighted composition of adapters (loramux.adapters.composition) against PEFT's own
 `add_weighted_adapter(..., combination_type="cat")`: the composite's A and B equal PEFT's to the bit (its
 zero padding aside), and the engine serving it generates PEFT's greedy tokens, alone and in one mixed batch
-with plain adapters and the base model; refusals name the component; the host-RAM LRU builds once."""
+with plain adapters and the base model; refusals name the component.
+How composites are bounded in host RAM and built: tests/test_composition_bounds.py."""
 from __future__ import annotations
 
 import dataclasses
 import math
-import threading
 
 import pytest
 import torch
 
 from conftest import run_to_completion
 from loramux.adapters.composition import CompositionError, compose, composition_digest, refusal_reason
-from loramux.adapters.composition_cache import CompositionCache
 from loramux.adapters.peft_format import load_adapter_dir
 from loramux.engine.sampling_params import SamplingParams
 from loramux.model.llama import PROJECTION_SLICES
@@ -238,42 +237,6 @@ def _cfg(peft_case):
     from loramux.model.loader import read_model_config
 
     return read_model_config(peft_case[0])[0]
-
-
-def test_cache_builds_each_composite_once_and_evicts_the_least_recently_used():
-    cache = CompositionCache(2)
-    gate, started = threading.Event(), threading.Event()
-    calls = []
-
-    def build(tag):
-        def run():
-            calls.append(tag)
-            started.set()
-            gate.wait(10)
-            return tag
-        return run
-
-    results = []
-    first = threading.Thread(target=lambda: results.append(cache.get_or_build("a", build("a1"))))
-    first.start()
-    started.wait(10)
-    second = threading.Thread(target=lambda: results.append(cache.get_or_build("a", build("a2"))))
-    second.start()
-    gate.set()
-    first.join(10)
-    second.join(10)
-    assert calls == ["a1"] and results == ["a1", "a1"] and cache.builds == 1
-    cache.get_or_build("b", lambda: "b")
-    assert cache.get("a") == "a1"  # now the most recent
-    cache.get_or_build("c", lambda: "c")
-    assert "b" not in cache and cache.get("a") == "a1" and cache.get("c") == "c"
-
-    def failing():
-        raise RuntimeError("boom")
-
-    with pytest.raises(RuntimeError):
-        cache.get_or_build("d", failing)
-    assert cache.get_or_build("d", lambda: "d") == "d"  # a failed build is not remembered
 
 
 def test_a_components_rank_is_pefts_r_or_its_largest_pattern_rank():

@@ -64,6 +64,7 @@ def create_app(services_factory, ledger_hooks: list | None = None, limiter_facto
         try:
             yield
         finally:
+            app.state.server.compositions.shutdown()
             services.shutdown()
 
     app = FastAPI(title="loramux", version="0.1.0", lifespan=lifespan,

@@ -1,10 +1,13 @@
 """The composite adapter a request with `adapters` runs with: each component resolved for the tenant (404
-naming the one it cannot see), checked against the limits (400), then the composite from the host-RAM LRU,
-or built once from the components brought into host RAM through the adapter cache (their leases are given
-back as soon as it is built, whatever happens: the request runs on the composite alone).
+naming the one it cannot see), checked against the limits (400), then the composite from host RAM, or built
+once from the components brought into host RAM through the adapter cache (`CompositionCache`: bounded in
+bytes by the host RAM budget, on its own threads, a few builds per tenant at a time). The request holds the
+composite's pin until it ends, like an adapter lease.
 
 No fallback: a component that cannot be loaded within the deadline is a 503 (`adapter_unavailable`), as for
 a tenant without a fallback; serving something else than the combination asked for would be a silent change.
+No room for the composite within the deadline is a 503 (`composition_capacity`, Retry-After); a composite
+larger than the whole host RAM budget a 400 (`composition_too_large`) naming LORAMUX_HOST_CACHE_BYTES.
 """
 from __future__ import annotations
 
@@ -13,9 +16,9 @@ from dataclasses import dataclass
 
 from fastapi.concurrency import run_in_threadpool
 
-from loramux.adapters.cache_levels import AdapterCache, AdapterLoadError
+from loramux.adapters.cache_levels import Acquired, AdapterLoadError
 from loramux.adapters.composition import CompositionError, compose, composition_digest, refusal_reason
-from loramux.adapters.composition_cache import CompositionCache
+from loramux.adapters.composition_cache import CompositionCache, CompositionCapacityError, CompositionTooLargeError
 from loramux.adapters.peft_format import LoRAAdapter
 from loramux.adapters.registry import AdapterNotFoundError, AdapterRegistry, AdapterVersionInfo
 from loramux.server.http.errors import ApiError
@@ -30,6 +33,7 @@ class Composition:
     adapter: LoRAAdapter
     components: list[Component]
     versions: list[AdapterVersionInfo]
+    lease: Acquired  # the composite's pin in host RAM, given back once when the request ends
 
     def ledger(self) -> list[dict]:
         """The ledger row's `composition`: [{"adapter_id", "version", "digest", "weight"}, ...]."""
@@ -99,33 +103,16 @@ async def resolve_components(registry: AdapterRegistry, tenant: TenantContext, c
     return versions
 
 
-async def acquire_composition(registry: AdapterRegistry, cache: AdapterCache, compositions: CompositionCache,
-                              tenant: TenantContext, components: list[Component], time_left: float, *,
-                              max_rank: int, max_lora_rank: int, base_model_id: str) -> Composition:
-    """The request's composite (see the module docstring). Raises ApiError with nothing held."""
+async def acquire_composition(registry: AdapterRegistry, compositions: CompositionCache, tenant: TenantContext,
+                              components: list[Component], time_left: float, *, max_rank: int, max_lora_rank: int,
+                              base_model_id: str) -> Composition:
+    """The request's composite, pinned in host RAM (the request gives it back when it ends: `Composition.lease`;
+    see the module docstring). Raises ApiError with nothing held."""
     versions = await resolve_components(registry, tenant, components, max_rank, max_lora_rank, base_model_id)
     digest = composition_digest([(v.digest, c.weight) for c, v in zip(components, versions)])
-    composite = compositions.get(digest)
-    if composite is None:
-        composite = await _build(cache, compositions, components, versions, digest, time.monotonic() + time_left)
-    return Composition(composite, list(components), versions)
+    weights = [c.weight for c in components]
 
-
-async def _build(cache: AdapterCache, compositions: CompositionCache, components: list[Component],
-                 versions: list[AdapterVersionInfo], digest: str, deadline: float) -> LoRAAdapter:
-    """Lease every component into host RAM, build (or wait for another request's build of) the composite,
-    and give the leases back, whatever happens."""
-    leases = []
-    try:
-        for version in versions:
-            try:
-                leases.append(await cache.acquire(version, max(0.001, deadline - time.monotonic())))
-            except (AdapterLoadError, TimeoutError) as exc:
-                reason = (str(exc) if isinstance(exc, AdapterLoadError)
-                          else f"adapter {version.label} could not be loaded within the request's deadline")
-                raise ApiError(503, reason, retry_after_s=5.0, code="adapter_unavailable",
-                               param="adapters") from None
-        loaded = [lease.adapter for lease in leases]
+    def check(loaded: list[LoRAAdapter]) -> None:
         for component, adapter in zip(components, loaded):
             if not isinstance(adapter, LoRAAdapter):  # a scaled-out ingress holds no weights (loramux.cluster)
                 raise ApiError(400, "combining adapters per request is not available on a scaled-out (Ray Serve) "
@@ -133,12 +120,22 @@ async def _build(cache: AdapterCache, compositions: CompositionCache, components
             reason = refusal_reason(adapter)
             if reason is not None:
                 raise _cannot_combine(component, reason)
-        parts = list(zip(loaded, (c.weight for c in components)))
-        try:
-            return await run_in_threadpool(compositions.get_or_build, digest,
-                                           lambda: compose(parts, f"composition-{digest[:16]}", digest))
-        except CompositionError as exc:
-            raise ApiError(400, str(exc), code="invalid_adapters", param="adapters") from None
-    finally:
-        for lease in leases:
-            cache.release(lease.adapter.digest)
+
+    def build(loaded: list[LoRAAdapter]) -> LoRAAdapter:
+        return compose(list(zip(loaded, weights)), f"composition-{digest[:16]}", digest)
+
+    try:
+        composite = await compositions.acquire(digest, tenant.tenant_id, versions, check, build,
+                                               time.monotonic() + time_left)
+    except AdapterLoadError as exc:
+        raise ApiError(503, str(exc), retry_after_s=5.0, code="adapter_unavailable", param="adapters") from None
+    except TimeoutError:
+        raise ApiError(503, "the combined adapters could not be loaded within the request's deadline",
+                       retry_after_s=5.0, code="adapter_unavailable", param="adapters") from None
+    except CompositionCapacityError as exc:
+        raise ApiError(503, str(exc), retry_after_s=2.0, code="composition_capacity", param="adapters") from None
+    except (CompositionTooLargeError, CompositionError) as exc:
+        code = "composition_too_large" if isinstance(exc, CompositionTooLargeError) else "invalid_adapters"
+        raise ApiError(400, str(exc), code=code, param="adapters") from None
+    return Composition(composite, list(components), versions,
+                       Acquired(composite, "ram", 0.0))

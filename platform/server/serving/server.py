@@ -65,8 +65,11 @@ class Server:
         self.ledger_hooks = ledger_hooks
         self.model_id = model_id
         self._admissions: dict[str, object] = {}
-        # Composites of requests' `adapters` (loramux.adapters.composition), built once each, LRU in host RAM.
-        self.compositions = CompositionCache(services.settings.composition_cache_size)
+        # Composites of requests' `adapters` (loramux.adapters.composition): in the host RAM cache, built on
+        # their own threads.
+        settings = services.settings
+        self.compositions = CompositionCache(services.adapter_cache, settings.composition_build_threads,
+                                             settings.composition_builds_per_tenant)
 
     def is_base(self, model: str | None) -> bool:
         return model in (None, "", BASE_MODEL_ALIAS, self.model_id)
@@ -158,12 +161,14 @@ class Server:
             if components is not None:
                 settings = self.services.settings
                 composition = await acquire_composition(
-                    self.services.registry, self.services.adapter_cache, self.compositions, tenant, components,
+                    self.services.registry, self.compositions, tenant, components,
                     arrival + admitted.timeout_s - time.monotonic(), max_rank=settings.composition_max_rank,
                     max_lora_rank=settings.max_lora_rank, base_model_id=self.model_id)
-            version, lease, fallback_reason = (None, None, None) if self.is_base(model) else await acquire_adapter(
+                lease = composition.lease
+            version, plain, fallback_reason = (None, None, None) if self.is_base(model) else await acquire_adapter(
                 self.services.registry, self.services.adapter_cache, tenant, model,
                 arrival + admitted.timeout_s - time.monotonic(), self.model_id)
+            lease = lease or plain
             if version is not None:
                 self.services.request_rates.record(version.adapter_id)
             # The version's Medusa heads (else the base model's) in host RAM, or None: never a refusal.
@@ -171,7 +176,7 @@ class Server:
                                             arrival + admitted.timeout_s - time.monotonic())
             speculators = {"medusa": heads} if heads is not None else {}
             engine, placement = self.services.engine, self._placement(tenant)
-            served = composition.adapter if composition else lease.adapter if lease else None
+            served = lease.adapter if lease else None  # the composite's, or the adapter's
 
             def generate(i: int) -> AsyncIterator[RequestOutput]:
                 own = params if i == 0 or params.seed is None else \
