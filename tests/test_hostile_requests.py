@@ -565,3 +565,48 @@ def test_deeply_nested_tool_call_arguments_in_a_string_are_a_400(encodings_clien
     answer = encodings_client.post("/v1/chat/completions", json=body)
     assert answer.status_code == 400, answer.text
     assert "arguments" in answer.json()["error"]["message"]
+
+
+_HUGE = 10**400  # a valid JSON number; float(_HUGE) and math.isfinite(_HUGE) raise OverflowError
+
+
+@pytest.mark.parametrize("route, adapters", [
+    ("/v1/chat/completions", [{"model": "x", "weight": _HUGE}]),
+    ("/v1/completions", [{"model": "x", "weight": 0.5}, {"model": "y", "weight": -_HUGE}]),
+    ("/generate", [{"model": "x", "weight": _HUGE}]),
+])
+def test_a_400_digit_integer_weight_is_a_400_naming_the_weight(encodings_client, route, adapters):
+    """math.isfinite(10**400) raised OverflowError: a 500."""
+    body = {"max_tokens": 1, "adapters": adapters,
+            **({"prompt": "hi"} if route != "/v1/chat/completions" else {"messages": [_HI]}),
+            **({"model": MODEL} if route != "/generate" else {})}
+    answer = encodings_client.post(route, content=json.dumps(body), headers={"Content-Type": "application/json"})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == "adapters" and f"adapters[{len(adapters) - 1}].weight must be a finite number" \
+        in error["message"] and "(401 digits)" in error["message"], error
+
+
+@pytest.mark.parametrize("route, fields", [
+    *[("/v1/chat/completions", {name: value}) for value in (_HUGE, -_HUGE) for name in (
+        "temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p", "repetition_penalty",
+        "top_k", "max_tokens", "max_completion_tokens", "seed", "n", "top_logprobs", "timeout_s", "min_tokens")],
+    ("/v1/chat/completions", {"logit_bias": {"1": _HUGE}}),
+    ("/v1/chat/completions", {"logit_bias": {str(_HUGE): 1}}),
+    ("/v1/completions", {"logprobs": _HUGE}),
+    ("/v1/completions", {"best_of": _HUGE}),
+    ("/generate", {"temperature": _HUGE}),
+    ("/generate", {"top_k": -_HUGE}),
+])
+def test_a_400_digit_integer_in_any_other_numeric_field_is_never_a_500(encodings_client, route, fields):
+    """Every numeric field is either served (top_k past the vocabulary means off, min_tokens stops at
+    max_tokens) or a 4xx naming it."""
+    body = {"model": MODEL, "max_tokens": 1, **fields}
+    body.update({"prompt": "hi"} if route != "/v1/chat/completions" else {"messages": [_HI]})
+    answer = encodings_client.post(route, content=json.dumps(body), headers={"Content-Type": "application/json"})
+    name = next(iter(fields))
+    if name in ("top_k", "min_tokens") and fields[name] > 0:  # past the vocabulary: off; capped by max_tokens
+        assert answer.status_code == 200, answer.text
+        return
+    assert answer.status_code in (400, 422), answer.text
+    assert name in answer.text or name.replace("max_completion_", "max_") in answer.text, answer.text

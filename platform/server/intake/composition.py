@@ -19,7 +19,10 @@ from dataclasses import dataclass
 from loramux.server.http.errors import ApiError
 from loramux.server.intake.params import has_control_chars
 
-MAX_WEIGHT = 1000.0  # keeps w * scale * A finite in every dtype the device pool holds (float16 included)
+# A sanity bound on |w|. It cannot by itself keep w * scale * A finite in a float16 pool (that depends on the
+# component's scale and A): `loramux.adapters.dtype_range.check_fits` checks the built composite against the
+# pool's dtype.
+MAX_WEIGHT = 1000.0
 MAX_REFERENCE_CHARS = 256
 _SHAPE = 'adapters must be a list of {"model": "<adapter>", "weight": <number>} objects'
 
@@ -65,8 +68,12 @@ def parse_adapters(raw: object, max_adapters: int) -> list[Component] | None:
             raise _bad(f"{where}.weight is required (a number; 1 = the adapter as trained)")
         if isinstance(weight, bool) or not isinstance(weight, (int, float)):
             raise _bad(f"{where}.weight must be a number, got {type(weight).__name__}")
-        if not math.isfinite(weight) or abs(weight) > MAX_WEIGHT:
-            raise _bad(f"{where}.weight must be a finite number in [-{MAX_WEIGHT:g}, {MAX_WEIGHT:g}], got {weight!r}")
+        # abs() first: math.isfinite(10**400) raises OverflowError (an int of any length is valid JSON)
+        if abs(weight) > MAX_WEIGHT or not math.isfinite(weight):
+            shown = repr(weight)
+            if len(shown) > 24:  # an int of hundreds of digits
+                shown = f"{shown[:12]}...({len(str(abs(weight)))} digits)"
+            raise _bad(f"{where}.weight must be a finite number in [-{MAX_WEIGHT:g}, {MAX_WEIGHT:g}], got {shown}")
         components.append(Component(model, float(weight)))
     return components
 
