@@ -39,7 +39,8 @@ A `target_modules` regex comes from the client, so it never runs on Python's bac
 such as `(?:.*){60}z` would hold the GIL for minutes): it is compiled with RE2 (google-re2, linear time,
 bounded memory; `module_selection.compile_client_regex`, as every client regex), capped at 1,000 characters,
 and matched whole (`fullmatch`, as PEFT does) against
-the base model's own module names (`model.layers.<i>.self_attn.q_proj`, ...), under a deadline. Without
+the base model's own module names (`model.layers.<i>.self_attn.q_proj`, ...), under a deadline of 1 s of the
+thread's CPU time (not wall time, which a starved machine stretches). Without
 google-re2 installed, regex target_modules are refused (a list of module names always works).
 
 The base model a config names (`base_model_name_or_path`) is checked by `check_base_model`, the one rule of

@@ -552,3 +552,32 @@ def test_fused_phi3_patterns_split_onto_the_engines_projections_exactly(tmp_path
         ours = torch.cat([adapter.scale_of((1, p)) * adapter.weights[(1, p)][1] @ adapter.weights[(1, p)][0]
                           for p in subs])
         torch.testing.assert_close(ours, delta, msg=fused)
+
+
+def test_the_regex_deadline_counts_cpu_time_so_a_starved_thread_is_not_refused(tiny3, monkeypatch):
+    """Wall time jumping 10 s between two names (the thread waiting for a core on a loaded machine) used to
+    refuse a harmless pattern as too slow; only this thread's CPU time counts now, and still bounds it."""
+    from loramux.adapters import module_selection
+
+    _, cfg = tiny3
+    names = module_names(cfg)
+    config = {"r": 4, "lora_alpha": 8, "target_modules": r".*\.(q|v)_proj", "rank_pattern": {"q_proj": 2}}
+    expected = [key for key in names if key[1] in ("q_proj", "v_proj")]
+
+    def jumping(step: float):
+        now = [0.0]
+
+        def clock() -> float:
+            now[0] += step
+            return now[0]
+        return clock
+
+    with monkeypatch.context() as patch:
+        patch.setattr(module_selection.time, "monotonic", jumping(10.0))  # the wall clock of a starved machine
+        assert select_modules(config, names) == expected
+        assert module_rank_alpha(config, names)[expected[0]] == (2, 8)
+    monkeypatch.setattr(module_selection, "_cpu_clock", jumping(10.0))  # a pattern that really costs CPU
+    with pytest.raises(AdapterValidationError, match="took too long to match"):
+        select_modules(config, names)
+    with pytest.raises(AdapterValidationError, match="rank_pattern / alpha_pattern took too long"):
+        module_rank_alpha(config, names)
