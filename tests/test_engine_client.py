@@ -98,3 +98,17 @@ def test_the_http_layer_asks_the_engine_only_for_engine_client_members():
         for path in sorted((ROOT / folder).rglob("*.py")):
             used |= set(re.findall(r"services\.engine\.(\w+)", path.read_text()))
     assert used and used <= set(MEMBERS), sorted(used - set(MEMBERS))
+
+
+def test_async_engine_says_publicly_whether_its_loop_has_stopped(tiny_engine):
+    """The Ray replica's health check asks it (it read the private `_stopped`)."""
+    engine = AsyncEngine(tiny_engine)
+    try:
+        assert engine.stopped is False
+    finally:
+        engine.shutdown()
+    assert engine.stopped is True
+    readers = [path.relative_to(ROOT).as_posix() for folder in ("platform", "admin", "adapters")
+               for path in sorted((ROOT / folder).rglob("*.py"))
+               if path.name != "async_engine.py" and re.search(r"engine\._stopped\b", path.read_text())]
+    assert readers == []

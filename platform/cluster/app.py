@@ -55,7 +55,7 @@ def _engine_deployment(settings: Settings):
             return self.core.info()
 
         def check_health(self) -> None:
-            if self.core.engine._stopped:  # the engine loop died: let Serve replace this replica
+            if self.core.engine.stopped:  # the engine loop died: let Serve replace this replica
                 raise RuntimeError("engine stopped")
 
         def __del__(self):

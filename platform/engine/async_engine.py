@@ -106,6 +106,11 @@ class AsyncEngine(TokenizerMethods):
         self._thread = threading.Thread(target=self._run, name="loramux-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def stopped(self) -> bool:
+        """Whether the engine loop has ended (shut down, or died): every new request gets EngineDeadError."""
+        return self._stopped
+
     # -- caller side (event loop) ----------------------------------------------------------------
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                        priority: int = 0, adapter: str | LoRAAdapter | None = None,
