@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         ids = [f"b-{time.monotonic_ns()}-{i}" for i in range(len(batch))]
         t0 = time.perf_counter()
         for rid, prompt in zip(ids, batch):
-            engine.add_request(rid, prompt, params, adapter=config.get("adapter"), medusa=config.get("heads"))
+            heads = engine.prepare_medusa(config["heads"]) if config.get("heads") else None  # device copy, pinned
+            engine.add_request(rid, prompt, params, adapter=config.get("adapter"), medusa=heads)
         final = {}
         while engine.has_unfinished():
             for out in engine.step():

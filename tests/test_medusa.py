@@ -166,13 +166,15 @@ def test_request_heads_are_held_while_used_and_checked(small_vocab, tokenizer, t
     engine = make_engine(path, tokenizer, speculative_tokens=3, speculative_methods="medusa")
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     for i in range(2):
-        engine.add_request(f"r{i}", prompts[i], params, medusa=heads)
-    assert list(engine._medusa_heads) == [heads.digest] and engine._medusa_heads[heads.digest][1] == 2
+        engine.add_request(f"r{i}", prompts[i], params, medusa=engine.prepare_medusa(heads))
+    assert engine.medusa_device.users(heads.digest) == 2 and engine.medusa_device.stats()["builds"] == 1
     while engine.has_unfinished():
         engine.step()
-    assert engine._medusa_heads == {}
+    assert engine.medusa_device.users(heads.digest) == 0  # given back, and still cached for the next request
     assert engine.stats()["speculation"]["medusa"]["accepted"] > 0
     wrong = load_medusa_dir(save_medusa_dir(tmp_path / "h8", [(torch.zeros(8, 8), torch.zeros(8))]), 8)
+    with pytest.raises(RequestError, match="hidden size 8"):
+        engine.prepare_medusa(wrong)
     with pytest.raises(RequestError, match="hidden size 8"):
         engine.add_request("bad", prompts[0], params, medusa=wrong)
     assert not engine.has_unfinished() and "bad" not in engine.requests

@@ -384,6 +384,28 @@ def test_admin_api_upload_list_delete_and_serving(app_client, tiny_cfg, tmp_path
     assert services.store.list_keys("medusa/") == []
 
 
+def test_heads_the_device_cannot_hold_serve_the_request_without_them(app_client, tiny_cfg, tmp_path):
+    """Out of device memory while copying a request's heads is no 500: the request runs without them (200, the
+    engine gets no heads), and the next request, with room again, gets them."""
+    client = app_client
+    services = client.app.state.services
+    key = new_tenant_key(services, "acme")
+    base = post_heads(client, heads_files(heads_dir(tmp_path / "base", tiny_cfg.hidden_size, seed=1)))
+    assert base.status_code == 201, base.text
+    device = services.engine.engine.medusa_device
+    real_build = device._build
+
+    def out_of_memory(weights):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    device._build = out_of_memory
+    assert complete(client, key, "base") is None
+    assert device.stats()["build_failures"] == 1 and device.stats()["bytes"] == 0
+    device._build = real_build
+    assert complete(client, key, "base") == base.json()["digest"]
+    assert device.stats()["builds"] == 1 and device.stats()["sets_in_use"] == 0
+
+
 def test_admin_api_refuses_bad_uploads_and_leaves_nothing(app_client, tiny_cfg, tmp_path):
     client = app_client
     services = client.app.state.services

@@ -14,10 +14,15 @@ Structured output never compiles on the engine thread: `generate` compiles the r
 (in a killable worker process of the grammar cache's `CompilePool`, within `compile_limits`; a cache hit
 when the server checked the spec before) and hands the engine the CompiledGrammar, which the request
 holds until it ends, so neither a slow spec nor an LRU eviction can freeze the other streams.
+
+Medusa heads are copied to the device off the engine thread too: `generate` has the request's heads placed
+(`LLMEngine.prepare_medusa`, on a helper thread, within LORAMUX_MEDUSA_DEVICE_BYTES) before the request enters
+the engine, and hands the engine the pinned device copy, or nothing when they cannot be placed.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -30,6 +35,7 @@ from loramux.adapters.peft_format import LoRAAdapter
 from loramux.engine.compile_pool import CompileBusy, CompileLimits
 from loramux.engine.engine import LLMEngine, RequestError, RequestOutput
 from loramux.engine.grammar import StructuredOutputError
+from loramux.engine.medusa_heads import MedusaHeads
 from loramux.engine.sampling_params import SamplingParams, StructuredOutput
 from loramux.engine.tokens import TokenizerMethods
 
@@ -58,7 +64,7 @@ class _Add:
     loop: asyncio.AbstractEventLoop
     stream: _Stream
     accepted: asyncio.Future
-    medusa: MedusaHeadsWeights | None = None  # for the engine's add_request; None: none
+    medusa: MedusaHeads | None = None  # prepared device heads for the engine's add_request (pinned); None: none
     tenant: str = ""  # fair share within the priority level
     share_weight: float = 1.0
 
@@ -103,6 +109,7 @@ class AsyncEngine(TokenizerMethods):
         self._buffered_tokens = 0  # their new tokens (gauge)
         self._stalled_aborts = 0  # requests aborted because their reader stalled (counter)
         self._stopped = False
+        self._medusa_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="loramux-medusa-device")
         self._thread = threading.Thread(target=self._run, name="loramux-engine", daemon=True)
         self._thread.start()
 
@@ -125,18 +132,20 @@ class AsyncEngine(TokenizerMethods):
         see that final output, but whoever holds resources for the request must still let them go.
         A constrained request's grammar is compiled first (see the module docstring): a spec refused or
         stopped by the compile limits raises RequestError, busy compile workers EngineDeadError (retry).
-        `medusa` (Medusa heads in host RAM) goes to the engine's add_request as its `medusa` keyword, only
-        when given."""
+        `medusa` (Medusa heads in host RAM) is copied to the device first, off the engine thread (see the module
+        docstring), and goes to the engine's add_request as its `medusa` keyword when it could be placed."""
         if self._stopped:
             raise EngineDeadError("the engine has stopped")
         grammar = await self._grammar(params.structured) if params.structured is not None else None
+        heads = await self._medusa(medusa) if medusa is not None else None
         if self._stopped:
+            self._release_heads(heads)
             raise EngineDeadError("the engine has stopped")
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, on_abandoned)
         accepted = loop.create_future()
         self._post(_Add(request_id, prompt, params, priority, adapter, arrival, cache_salt, grammar, loop, stream,
-                        accepted, medusa=medusa, tenant=tenant, share_weight=share_weight))
+                        accepted, medusa=heads, tenant=tenant, share_weight=share_weight))
         finished = False
         try:
             await accepted  # raises RequestError for a request the engine refuses
@@ -161,6 +170,34 @@ class AsyncEngine(TokenizerMethods):
             raise RequestError(str(exc)) from None
         except CompileBusy as exc:
             raise EngineDeadError(f"structured output cannot be compiled now ({exc}); retry the request") from None
+
+    async def _medusa(self, weights: MedusaHeadsWeights) -> MedusaHeads | None:
+        """`weights`' pinned device copy, made (or found cached) on the helper thread; None: the request runs
+        without them. RequestError when they do not fit the model."""
+        heads = self.engine.medusa_device.cached(weights.digest)  # a hit costs no thread hop
+        if heads is not None:
+            return heads
+        try:
+            future = asyncio.get_running_loop().run_in_executor(self._medusa_pool, self.engine.prepare_medusa, weights)
+        except RuntimeError:  # the helper is shut down
+            raise EngineDeadError("the engine has stopped") from None
+        try:  # shielded: a caller that leaves gives back the copy once it is made
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            if future.cancelled():  # not the caller leaving (the shield holds then): the helper was shut down
+                raise EngineDeadError("the engine has stopped") from None
+            future.add_done_callback(lambda f: self._release_heads(
+                None if f.cancelled() or f.exception() is not None else f.result()))
+            raise
+        except RequestError:
+            raise
+        except Exception:  # noqa: BLE001 - heads only speed a request up: never fail it for them
+            log.exception("Medusa heads could not be placed on the device; the request runs without them")
+            return None
+
+    def _release_heads(self, heads: MedusaHeads | None) -> None:
+        if heads is not None:
+            self.engine.release_medusa(heads)
 
     async def _take(self, stream: _Stream) -> RequestOutput | BaseException:
         """The next item of `stream`, waiting for the engine thread to put one there."""
@@ -242,6 +279,7 @@ class AsyncEngine(TokenizerMethods):
             self._stopped = True
             self._wake.notify()
         self._thread.join(timeout=30)
+        self._medusa_pool.shutdown(wait=False, cancel_futures=True)
         self.engine.grammars.shutdown()
         if self.engine.pool is not None:
             self.engine.pool.shutdown()
@@ -281,6 +319,7 @@ class AsyncEngine(TokenizerMethods):
             dead = EngineDeadError("the engine has stopped")
             for item in pending:
                 if isinstance(item, _Add):
+                    self._release_heads(item.medusa)
                     _post_to(item.loop, _settle, item.accepted, dead)
             self._fail_all(dead)
 
@@ -292,6 +331,7 @@ class AsyncEngine(TokenizerMethods):
                                         grammar=item.grammar, tenant=item.tenant, share_weight=item.share_weight,
                                         **({"medusa": item.medusa} if item.medusa is not None else {}))
             except Exception as exc:  # noqa: BLE001 - a refused request (RequestError) or a bug: its caller gets it
+                self._release_heads(item.medusa)  # a refused request never took its heads' pin over
                 _post_to(item.loop, _settle, item.accepted, exc)
                 return
             self._streams[item.request_id] = item.stream

@@ -46,6 +46,9 @@ class EngineConfig:
     # (loramux.engine.spec_policy). Off for an engine built in code, whose tests count drafts deterministically;
     # Settings turns it on (LORAMUX_SPECULATIVE_ADAPTIVE).
     speculative_adaptive: bool = False
+    # Device memory for requests' own Medusa head sets (by digest, LRU over unused ones; loramux.engine.
+    # medusa_device_cache): a set that does not fit beside those in use is not loaded and its request runs without.
+    medusa_device_bytes: int = 512 * 1024**2
 
     @classmethod
     def from_settings(cls, settings: Settings) -> EngineConfig:

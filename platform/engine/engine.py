@@ -15,6 +15,7 @@ from loramux.engine.constrained import Constraint, batch_masker
 from loramux.engine.detokenizer import IncrementalDetokenizer
 from loramux.engine.fair_share import FairShare
 from loramux.engine.grammar import GrammarCache, StructuredOutputError
+from loramux.engine.medusa_device_cache import MedusaDeviceCache, device_bytes
 from loramux.engine.medusa_heads import MedusaHeads
 from loramux.engine.model_runner import ModelRunner, StepLogits
 from loramux.engine.outputs import RequestError, RequestOutput, SoFar
@@ -103,7 +104,9 @@ class LLMEngine:
         policy = SpecPolicy(self.step_budget.model.predict if adaptive else None)
         self.speculator = Speculator(config, self.max_model_len, policy)
         self.medusa_base: MedusaHeads | None = None  # heads for requests that bring none (set_medusa_heads)
-        self._medusa_heads: dict[str, tuple[MedusaHeads, int]] = {}  # requests' own heads: digest -> (heads, users)
+        # Requests' own heads on the device, by digest, within LORAMUX_MEDUSA_DEVICE_BYTES (prepare_medusa).
+        self.medusa_device = MedusaDeviceCache(config.medusa_device_bytes, self._medusa_module,
+                                               lambda w: device_bytes(w, self.runner.kv.k.dtype))
         self.runner.medusa_of = self._medusa_of
 
     # -- speculators ------------------------------------------------------------------------------
@@ -115,11 +118,27 @@ class LLMEngine:
         """A DraftRunner whose proposals rows may verify (None: no draft model)."""
         self.speculator.draft = draft
 
-    def _medusa_module(self, weights: MedusaHeadsWeights) -> MedusaHeads:
+    def _check_medusa(self, weights: MedusaHeadsWeights) -> None:
         if weights.hidden_size != self.model.config.hidden_size:
             raise RequestError(f"Medusa heads of hidden size {weights.hidden_size} do not fit this model's "
                                f"{self.model.config.hidden_size}")
+
+    def _medusa_module(self, weights: MedusaHeadsWeights) -> MedusaHeads:
+        self._check_medusa(weights)
         return MedusaHeads(weights, self.runner.kv.k.dtype, self.runner.device)
+
+    def prepare_medusa(self, weights: MedusaHeadsWeights) -> MedusaHeads | None:
+        """A request's own heads on the device, for add_request's `medusa`: the cached copy of their digest, else
+        one made now within LORAMUX_MEDUSA_DEVICE_BYTES, pinned until the request that gets it ends (or
+        `release_medusa`, when it never reaches add_request); None when they cannot be placed (the request runs
+        without them). Any thread, and it may block while copying: call it off the step thread (AsyncEngine
+        does). RequestError when they do not fit this model."""
+        self._check_medusa(weights)
+        return self.medusa_device.acquire(weights)
+
+    def release_medusa(self, heads: MedusaHeads) -> None:
+        """Give back prepared heads that no request took over (any thread)."""
+        self.medusa_device.release(heads)
 
     def _medusa_of(self, seq: Sequence) -> MedusaHeads | None:
         req = self.requests.get(seq.request_id)
@@ -173,14 +192,16 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     priority: int = 0, arrival: float | None = None,
                     adapter: str | LoRAAdapter | None = None, cache_salt: str | None = None,
-                    grammar=None, medusa: MedusaHeadsWeights | None = None, tenant: str = "",
+                    grammar=None, medusa: MedusaHeadsWeights | MedusaHeads | None = None, tenant: str = "",
                     share_weight: float = 1.0) -> Sequence:
         """Queue a request for the base model or an adapter: a registered name, or an adapter object the
         caller holds in host RAM until the request finishes. `cache_salt` namespaces its prefix-cache
         blocks (the tenant, when tenants must not share them). `grammar`: the CompiledGrammar of
         `params.structured`, compiled by the caller (AsyncEngine, off this thread) and pinned by the
         request until it ends; without it the spec is compiled here. `medusa`: the request's own Medusa heads
-        (its adapter version's; shared by every request that brings the same digest), else the engine's.
+        (its adapter version's), else the engine's: heads from `prepare_medusa` (the request takes their pin over
+        when add_request returns; the caller keeps it when it raises), or weights, whose device copy is used
+        only if it is cached (never made here, on the step thread: without it the request runs without them).
         `tenant` and `share_weight`: whose request, for the fair share within its priority level.
         Raise RequestError when it can never run."""
         params = params or SamplingParams()
@@ -220,19 +241,12 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
-    def _hold_medusa(self, weights: MedusaHeadsWeights) -> MedusaHeads:
-        heads, users = self._medusa_heads.get(weights.digest, (None, 0))
-        if heads is None:
-            heads = self._medusa_module(weights)
-        self._medusa_heads[weights.digest] = (heads, users + 1)
-        return heads
-
-    def _release_medusa(self, heads: MedusaHeads) -> None:
-        held, users = self._medusa_heads[heads.digest]
-        if users <= 1:
-            del self._medusa_heads[heads.digest]
-        else:
-            self._medusa_heads[heads.digest] = (held, users - 1)
+    def _hold_medusa(self, medusa: MedusaHeadsWeights | MedusaHeads) -> MedusaHeads | None:
+        """add_request's `medusa` as pinned device heads: prepared ones as they are, weights only if cached."""
+        if isinstance(medusa, MedusaHeads):
+            return medusa
+        self._check_medusa(medusa)
+        return self.medusa_device.cached(medusa.digest)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Cancel a request: its KV blocks are freed at once. Unknown ids are ignored."""
@@ -370,7 +384,7 @@ class LLMEngine:
         self.counters.record_finished(req.seq)
         self.speculator.release(req.seq)
         if req.medusa is not None:
-            self._release_medusa(req.medusa)
+            self.medusa_device.release(req.medusa)
 
     def _expire(self, now: float) -> list[RequestOutput]:
         outputs = []

@@ -45,7 +45,8 @@ def engine_stats(engine: LLMEngine) -> dict:
     """The engine's counters and gauges: running / waiting requests, KV blocks used / free / total,
     prefix-cache blocks and hits, speculative tokens proposed / accepted (in all and per method: `speculation`),
     preemptions, adapter slots pinned and loads, `lora` (see `lora_stats`), `steps` (`StepBudget.stats()`) and
-    `fair_share`: tenant -> its virtual token counter and weighted service (`FairShare.stats()`)."""
+    `fair_share`: tenant -> its virtual token counter and weighted service (`FairShare.stats()`); `medusa_device`:
+    requests' own Medusa head sets on the device (`MedusaDeviceCache.stats()`)."""
     lora = lora_stats(engine)
     scheduler, blocks, counters = engine.scheduler, engine.block_manager, engine.counters
     return {
@@ -65,6 +66,7 @@ def engine_stats(engine: LLMEngine) -> dict:
         "lora": lora,
         "steps": engine.step_budget.stats() if engine.step_budget is not None else {},
         "fair_share": scheduler.fair.stats(),
+        "medusa_device": engine.medusa_device.stats(),
     }
 
 
