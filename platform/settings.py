@@ -113,6 +113,9 @@ class Settings(BaseSettings):
     # Longest a request waits for its Medusa heads to load into host RAM (within its deadline); it runs
     # without them past it, and the load goes on for the next request. 0: only heads already in RAM.
     medusa_load_wait_s: float = Field(default=2.0, ge=0)
+    # Device memory for requests' own Medusa head sets (K x hidden² each), cached by digest (unused ones LRU). A
+    # set that does not fit beside the sets in use is not loaded: its request runs without it (never refused).
+    medusa_device_bytes: int = Field(default=512 * 1024**2, ge=0)
     # Largest embedding / head part of an upload (modules_to_save of lm_head / embed_tokens, trainable token
     # rows, embedding LoRA, PEFT's copy of the base embedding), in the file's bytes; 0 = none accepted.
     max_adapter_head_bytes: int = Field(default=256 * 1024**2, ge=0)
