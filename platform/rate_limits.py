@@ -3,7 +3,9 @@
 Each tenant's tier sets three limits, 0 meaning unlimited:
 
 * `requests_per_min`: a token bucket of that capacity, refilled continuously at `requests_per_min / 60`
-  per second; each request takes one.
+  per second; each request takes one, a fan-out to N adapters N (`requests`: it is N requests' worth of
+  work, and a tier's rate must not double with its `max_fanout`). A request of more parts than the
+  capacity can never pass and raises `TooManyParts`.
 * `tokens_per_min`: a second bucket, same shape; a request takes its estimate (prompt tokens +
   max_tokens) on admission and settles up with the actual count on release: unused tokens are
   refunded (never above capacity), overuse is debited, so the bucket may go negative and the next
@@ -66,6 +68,14 @@ class TierLimits:
                 raise ValueError(f"{name} must be an int >= 0 (0 = unlimited), got {value!r}")
 
 
+def check_parts(requests: int, limits: TierLimits, tier: str) -> None:
+    """ValueError for `requests` < 1; `TooManyParts` when more than the requests-per-minute capacity."""
+    if isinstance(requests, bool) or not isinstance(requests, int) or requests < 1:
+        raise ValueError(f"requests must be an int >= 1, got {requests!r}")
+    if limits.requests_per_min and requests > limits.requests_per_min:
+        raise TooManyParts(requests, limits.requests_per_min, tier)
+
+
 class RateLimited(Exception):
     """A limit of the tenant's tier refuses the request for now (HTTP 429 + Retry-After)."""
 
@@ -93,6 +103,16 @@ class RequestTooLarge(ValueError):
         self.tier = tier
         super().__init__(f"this request's {tokens} tokens exceed your tier's limit of {limit} tokens per minute"
                          f" (tier {tier!r}); lower max_tokens")
+
+
+class TooManyParts(RequestTooLarge):
+    """A fan-out of more parts (requests' worth) than the tier's requests-per-minute capacity: it can never
+    pass."""
+
+    def __init__(self, parts: int, limit: int, tier: str):
+        ValueError.__init__(self, f"this request fans out to {parts} adapters, {parts} requests' worth, above your "
+                                  f"tier's limit of {limit} requests per minute (tier {tier!r}); name fewer adapters")
+        self.tokens, self.limit, self.tier = parts, limit, tier
 
 
 class _Bucket:
@@ -215,15 +235,17 @@ class RateLimiter:
         self._tenants: OrderedDict[str, _Tenant] = OrderedDict()
 
     def admit(self, tenant_id: str, tier: str, limits: TierLimits, estimated_tokens: int,
-              slots: int = 1) -> Admission:
+              slots: int = 1, requests: int = 1) -> Admission:
         """Admit one request of `estimated_tokens` (prompt + n x max_tokens) running `slots` sequences (its
         `n` choices: each counts against `max_concurrent`; capped at `max_concurrent`, so a request that
-        fits an idle tenant is never refused for good) or raise `RateLimited` / `RequestTooLarge`; on
+        fits an idle tenant is never refused for good) and taking `requests` from the requests-per-minute
+        bucket (a fan-out's parts), or raise `RateLimited` / `RequestTooLarge` (`TooManyParts`); on
         success nothing else is needed until `Admission.release`."""
         if estimated_tokens < 0:
             raise ValueError(f"estimated_tokens must be >= 0, got {estimated_tokens}")
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
+        check_parts(requests, limits, tier)
         if limits.max_concurrent:
             slots = min(slots, limits.max_concurrent)
         if limits.tokens_per_min and estimated_tokens > limits.tokens_per_min:
@@ -246,7 +268,7 @@ class RateLimiter:
             refusals: list[tuple[float, str, int]] = []
             if limits.max_concurrent and state.in_flight + slots > limits.max_concurrent:
                 refusals.append((_CONCURRENCY_RETRY_S, "max_concurrent", limits.max_concurrent))
-            if state.requests is not None and (wait := state.requests.wait_for(1.0)) > 0:
+            if state.requests is not None and (wait := state.requests.wait_for(float(requests))) > 0:
                 refusals.append((wait, "requests_per_min", limits.requests_per_min))
             if state.tokens is not None and (wait := state.tokens.wait_for(estimated_tokens)) > 0:
                 refusals.append((wait, "tokens_per_min", limits.tokens_per_min))
@@ -255,7 +277,7 @@ class RateLimiter:
                 raise RateLimited(limit, value, tier, wait)
 
             if state.requests is not None:
-                state.requests.level -= 1.0
+                state.requests.level -= float(requests)
             if state.tokens is not None:
                 state.tokens.level -= estimated_tokens
             state.in_flight += slots

@@ -356,29 +356,40 @@ def test_cancelling_a_streamed_fanout_bills_every_part(stack):
     assert leases_held(server) == 0
 
 
-def test_one_admission_covers_every_part(stack, peft_reference):
-    """A fan-out is one request to the rate limiter, holding one concurrency slot per adapter and charged
-    prompt + max_tokens per adapter: a token budget a single request fits can refuse the same call fanned out."""
+def test_one_admission_covers_every_part_and_each_part_is_a_request(stack, peft_reference):
+    """A fan-out is one admission, holding one concurrency slot per adapter, charged prompt + max_tokens per
+    adapter and one request per adapter of the tier's requests per minute (a tier with max_fanout 2 would
+    otherwise get twice its rate): a budget a single request fits can refuse the same call fanned out, with
+    429 and Retry-After while the parts do not fit yet, and 400 when they never can."""
     from loramux.tenancy import TierInfo
 
     server, _, _, _ = stack
     services = server.services
-    services.tenancy.upsert_tier(TierInfo("fan-trial", 0, requests_per_min=2, tokens_per_min=150, max_concurrent=0,
+    services.tenancy.upsert_tier(TierInfo("fan-trial", 0, requests_per_min=3, tokens_per_min=150, max_concurrent=0,
                                           default_timeout_s=30, max_timeout_s=60, max_fanout=4))
     key = new_tenant_key(services, "fan-co", "fan-trial")
-    register_all(services, "fan-co", {n: peft_reference[0][n] for n in ("ad0", "ad1", "ad2")})
+    register_all(services, "fan-co", {n: peft_reference[0][n] for n in ("ad0", "ad1", "ad2", "ad3")})
     headers = {"Authorization": f"Bearer {key}"}
     body = {"model": "base", "prompt": "hi", "max_tokens": 60, "ignore_eos": True}
-    resp = httpx.post(f"{server.url}/v1/completions", json={**body, "models": ["ad0", "ad1", "ad2"]},
-                      headers=headers, timeout=60)
+
+    def post(**extra) -> httpx.Response:
+        return httpx.post(f"{server.url}/v1/completions", json={**body, **extra}, headers=headers, timeout=60)
+
+    resp = post(models=["ad0", "ad1", "ad2"])
     assert resp.status_code == 400 and "exceed your tier's limit of 150 tokens per minute" in resp.text
-    for _ in range(2):  # each fan-out is one request of the 2 per minute
-        resp = httpx.post(f"{server.url}/v1/completions", json={**body, "max_tokens": 10, "models": ["ad0", "ad1"]},
-                          headers=headers, timeout=60)
-        assert resp.status_code == 200, resp.text
-        assert resp.json()["usage"]["completion_tokens"] == 20  # two sequences of 10
-    resp = httpx.post(f"{server.url}/v1/completions", json={**body, "max_tokens": 10}, headers=headers, timeout=60)
-    assert resp.status_code == 429 and "2 requests per minute" in resp.text
+    resp = post(max_tokens=5, models=["ad0", "ad1", "ad2", "ad3"])
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "request_too_large", resp.text
+    assert "fans out to 4 adapters, 4 requests' worth, above your tier's limit of 3 requests per minute" in resp.text
+    resp = post(max_tokens=10, models=["ad0", "ad1"])  # two of the 3 per minute
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] == 20  # two sequences of 10
+    resp = post(max_tokens=10, models=["ad0", "ad1"])  # one left: the two parts do not fit
+    assert resp.status_code == 429 and "3 requests per minute" in resp.text, resp.text
+    assert int(resp.headers["Retry-After"]) >= 1
+    resp = post(max_tokens=10)  # the refusal took nothing: one plain request still passes
+    assert resp.status_code == 200, resp.text
+    resp = post(max_tokens=10)
+    assert resp.status_code == 429 and "3 requests per minute" in resp.text
 
 
 def test_max_fanout_is_a_tier_setting_of_the_admin_api(stack):

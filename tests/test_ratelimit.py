@@ -452,3 +452,32 @@ def test_threads_shared_admissions_released_from_other_threads():
     for t in threads:
         t.join(timeout=30)
     assert lim.in_flight("t") == 0
+
+
+# -- fan-out: a request of N parts is N requests' worth ------------------------------------------------
+
+def test_a_fan_out_takes_one_request_per_part_and_is_refused_whole_when_its_parts_do_not_fit(clock):
+    """A free tier with max_fanout 2 got twice its requests-per-minute rate when a fan-out took one."""
+    from loramux.rate_limits import TooManyParts
+
+    lim = limiter_with(clock)
+    limits = TierLimits(requests_per_min=4)
+    lim.admit("t1", "free", limits, 0, slots=2, requests=2)
+    lim.admit("t1", "free", limits, 0, requests=1)
+    with pytest.raises(RateLimited) as info:  # one request left: a 2-part fan-out does not fit
+        lim.admit("t1", "free", limits, 0, slots=2, requests=2)
+    assert info.value.limit == "requests_per_min" and info.value.retry_after_s == pytest.approx(15.0)
+    lim.admit("t1", "free", limits, 0)  # the refusal took nothing: the last one still passes
+    with pytest.raises(RateLimited):
+        lim.admit("t1", "free", limits, 0)
+    clock.advance(30.0)  # two requests' worth back
+    lim.admit("t1", "free", limits, 0, requests=2)
+
+    with pytest.raises(TooManyParts) as never:  # more parts than the whole minute holds: a 400, not a 429
+        lim.admit("t2", "free", limits, 0, requests=5)
+    assert isinstance(never.value, RequestTooLarge) and not isinstance(never.value, RateLimited)
+    assert "fans out to 5 adapters" in str(never.value) and "4 requests per minute" in str(never.value)
+    lim.admit("t2", "free", limits, 0, requests=4)  # exactly the capacity is fine
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ValueError):
+            lim.admit("t3", "free", limits, 0, requests=bad)

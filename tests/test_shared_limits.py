@@ -167,3 +167,20 @@ def test_the_single_process_server_needs_no_ray():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "refused: --ray needs the ray extra" in out.stdout
+
+
+def test_a_fan_out_takes_one_request_per_part_across_replicas(pair):
+    """As the in-memory limiter: a fan-out to N adapters is N requests' worth of requests_per_min."""
+    from loramux.rate_limits import TooManyParts
+
+    limits, who = TierLimits(requests_per_min=4), tenant()
+    pair[0].admit(who, "free", limits, 0, slots=2, requests=2).release(0)
+    pair[1].admit(who, "free", limits, 0).release(0)
+    with pytest.raises(RateLimited) as info:  # one left: two parts do not fit, and nothing is taken
+        pair[0].admit(who, "free", limits, 0, slots=2, requests=2)
+    assert info.value.limit == "requests_per_min"
+    pair[1].admit(who, "free", limits, 0).release(0)
+    with pytest.raises(RateLimited):
+        pair[0].admit(who, "free", limits, 0)
+    with pytest.raises(TooManyParts):
+        pair[0].admit(tenant(), "free", limits, 0, requests=5)

@@ -30,7 +30,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
-from loramux.rate_limits import RateLimited, RequestTooLarge, TierLimits
+from loramux.rate_limits import RateLimited, RequestTooLarge, TierLimits, check_parts
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ class SharedRateLimiter:
         self.unavailable = 0  # admissions decided by the fail mode because Redis was unavailable
 
     def admit(self, tenant_id: str, tier: str, limits: TierLimits, estimated_tokens: int,
-              slots: int = 1) -> SharedAdmission:
+              slots: int = 1, requests: int = 1) -> SharedAdmission:
         """As RateLimiter.admit: admit or raise RateLimited / RequestTooLarge (and LimiterUnavailable while
         Redis is unavailable in the "closed" fail mode). Blocks up to a few `timeout_s`."""
         from limits import RateLimitItemPerMinute
@@ -142,6 +142,7 @@ class SharedRateLimiter:
             raise ValueError(f"estimated_tokens must be >= 0, got {estimated_tokens}")
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
+        check_parts(requests, limits, tier)  # a fan-out takes one request per part, as in memory
         if limits.tokens_per_min and estimated_tokens > limits.tokens_per_min:
             raise RequestTooLarge(estimated_tokens, limits.tokens_per_min, tier)
         if limits.max_concurrent:
@@ -154,17 +155,17 @@ class SharedRateLimiter:
                 held = self._take_slots(tenant_id, limits.max_concurrent, slots)
                 if held is None:
                     raise RateLimited("max_concurrent", limits.max_concurrent, tier, _CONCURRENCY_RETRY_S)
-            requests = RateLimitItemPerMinute(limits.requests_per_min) if limits.requests_per_min else None
-            if requests is not None and not self._requests.test(requests, tenant_id):
-                raise RateLimited("requests_per_min", limits.requests_per_min, tier, self._wait(requests, tenant_id))
+            per_min = RateLimitItemPerMinute(limits.requests_per_min) if limits.requests_per_min else None
+            if per_min is not None and not self._requests.test(per_min, tenant_id, cost=requests):
+                raise RateLimited("requests_per_min", limits.requests_per_min, tier, self._wait(per_min, tenant_id))
             if limits.tokens_per_min:
                 key = self._bucket_key(tenant_id)
                 taken, wait_ms = self._bucket(keys=[key], args=[limits.tokens_per_min, estimated_tokens, "take"])
                 if not taken:
                     raise RateLimited("tokens_per_min", limits.tokens_per_min, tier, int(wait_ms) / 1000)
                 bucket = (key, limits.tokens_per_min)
-            if requests is not None and not self._requests.hit(requests, tenant_id):  # lost a race
-                raise RateLimited("requests_per_min", limits.requests_per_min, tier, self._wait(requests, tenant_id))
+            if per_min is not None and not self._requests.hit(per_min, tenant_id, cost=requests):  # lost a race
+                raise RateLimited("requests_per_min", limits.requests_per_min, tier, self._wait(per_min, tenant_id))
         except RateLimited:
             self._give_back(held, (*bucket, estimated_tokens) if bucket else None)
             raise

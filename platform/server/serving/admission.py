@@ -44,18 +44,21 @@ def tier_timeout(tenant: TenantContext, asked: float | None) -> float:
 
 
 async def admit(limiter: RateLimiter, metrics: ServerMetrics, engine: EngineClient, tenant: TenantContext,
-                timeout_s: float | None, estimated_tokens: int, arrival: float, slots: int = 1) -> Admitted:
+                timeout_s: float | None, estimated_tokens: int, arrival: float, slots: int = 1,
+                requests: int = 1) -> Admitted:
     """Raise ApiError with nothing held, or return the admission the caller must hand on or give back
     (`Admitted.release`). `slots`: the sequences the request runs (its `n` choices), each counted against
-    the tier's concurrency limit. A limiter that talks to another process (Redis) says so with
-    `blocking = True` and is called in the threadpool, never on the event loop."""
+    the tier's concurrency limit. `requests`: what it takes from the requests-per-minute limit (a fan-out:
+    one per adapter; more than the limit itself is a 400, more than is left a 429). A limiter that talks to
+    another process (Redis) says so with `blocking = True` and is called in the threadpool, never on the event
+    loop."""
     timeout = tier_timeout(tenant, timeout_s)
     args = (tenant.tenant_id, tenant.tier.name, tenant_limits(tenant), estimated_tokens)
     try:
         if getattr(limiter, "blocking", False):
-            admission = await run_in_threadpool(limiter.admit, *args, slots=slots)
+            admission = await run_in_threadpool(limiter.admit, *args, slots=slots, requests=requests)
         else:
-            admission = limiter.admit(*args, slots=slots)
+            admission = limiter.admit(*args, slots=slots, requests=requests)
     except RateLimited as exc:
         metrics.count_rejected(tenant.tier.name, "rate_limited")
         raise ApiError(429, str(exc), retry_after_s=exc.retry_after_s, code="rate_limit_exceeded") from None

@@ -75,10 +75,10 @@ class Server:
         return model in (None, "", BASE_MODEL_ALIAS, self.model_id)
 
     async def admit(self, tenant: TenantContext, timeout_s: float | None, estimated_tokens: int,
-                    arrival: float, slots: int = 1) -> Admitted:
+                    arrival: float, slots: int = 1, requests: int = 1) -> Admitted:
         """`loramux.server.serving.admission.admit` with this server's limiter, metrics and engine."""
         return await admit(self.limiter, self.metrics, self.services.engine, tenant, timeout_s, estimated_tokens,
-                           arrival, slots)
+                           arrival, slots, requests)
 
     async def start_generation(self, tenant: TenantContext, model: str | None, prompt: Prompt,
                                body: GenerationParams, arrival: float, *, id_prefix: str, max_tokens: int | None,
@@ -98,8 +98,9 @@ class Server:
         entries the answer holds per generated token (top_logprobs + 1 when logprobs are asked for, else 0),
         bounded by `check_logprob_volume`. `body.adapters` (a weighted composition; `model` is then the base
         model) is checked first, before admission. With `models` (a fan-out, `check_fanout` first) the request
-        runs one sequence per adapter, each computing the prompt: admission holds one slot per adapter and is
-        charged the prompt bound and max_tokens once per adapter. A request has `adapters` or `models`, not
+        runs one sequence per adapter, each computing the prompt: admission holds one slot per adapter, takes one
+        request per adapter from the requests-per-minute limit and is charged the prompt bound and max_tokens
+        once per adapter. A request has `adapters` or `models`, not
         both. Raises ApiError with nothing held."""
         components = parse_adapters(body.adapters, self.services.settings.composition_max_adapters)
         if components is not None:
@@ -120,7 +121,7 @@ class Server:
         # prompt bound past the context is charged as the context (it is refused right after admission).
         per_choice = min(max_tokens or default_max_tokens, max(0, context - at_least))
         admitted = await self.admit(tenant, body.timeout_s, prompts * min(at_least, context) + sequences * per_choice,
-                                    arrival, slots=sequences)
+                                    arrival, slots=sequences, requests=prompts)
         try:
             check_logprob_volume(sequences, per_choice, logprobs_per_token, self.services.settings.max_logprob_entries)
             check_prompt_bound(at_least, context)  # exact for token ids; a bound from the length for text
