@@ -161,3 +161,139 @@ def test_counters_charge_prompts_once_and_outputs_by_weight():
     assert fair.stats()["t"] == {"counter": (20 + 2 * 5) / 2, "service": (20 + 2 * 5) / 2, "input_tokens": 20,
                                  "output_tokens": 5}
     assert s.num_waiting == 0 and s.blocks.num_free_blocks == 64
+
+
+def full_batch(max_num_seqs: int, waiting: int) -> Scheduler:
+    """Tenant "a" holds every slot of a batch of `max_num_seqs` (all decoding, none near its end) and has
+    `waiting` more requests queued."""
+    s = Scheduler(BlockManager(4096, 16), max_num_seqs=max_num_seqs, max_num_batched_tokens=4096)
+    for i in range(max_num_seqs + waiting):
+        s.add(Sequence(f"a-{i}", list(range(40)), SamplingParams(max_tokens=1000), tenant="a", arrival=i * 1e-3))
+    step(s)
+    step(s)
+    assert len(s.running) == max_num_seqs and s.num_waiting == waiting
+    assert not any(q.is_prefill for q in s.running)
+    return s
+
+
+def test_a_full_batch_admits_another_tenants_request_at_the_next_step():
+    """64 running + 64 waiting of tenant a: b's request does not wait for one of a's to end (with requests
+    of one length that come and go together, that is a whole request's time): it takes the slot of a's
+    latest request at the next step, and a's request goes back to a's queue."""
+    s = full_batch(64, 64)
+    latest = max(s.running, key=lambda q: q.arrival)
+    light = Sequence("b-0", list(range(40)), SamplingParams(max_tokens=8), tenant="b", arrival=1.0)
+    s.add(light)
+    batch = s.schedule(now=1.0)
+    assert [q for q, _ in batch.prefills] == [light]
+    assert batch.preempted == [latest] and latest.num_preemptions == 1 and latest in s.waiting
+    assert len(s.running) == 64 and len(batch.decodes) == 63
+
+
+def test_a_tenant_takes_slots_up_to_its_share_only():
+    """b sends as many requests as a: it takes slots until it holds its share (half of them), then waits
+    for slots to free like everyone; neither takes slots back from the other afterwards."""
+    s = full_batch(4, 4)
+    for i in range(4):
+        s.add(Sequence(f"b-{i}", list(range(40)), SamplingParams(max_tokens=1000), tenant="b", arrival=1.0 + i))
+    preempted = 0
+    for _ in range(20):
+        batch = s.schedule(now=2.0)
+        preempted += len(batch.preempted)
+        advance(s, batch)
+    assert preempted == 2
+    assert sorted(q.tenant for q in s.running) == ["a", "a", "b", "b"]
+
+
+def test_a_full_batch_is_not_preempted_for_a_tenant_served_more_or_of_another_level():
+    s = full_batch(4, 0)
+    s.fair.charge_output("b", 10_000)  # served more than a
+    s.add(Sequence("b-0", list(range(40)), SamplingParams(max_tokens=8), tenant="b", arrival=1.0))
+    s.add(Sequence("c-0", list(range(40)), SamplingParams(max_tokens=8), tenant="c", priority=-1, arrival=1.0))
+    for _ in range(5):
+        batch = s.schedule(now=1.0)
+        assert not batch.preempted and not batch.prefills
+        advance(s, batch)
+    assert {q.tenant for q in s.running} == {"a"}
+
+
+def reference_pick(s: Scheduler) -> Sequence:
+    """The admission choice as a scan of every waiting request: the level of the oldest aged request, and in
+    it the oldest request of the tenant with the smallest (counter, oldest request)."""
+    waiting = s.waiting  # by rank
+    oldest: dict[tuple[int, str], Sequence] = {}
+    for q in waiting:
+        oldest.setdefault((q.priority, q.tenant), q)
+    level = waiting[0].priority
+    return min((q for (p, _), q in oldest.items() if p == level),
+               key=lambda q: (s.fair.counter(q.tenant), s._rank(q)))
+
+
+def test_admission_heaps_choose_as_a_scan_of_every_tenant_would():
+    """Many tenants in three levels, arriving, finishing and cancelling at random: every admission picks
+    what the full scan picks."""
+    rng = random.Random(23)
+    s = Scheduler(BlockManager(8192, 16), max_num_seqs=6, max_num_batched_tokens=128, aging_s=5.0)
+    tenants = [f"t{i}" for i in range(40)]
+    n = admissions = 0
+    for t in range(400):
+        for _ in range(rng.randint(0, 3)):
+            s.add(request(rng.choice(tenants), n, rng, priority=rng.randint(0, 2), arrival=t * 0.1))
+            n += 1
+        if s.waiting and rng.random() < 0.2:
+            s.finish(rng.choice(s.waiting), FinishReason.CANCELLED)
+        expected = reference_pick(s) if s.waiting else None
+        was_waiting, free_slot = set(s.waiting), len(s.running) < s.max_num_seqs
+        batch = s.schedule(now=t * 0.1)
+        admitted = [q for q, _ in batch.prefills if q in was_waiting]
+        if admitted and free_slot:  # (a full batch's first admission is fair share's slot: tests above)
+            assert admitted[0] is expected
+            admissions += 1
+        advance(s, batch)
+        for q in list(s.running):
+            if len(q.output_token_ids) >= q.params.max_tokens:
+                s.finish(q, FinishReason.LENGTH)
+    assert admissions > 100
+
+
+def test_admission_does_not_scan_the_waiting_tenants():
+    s = Scheduler(BlockManager(8192, 16), max_num_seqs=1, max_num_batched_tokens=64)
+    rng = random.Random(1)
+    for i in range(2000):
+        s.add(request(f"t{i}", i, rng))
+    calls = 0
+    counter = s.fair.counter
+
+    def counted(tenant: str) -> float:
+        nonlocal calls
+        calls += 1
+        return counter(tenant)
+
+    s.fair.counter = counted
+    s.add(request("late", 0, rng))
+    s.schedule(now=0.0)
+    assert calls < 50
+
+
+def test_idle_tenants_are_pruned_from_the_counters_and_metrics():
+    from loramux.server.serving.metrics import _fair_share_families
+
+    s = Scheduler(BlockManager(64, 16), max_num_seqs=4, max_num_batched_tokens=64,
+                  fair_share=FairShare(idle_prune_s=60.0))
+    rng = random.Random(2)
+    gone, stays = request("gone", 0, rng), request("stays", 0, rng, arrival=0.0)
+    stays.params.max_tokens = 10_000
+    s.add(gone)
+    s.add(stays)
+    while not gone.is_finished:
+        advance(s, s.schedule(now=0.0))
+        if len(gone.output_token_ids) >= gone.params.max_tokens:
+            s.finish(gone, FinishReason.LENGTH, now=1.0)
+    s.schedule(now=60.0)  # idle for 59 s: kept
+    assert set(s.fair.stats()) == {"gone", "stays"}
+    s.schedule(now=61.0)
+    assert set(s.fair.stats()) == {"stays"}  # "stays" has had a request running all along
+    counter, service = _fair_share_families(s.fair.stats())
+    assert {sample.labels["tenant"] for sample in counter.samples + service.samples} == {"stays"}
+    s.add(request("gone", 1, rng))  # back: a fresh account (then lifted as any rejoin)
+    assert s.fair.stats()["gone"]["service"] == 0 and s.fair.stats()["gone"]["output_tokens"] == 0

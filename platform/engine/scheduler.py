@@ -9,7 +9,12 @@ sequence of lowest effective priority (see `rank_key`) is preempted: its blocks 
 Within one priority level, tenants share by a virtual token counter (loramux.engine.fair_share): the next
 request admitted is the oldest of the tenant served least so far, so one tenant's flood cannot take
 another's service; across levels, priority with ageing decides (a level's claim is its longest-waiting
-request's). Preemption takes the lowest level, then the tenant served most, then the latest arrival.
+request's). Heaps keep both choices (`TenantHeap`): an admission costs O(log tenants), not a scan of them.
+When the batch is full (`max_num_seqs`), that request need not wait for another tenant's request to end: it
+takes the slot of the latest request of the tenant served most in its level, while it holds less than its
+weighted share of the slots and that tenant more than its own (`_share_slot`). Otherwise the next slot to
+free goes to it. Preemption under KV pressure takes the lowest level, then the tenant served most, then the
+latest arrival.
 
 A sequence with an adapter is admitted only once its adapter is on the device (`adapters`, an
 `AdapterResidency`: see loramux.adapters.residency for the load, eviction and drain policy); it pins the
@@ -28,7 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from loramux.engine.block_manager import BlockManager
-from loramux.engine.fair_share import FairShare
+from loramux.engine.fair_share import FairShare, TenantHeap
 from loramux.engine.sequence import FinishReason, Sequence, SequenceStatus
 from loramux.engine.step_budget import StepBudget, StepPlan
 
@@ -62,6 +67,26 @@ def rank_key(seq: Sequence, aging_s: float) -> tuple:
     return (seq.arrival / aging_s - seq.priority, len(seq.prompt_token_ids) + seq.params.max_tokens, seq.seq_id)
 
 
+class _Level:
+    """One priority level's waiting sequences: tenant -> its heap by rank (`tenants`), and the two
+    choices over its tenants as heaps: the oldest request's rank (`by_claim`, the level's claim) and the fair
+    share's order, (counter, oldest rank) (`by_share`)."""
+
+    def __init__(self, priority: int, fair: FairShare):
+        self.priority = priority
+        self.tenants: dict[str, list[tuple[tuple, Sequence]]] = {}
+        self.by_claim = TenantHeap(lambda t: self.tenants[t][0][0])
+        self.by_share = TenantHeap(lambda t: (fair.counter(t), self.tenants[t][0][0]))
+
+    def push(self, tenant: str) -> None:
+        self.by_claim.push(tenant)
+        self.by_share.push(tenant)
+
+    def discard(self, tenant: str) -> None:
+        self.by_claim.discard(tenant)
+        self.by_share.discard(tenant)
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  adapters=None, aging_s: float = 10.0, step_budget: StepBudget | None = None,
@@ -82,9 +107,10 @@ class Scheduler:
         self.step_budget = step_budget  # None: each step is bounded by max_num_batched_tokens alone
         self.long_rope_after = long_rope_after
         self.fair = fair_share if fair_share is not None else FairShare()
-        # priority level -> tenant -> that tenant's waiting sequences, a heap by _rank. Empty heaps are removed.
-        self._queues: dict[int, dict[str, list[tuple[tuple, Sequence]]]] = {}
+        # priority level -> its waiting sequences per tenant, heaps by _rank. Empty ones are removed.
+        self._levels: dict[int, _Level] = {}
         self._num_waiting = 0
+        self._work: dict[str, int] = {}  # tenant -> its sequences waiting or running (idle tenants are pruned)
         self.running: list[Sequence] = []
 
     def _rank(self, seq: Sequence) -> tuple:
@@ -94,7 +120,7 @@ class Scheduler:
     @property
     def waiting(self) -> list[Sequence]:
         """The waiting sequences by rank (not in admission order, which fair share decides). Engine thread."""
-        items = [item for tenants in self._queues.values() for heap in tenants.values() for item in heap]
+        items = [item for level in self._levels.values() for heap in level.tenants.values() for item in heap]
         return [seq for _, seq in sorted(items, key=lambda item: item[0])]
 
     @property
@@ -102,6 +128,13 @@ class Scheduler:
         return self._num_waiting
 
     def add(self, seq: Sequence) -> None:
+        """Queue a new sequence."""
+        if not self._work.get(seq.tenant):
+            self.fair.busy(seq.tenant)
+        self._work[seq.tenant] = self._work.get(seq.tenant, 0) + 1
+        self._requeue(seq)
+
+    def _requeue(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self._put(seq, rejoin=True)
 
@@ -111,43 +144,91 @@ class Scheduler:
     def _put(self, seq: Sequence, rejoin: bool) -> None:
         """Queue `seq`; with `rejoin`, a tenant whose queue in the level was empty has its counter lifted
         (a passed-over sequence going back is not a rejoin: it never left)."""
-        tenants = self._queues.setdefault(seq.priority, {})
-        heap = tenants.get(seq.tenant)
+        level = self._levels.get(seq.priority)
+        if level is None:
+            level = self._levels[seq.priority] = _Level(seq.priority, self.fair)
+        heap = level.tenants.get(seq.tenant)
         if heap is None:
             if rejoin:
-                self.fair.joined(seq.tenant, seq.priority, [self.fair.counter(t) for t in tenants])
-            heap = tenants[seq.tenant] = []
+                least = level.by_share.top()
+                self.fair.joined(seq.tenant, seq.priority, None if least is None else self.fair.counter(least))
+            heap = level.tenants[seq.tenant] = []
         heapq.heappush(heap, (self._rank(seq), seq))
         self._num_waiting += 1
+        level.push(seq.tenant)  # a new tenant, or a new oldest request: its keys may have become smaller
 
     def _take(self, seq: Sequence, leave: bool) -> None:
         """Remove waiting `seq` from its queue; with `leave`, a queue it empties counts as its tenant leaving."""
-        tenants = self._queues[seq.priority]
-        heap = tenants[seq.tenant]
+        level = self._levels[seq.priority]
+        heap = level.tenants[seq.tenant]
         if heap[0][1] is seq:
             heapq.heappop(heap)
         else:
             heap[:] = [item for item in heap if item[1] is not seq]
             heapq.heapify(heap)
         self._num_waiting -= 1
-        if not heap:
-            del tenants[seq.tenant]
+        if not heap:  # (otherwise its oldest rank only grew: the heaps refresh it lazily)
+            del level.tenants[seq.tenant]
+            level.discard(seq.tenant)
             if leave:
                 self.fair.left(seq.tenant, seq.priority)
-            if not tenants:
-                del self._queues[seq.priority]
+            if not level.tenants:
+                del self._levels[seq.priority]
 
-    def _next_waiting(self) -> Sequence:
-        """The waiting sequence to admit next: the level with the best claim (its longest-waiting request's
-        aged priority), and in it the oldest request of the tenant with the smallest counter."""
-        best: tuple[tuple, Sequence] | None = None
-        for tenants in self._queues.values():
-            claim = min(heap[0][0] for heap in tenants.values())
+    def _best_level(self) -> _Level:
+        """The level with the best claim: its longest-waiting request's aged priority."""
+        best: tuple[tuple, _Level] | None = None
+        for level in self._levels.values():  # a few tiers
+            claim = level.tenants[level.by_claim.top()][0][0]
             if best is None or claim < best[0]:
-                tenant = min(tenants, key=lambda t: (self.fair.counter(t), tenants[t][0][0]))
-                best = (claim, tenants[tenant][0][1])
+                best = (claim, level)
         assert best is not None, "no waiting sequence"
         return best[1]
+
+    def _next_waiting(self) -> Sequence:
+        """The waiting sequence to admit next: in the best level, the oldest request of the tenant with the
+        smallest counter."""
+        level = self._best_level()
+        return level.tenants[level.by_share.top()][0][1]
+
+    def _share_slot(self, admitted: list[Sequence]) -> tuple[Sequence, Sequence] | None:
+        """With every slot taken: (waiting sequence, running sequence whose slot it takes), or None. The
+        sequences `admitted` in this step are never taken (their prompt was just charged to their tenant).
+
+        In the best level, the tenant served least (the smallest counter) among those holding fewer slots
+        than their share, its oldest request; it takes the slot of the latest request of the tenant served
+        most among those served at least as much that hold more than their share. A tenant's share is
+        `max_num_seqs` x its weight / the weights of the level's running tenants and its own; so two busy
+        tenants settle at their shares instead of taking slots back and forth, and a tenant alone in its
+        level is never preempted for fairness. At most (running tenants + 1) are tried, not every waiting one:
+        those refused while holding slots are among the running ones, and once a tenant holding none is
+        refused, so is every later one (of the same weight; one of a larger weight further on waits for a
+        free slot, as it would have anyway)."""
+        level = self._best_level()
+        priority = level.priority
+        slots: dict[str, int] = {}
+        weights: dict[str, float] = {}
+        for s in self.running:
+            if s.priority == priority:
+                slots[s.tenant] = slots.get(s.tenant, 0) + 1
+                weights[s.tenant] = s.share_weight
+        running_weight = sum(weights.values())
+
+        def total(tenant: str) -> float:
+            return running_weight + (0.0 if tenant in weights else level.tenants[tenant][0][1].share_weight)
+
+        def below_share(tenant: str) -> bool:
+            weight = level.tenants[tenant][0][1].share_weight
+            return slots.get(tenant, 0) + 1 <= self.max_num_seqs * weight / total(tenant)
+
+        tenant = level.by_share.first(below_share, tries=len(slots) + 1)
+        if tenant is None:
+            return None
+        seq, counter, whole = level.tenants[tenant][0][1], self.fair.counter(tenant), total(tenant)
+        victims = [s for s in self.running if s.priority == priority and s.tenant != tenant and s not in admitted
+                   and slots[s.tenant] > self.max_num_seqs * weights[s.tenant] / whole
+                   and self.fair.counter(s.tenant) >= counter]
+        return (seq, max(victims, key=self._victim_key)) if victims else None
 
     def _victim_key(self, seq: Sequence) -> tuple:
         """Preemption order, largest first: lowest priority, then the tenant served most, then the latest."""
@@ -173,7 +254,13 @@ class Scheduler:
         self.blocks.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        seq.timings.finished = now if now is not None else time.monotonic()
+        seq.timings.finished = now = now if now is not None else time.monotonic()
+        left = self._work.get(seq.tenant, 0) - 1
+        if left > 0:
+            self._work[seq.tenant] = left
+        else:
+            self._work.pop(seq.tenant, None)
+            self.fair.idle(seq.tenant, now)
 
     # -- scheduling ----------------------------------------------------------------------------
     def schedule(self, now: float | None = None) -> ScheduledBatch:
@@ -181,6 +268,7 @@ class Scheduler:
         now = now if now is not None else started
         plan = self.step_budget.plan() if self.step_budget is not None else None
         batch = ScheduledBatch(plan=plan, started=started)
+        self.fair.prune(now)
         budget = self.max_num_batched_tokens
         # A new sorted list, not list.sort(): CPython empties a list while sorting it in place, and other
         # threads (the server's queue-wait estimate, stats) read `running` meanwhile.
@@ -219,10 +307,18 @@ class Scheduler:
                 self._add_prefill(batch, seq, n)
                 budget -= n
 
-        # Admit new work only when nothing had to be preempted this step: otherwise they would thrash.
-        passed_over = []
-        while self._num_waiting and not batch.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self._next_waiting()
+        # Admit new work only when nothing had to be preempted for KV this step: otherwise they would thrash.
+        passed_over, admitted = [], []
+        kv_short = bool(batch.preempted)
+        while self._num_waiting and not kv_short and budget > 0:
+            victim = None
+            if len(self.running) < self.max_num_seqs:
+                seq = self._next_waiting()
+            else:  # a slot it may take (fair share), or wait for one to free
+                taken = self._share_slot(admitted)
+                if taken is None:
+                    break
+                seq, victim = taken
             if seq.adapter is not None and not self.adapters.want(seq.adapter, now - seq.arrival):
                 self._take(seq, leave=False)  # its adapter is on its way
                 passed_over.append(seq)
@@ -234,7 +330,11 @@ class Scheduler:
             cached = len(hits) * self.blocks.block_size
             remaining = seq.num_tokens - cached
             n = self._chunk(seq, cached, budget, plan)
-            if n <= 0 or not self.blocks.can_admit(seq, hits, remaining + 1):
+            if n <= 0:
+                break
+            if victim is not None:
+                self._preempt(victim, batch)
+            if not self.blocks.can_admit(seq, hits, remaining + 1):
                 break
             self._take(seq, leave=True)
             if seq.adapter is not None:
@@ -249,6 +349,7 @@ class Scheduler:
             if seq.timings.first_scheduled is None:
                 seq.timings.first_scheduled = now
             self.running.append(seq)
+            admitted.append(seq)
             self._add_prefill(batch, seq, n)
             budget -= n
         for seq in passed_over:
@@ -315,4 +416,4 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         batch.preempted.append(seq)
-        self.add(seq)
+        self._requeue(seq)
