@@ -254,3 +254,30 @@ def test_the_ledger_row_is_priced_at_the_costliest_components_admin_set_price(st
     assert entry.output_per_mtok == priced.output_per_mtok
     assert [(c["adapter_id"], c["weight"]) for c in entry.composition] == \
         [(services.registry.resolve(acme.id, a).adapter_id, w) for a, w in COMPOSITIONS["two"]]
+
+
+def test_a_composite_beyond_what_the_adapter_pools_dtype_holds_is_a_400_naming_the_module(stack, peft_case, tmp_path,
+                                                                                         monkeypatch):
+    """On a float16 pool a weighted A of 1e5 would be loaded as inf (every token NaN): refused, naming the
+    module and the dtype, with nothing held; the same adapter at a weight whose product fits is served."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    server, _, records = stack
+    _, dirs, _, _ = peft_case
+    tensors = {k: v * (100.0 if "lora_A" in k else 1.0)
+               for k, v in load_file(dirs["tone"] / "adapter_model.safetensors").items()}
+    (tmp_path / "loud").mkdir()
+    save_file(tensors, tmp_path / "loud" / "adapter_model.safetensors")
+    (tmp_path / "loud" / "adapter_config.json").write_bytes((dirs["tone"] / "adapter_config.json").read_bytes())
+    server.services.registry.register(server.services.tenancy.tenant("acme").id, "loud",
+                                      adapter_files(tmp_path / "loud"))
+    monkeypatch.setattr(server.app.state.server, "adapter_dtype", torch.float16)
+    before = len(records)
+    resp = _post(stack, {**BASE, "adapters": [{"model": "loud", "weight": 1000}]})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "adapters" and "float16 adapter pool" in error["message"], error
+    assert "lower the weights" in error["message"] and len(records) == before
+    wait_until(lambda: _no_leases(server), "every host-RAM lease to be given back")
+    assert _post(stack, {**BASE, "adapters": [{"model": "loud", "weight": 0.01}]}).status_code == 200

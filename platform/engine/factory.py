@@ -15,11 +15,9 @@ def engine_from_settings(cls, settings, load_adapters: bool = True):
     (without the registry, as the CLI does). `LLMEngine.from_settings` calls this."""
     from transformers import AutoTokenizer
 
-    from loramux.model.loader import build_model, end_of_turn_ids, resolve_model_dir, torch_dtype
+    from loramux.model.loader import build_model, end_of_turn_ids, resolve_model_dir
 
-    device = torch.device("cuda" if settings.device == "auto" and torch.cuda.is_available()
-                          else ("cpu" if settings.device == "auto" else settings.device))
-    dtype = torch_dtype(settings.dtype, device)
+    device, dtype = device_and_dtype(settings)
     model_dir = resolve_model_dir(settings.model, Path(settings.cache_dir))
     model, mcfg = build_model(model_dir, dtype, device, settings.max_model_len, settings.quantization)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -38,6 +36,15 @@ def engine_from_settings(cls, settings, load_adapters: bool = True):
         engine.set_medusa_heads(load_medusa_dir(heads, mcfg.hidden_size))
     calibrate_step_cost(engine)
     return engine
+
+
+def device_and_dtype(settings) -> tuple[torch.device, torch.dtype]:
+    """The device and the weights' dtype (the adapter pool's too) an engine built from `settings` uses."""
+    from loramux.model.loader import torch_dtype
+
+    device = torch.device("cuda" if settings.device == "auto" and torch.cuda.is_available()
+                          else ("cpu" if settings.device == "auto" else settings.device))
+    return device, torch_dtype(settings.dtype, device)
 
 
 def medusa_heads_dir(settings) -> Path | None:

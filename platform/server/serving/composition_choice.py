@@ -14,11 +14,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import torch
 from fastapi.concurrency import run_in_threadpool
 
 from loramux.adapters.cache_levels import Acquired, AdapterLoadError
 from loramux.adapters.composition import CompositionError, compose, composition_digest, refusal_reason
 from loramux.adapters.composition_cache import CompositionCache, CompositionCapacityError, CompositionTooLargeError
+from loramux.adapters.dtype_range import check_fits
 from loramux.adapters.peft_format import LoRAAdapter
 from loramux.adapters.registry import AdapterNotFoundError, AdapterRegistry, AdapterVersionInfo
 from loramux.server.http.errors import ApiError
@@ -105,9 +107,10 @@ async def resolve_components(registry: AdapterRegistry, tenant: TenantContext, c
 
 async def acquire_composition(registry: AdapterRegistry, compositions: CompositionCache, tenant: TenantContext,
                               components: list[Component], time_left: float, *, max_rank: int, max_lora_rank: int,
-                              base_model_id: str) -> Composition:
+                              base_model_id: str, dtype: torch.dtype = torch.float32) -> Composition:
     """The request's composite, pinned in host RAM (the request gives it back when it ends: `Composition.lease`;
-    see the module docstring). Raises ApiError with nothing held."""
+    see the module docstring), its values within what the adapter pool's `dtype` holds (400 naming the module
+    otherwise: a float16 pool turns a weighted A of 1e5 into inf). Raises ApiError with nothing held."""
     versions = await resolve_components(registry, tenant, components, max_rank, max_lora_rank, base_model_id)
     digest = composition_digest([(v.digest, c.weight) for c, v in zip(components, versions)])
     weights = [c.weight for c in components]
@@ -122,7 +125,9 @@ async def acquire_composition(registry: AdapterRegistry, compositions: Compositi
                 raise _cannot_combine(component, reason)
 
     def build(loaded: list[LoRAAdapter]) -> LoRAAdapter:
-        return compose(list(zip(loaded, weights)), f"composition-{digest[:16]}", digest)
+        composite = compose(list(zip(loaded, weights)), f"composition-{digest[:16]}", digest)
+        check_fits(composite, dtype)
+        return composite
 
     try:
         composite = await compositions.acquire(digest, tenant.tenant_id, versions, check, build,

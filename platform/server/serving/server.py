@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from loramux.adapters.composition_cache import CompositionCache
 from loramux.adapters.registry import BASE_MODEL_ALIAS
 from loramux.engine.engine import RequestError, RequestOutput
+from loramux.engine.factory import device_and_dtype
 from loramux.engine.sampling_params import SamplingParams, StructuredOutput
 from loramux.rate_limits import RateLimiter
 from loramux.server.http.errors import ApiError
@@ -70,6 +71,7 @@ class Server:
         settings = services.settings
         self.compositions = CompositionCache(services.adapter_cache, settings.composition_build_threads,
                                              settings.composition_builds_per_tenant)
+        self.adapter_dtype = device_and_dtype(settings)[1]  # a composite must fit it (`check_fits`)
 
     def is_base(self, model: str | None) -> bool:
         return model in (None, "", BASE_MODEL_ALIAS, self.model_id)
@@ -164,7 +166,7 @@ class Server:
                 composition = await acquire_composition(
                     self.services.registry, self.compositions, tenant, components,
                     arrival + admitted.timeout_s - time.monotonic(), max_rank=settings.composition_max_rank,
-                    max_lora_rank=settings.max_lora_rank, base_model_id=self.model_id)
+                    max_lora_rank=settings.max_lora_rank, base_model_id=self.model_id, dtype=self.adapter_dtype)
                 lease = composition.lease
             version, plain, fallback_reason = (None, None, None) if self.is_base(model) else await acquire_adapter(
                 self.services.registry, self.services.adapter_cache, tenant, model,
