@@ -18,10 +18,24 @@ Methods (PEFT's `combination_type`):
   svd          the weighted sum of the delta weights (B A x scale), truncated by SVD to `svd_rank` (default: the
                largest component rank); `svd_clamp` clamps to a quantile.
 
-DARE draws its masks from torch's global generator: the merge runs in a process of its own seeded with `seed`
-(a request without one gets a random seed, recorded), so the same request gives the same bytes, equal
-to what PEFT gives after `torch.manual_seed(seed)` on a real PeftModel of the base model with the same
-components (the skeleton defines the projections in the order HF's model classes do, which PEFT follows).
+Where a merge runs, and its bounds (`MergeLimits`, LORAMUX_MERGE_*). `cat` and `linear` touch LoRA tensors only
+(rank concatenation, averages of A and B) and run in the calling process. `ties`, `dare_*` and `svd` run in a
+worker process (`loramux.adapters.merge_worker`, a fresh one per merge: nothing of the serving process is forked,
+and its memory is all returned when it exits) from a bounded pool: at most `workers` at once, each under RLIMIT_AS
+= its address space after its imports + `memory_bytes`, killed (and reaped) past `timeout_s` of wall time from its
+start. Components go to it as `pack`ed blob bytes and the result comes back as bytes, both through its stdin and
+stdout pipes: no shared memory (/dev/shm is 64 MB in a Docker container), no temporary files. Before anything
+starts, `check_memory` estimates the merge's peak (`peak_bytes`) and refuses one above `memory_bytes` with a
+`MergeTooLarge` (413) naming the bound and the setting that raises it. The estimate's big term is svd's: PEFT
+builds each component's dense d_out x d_in delta per module (three copies of each in its weighted sum) before the
+SVD, which runs with `svd_full_matrices=False` (a thin U of d_out x min(d_out, d_in), not d_out x d_out).
+
+DARE draws its masks from torch's global generator: in the worker it is seeded with `seed` (a request without one
+gets a random seed, recorded), so the same request gives the same bytes, equal to what PEFT gives after
+`torch.manual_seed(seed)` on a real PeftModel of the base model with the same components (the skeleton defines the
+projections in the order HF's model classes do, which PEFT follows). In the serving process the engine's unseeded
+sampling draws from that generator too (from another thread), so a seed there would not make the masks
+reproducible.
 
 PEFT needs a PeftModel to merge in. It is built on a skeleton of the base model: its projections by their
 own names and shapes, the LoRA weights real, no base weights loaded. Not on the meta device: PEFT moves a new
@@ -29,7 +43,7 @@ adapter's layers to the device of the base layer, and on meta the `cat` merge wr
 data). Each base weight is instead one zero scalar broadcast to the projection's shape (a stride-0 view:
 no memory), so PEFT keeps everything on the CPU. Only LoRA weights enter a merge (`get_delta_weight` for svd
 reads A and B only), so the skeleton gives PEFT's exact numbers; memory is the components' and the result's
-LoRA tensors.
+LoRA tensors, and for svd the dense deltas of one module at a time (see `peak_bytes`).
 
 Refused by name, because `add_weighted_adapter` would drop or mis-merge them: DoRA (magnitude vectors), LoRA
 on embed_tokens, trained heads and trainable tokens. A merged adapter has one rank for every module (PEFT's
@@ -37,12 +51,16 @@ rank_pattern is emptied), lora_alpha = r, and use_rslora of the first component 
 """
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import math
-import multiprocessing
+import pickle
 import random
 import re
+import signal
+import subprocess
+import sys
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -58,11 +76,15 @@ from loramux.adapters.validation import (
 )
 from loramux.model.config import ModelConfig
 
-__all__ = ["EXACT_METHODS", "METHODS", "MAX_COMPONENTS", "MergeComponent", "MergeError", "MergedAdapter",
-           "check_components", "check_request", "merge", "merged_rank"]
+__all__ = ["EXACT_METHODS", "METHODS", "MAX_COMPONENTS", "WORKER_METHODS", "MergeBusy", "MergeComponent",
+           "MergeError", "MergeLimits", "MergeTooLarge", "MergedAdapter", "check_components", "check_memory",
+           "check_request", "merge", "merged_rank", "peak_bytes"]
 
 METHODS = ("cat", "linear", "ties", "dare_linear", "dare_ties", "svd")
 EXACT_METHODS = ("cat", "linear")
+# The methods that run in a worker process: svd builds dense deltas; ties and DARE are LoRA-sized but sort, trim
+# and (DARE) draw from torch's global generator. cat and linear only concatenate or average A and B.
+WORKER_METHODS = ("ties", "dare_linear", "dare_ties", "svd")
 # The parameters each method takes (anything else is refused, so a typo never goes unnoticed).
 PARAMETERS = {"cat": (), "linear": (), "ties": ("density", "majority_sign_method"),
               "dare_linear": ("density", "seed"), "dare_ties": ("density", "majority_sign_method", "seed"),
@@ -82,12 +104,42 @@ class MergeError(AdapterValidationError):
     """A merge refused before any work: `param` names the request field (method, parameters.density,
     components[1], ...) and the message says what to fix. Answered as a 400."""
 
+    code_name = "invalid_merge"
+
     def __init__(self, param: str, message: str):
-        super().__init__("invalid_merge", message)
+        super().__init__(self.code_name, message)
         self.param = param
 
     def __reduce__(self):
         return type(self), (self.param, str(self))
+
+
+class MergeTooLarge(MergeError):
+    """A merge above one of this server's bounds (LORAMUX_MERGE_MEMORY_BYTES, LORAMUX_MERGE_TIMEOUT_S): refused
+    before it starts when the estimate says so, else stopped (its worker killed). Answered as a 413; the message
+    names the bound and the setting that raises it."""
+
+    code_name = "too_large"
+
+
+class MergeBusy(MergeError):
+    """Every merge worker stayed busy for LORAMUX_MERGE_TIMEOUT_S: nothing ran; retry later (a 503)."""
+
+    code_name = "merge_busy"
+
+
+@dataclass(frozen=True)
+class MergeLimits:
+    """How merges run in worker processes (LORAMUX_MERGE_*; see the module docstring)."""
+
+    memory_bytes: int = 4 * 1024**3  # the most a merge may allocate (its estimate, and the worker's RLIMIT_AS)
+    timeout_s: float = 600.0  # wall clock of one worker, its start included; also the longest wait for one
+    workers: int = 1  # worker merges that run at once
+
+    @classmethod
+    def from_settings(cls, settings) -> MergeLimits:
+        return cls(memory_bytes=settings.merge_memory_bytes, timeout_s=settings.merge_timeout_s,
+                   workers=settings.merge_workers)
 
 
 @dataclass(frozen=True)
@@ -218,6 +270,72 @@ def check_components(method: str, params: Mapping, components: Sequence[MergeCom
                          f"the merged adapter would have rank {rank}, above this server's limit of {max_rank}; {hint}")
 
 
+# ---------------------------------------------------------------------------------------------- memory
+
+_F32 = 4
+_FIXED_BYTES = 32 * 1024**2  # PEFT's model objects, the interpreter's heap growth, the frames
+
+
+def _gib(n: int) -> str:
+    return f"{n / 1024**3:.2f} GiB"
+
+
+def _svd_workspace(m: int, n: int) -> int:
+    """Elements torch.linalg.svd(full_matrices=False) holds for an m x n float32 matrix beside it: LAPACK's copy
+    of the input, U (m x k) and Vh (k x n), S, and gesdd's work arrays (about 4k² + 8k), k = min(m, n)."""
+    k = min(m, n)
+    return m * n + k * (m + n) + 4 * k * k + 8 * k + max(m, n)
+
+
+def peak_bytes(method: str, params: Mapping, components: Sequence[MergeComponent], base: ModelConfig
+               ) -> tuple[int, str]:
+    """(bytes, what dominates): an upper estimate of a merge's peak allocation. Every method holds the components'
+    LoRA tensors three times (loaded, packed for the worker, in the PeftModel) and the result twice (tensors and
+    file). Per module, one module at a time: svd PEFT's dense deltas, each component's d_out x d_in B·A, three
+    copies of each in its weighted sum (the list, torch.stack, the weighted product) plus the sum, then the SVD's
+    workspace beside the sum; the other methods a few copies of the module's LoRA tensors."""
+    rank = merged_rank(method, params, components)
+    shapes = checkpoint_shapes(base)
+    lora = sum(c.adapter.nbytes for c in components)
+    per_module: dict[tuple[int, str], list[int]] = {}  # (layer, base module) -> components' LoRA elements there
+    for c in components:
+        mine: dict[tuple[int, str], int] = {}
+        for key, target in _fused_keys(c.adapter, base).items():  # Phi-3's parts count towards the fused module
+            a, b = c.adapter.weights[key]
+            mine[(key[0], target)] = mine.get((key[0], target), 0) + a.numel() + b.numel()
+        for key, elements in mine.items():
+            per_module.setdefault(key, []).append(elements)
+    result = sum(rank * sum(shapes[target]) for _, target in per_module) * _F32
+    worst, why = 0, "the components' LoRA tensors"
+    for (layer, target), sizes in per_module.items():
+        if method == "svd":
+            d_in, d_out = shapes[target]
+            dense = d_out * d_in
+            need = max((3 * len(sizes) + 1) * dense, dense + _svd_workspace(d_out, d_in)) * _F32
+            what = (f"layer {layer} {target}: {len(sizes)} components' dense {d_out} x {d_in} deltas, three copies "
+                    "each in PEFT's weighted sum, then the SVD")
+        else:
+            need, what = 6 * sum(sizes) * _F32, f"layer {layer} {target}: its LoRA tensors"
+        if need > worst:
+            worst, why = need, what
+    return 3 * lora + 2 * result + worst + _FIXED_BYTES, why
+
+
+def check_memory(method: str, params: Mapping, components: Sequence[MergeComponent], base: ModelConfig,
+                 memory_bytes: int) -> int:
+    """Refuse (MergeTooLarge) a merge whose estimated peak (`peak_bytes`) is above `memory_bytes`, before anything
+    is allocated for it; return the estimate."""
+    need, why = peak_bytes(method, params, components, base)
+    if need > memory_bytes:
+        hint = "merge fewer components, use cat (exact, no dense deltas), " if method == "svd" else \
+            "merge fewer or smaller components, "
+        raise MergeTooLarge("components", f"the {method} merge would need about {_gib(need)} of memory at its peak "
+                                          f"({why}), above this server's merge memory limit of {_gib(memory_bytes)} "
+                                          f"(LORAMUX_MERGE_MEMORY_BYTES={memory_bytes}); {hint}or raise "
+                                          "LORAMUX_MERGE_MEMORY_BYTES")
+    return need
+
+
 # ---------------------------------------------------------------------------------------------- merge
 
 def _fused_keys(adapter: LoRAAdapter, base: ModelConfig) -> dict[tuple[int, str], str]:
@@ -261,19 +379,19 @@ def _skeleton(base: ModelConfig) -> torch.nn.Module:
     return root
 
 
-def merge(method: str, params: Mapping, components: Sequence[MergeComponent], base: ModelConfig) -> MergedAdapter:
+def merge(method: str, params: Mapping, components: Sequence[MergeComponent], base: ModelConfig,
+          limits: MergeLimits | None = None) -> MergedAdapter:
     """Merge checked components (see `check_request`, `check_components`) with PEFT's add_weighted_adapter on a
-    skeleton PeftModel of `base`; return the merged adapter's files. CPU work: run it off the event loop.
+    skeleton PeftModel of `base`; return the merged adapter's files. Blocking: run it off the event loop.
 
-    A random method (DARE) runs in a fresh process: PEFT draws its masks from torch's global generator, which
-    in a serving process the engine's unseeded sampling draws from too (from another thread), so a seed
-    there would not make the masks reproducible, and re-seeding would disturb the engine's draws. The other
-    methods draw nothing that reaches the result and run here."""
-    if "seed" not in params:
+    First `check_memory` against `limits.memory_bytes` (MergeTooLarge before anything is allocated). cat and
+    linear then run here; ties, dare_* and svd in a worker process of the bounded pool for `limits` (MergeBusy
+    when none frees within the timeout, MergeTooLarge when the worker passes its time or memory)."""
+    limits = limits or MergeLimits()
+    check_memory(method, params, components, base, limits.memory_bytes)
+    if method not in WORKER_METHODS:
         return _merge_here(method, params, components, base)
-    context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
-        return pool.submit(_merge_here, method, params, components, base).result()
+    return merge_pool(limits).run(method, params, components, base)
 
 
 def _merge_here(method: str, params: Mapping, components: Sequence[MergeComponent], base: ModelConfig
@@ -306,11 +424,10 @@ def _merge_here(method: str, params: Mapping, components: Sequence[MergeComponen
         adapter_names.append(name)
     assert model is not None
     kwargs = {"density": params.get("density"), "majority_sign_method": params.get("majority_sign_method", "total")}
-    if method == "svd":
-        kwargs.update(svd_rank=params.get("svd_rank"), svd_clamp=params.get("svd_clamp"))
+    if method == "svd":  # a thin U (d_out x min(d_out, d_in)): PEFT's default would allocate d_out x d_out
+        kwargs.update(svd_rank=params.get("svd_rank"), svd_clamp=params.get("svd_clamp"), svd_full_matrices=False)
     with torch.no_grad():
-        if "seed" in params:  # in its own process (see `merge`)
-            torch.set_num_threads(1)
+        if "seed" in params:  # in a worker process of its own (see the module docstring)
             torch.manual_seed(params["seed"])
         model.add_weighted_adapter(adapter_names, [float(c.weight) for c in components], MERGED,
                                    combination_type=method, **kwargs)
@@ -344,3 +461,128 @@ def _peft_files(model, base: ModelConfig) -> MergedAdapter:
             "target_modules": targets, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
             "base_model_name_or_path": None}
     return MergedAdapter(json.dumps(body).encode(), save(tensors), config.r)
+
+
+# ---------------------------------------------------------------------------------------------- worker pool
+
+_POOLS: dict[MergeLimits, MergePool] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def merge_pool(limits: MergeLimits) -> MergePool:
+    """The process-wide pool for `limits` (one per distinct setting, so a changed setting takes effect)."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get(limits)
+        if pool is None:
+            pool = _POOLS[limits] = MergePool(limits)
+        return pool
+
+
+class MergePool:
+    """At most `limits.workers` merges at once, each in a fresh `python -m loramux.adapters.merge_worker`
+    process (nothing of the serving process is forked or re-imported), bounded in memory (RLIMIT_AS, set by the
+    worker after its imports) and wall time (killed here, past `limits.timeout_s` from its start; RLIMIT_CPU is a
+    backstop; the worker also dies with its parent). `run` returns only once its worker is gone and reaped."""
+
+    def __init__(self, limits: MergeLimits):
+        self.limits = limits
+        self._slots = threading.BoundedSemaphore(limits.workers)
+        self._lock = threading.Lock()
+        self._live: set[int] = set()
+        self.started: list[int] = []  # pids of the workers started (the last 64), for tests and diagnostics
+
+    def live_pids(self) -> list[int]:
+        """Workers running right now."""
+        with self._lock:
+            return sorted(self._live)
+
+    def run(self, method: str, params: Mapping, components: Sequence[MergeComponent], base: ModelConfig
+            ) -> MergedAdapter:
+        from loramux.adapters.blob import pack
+
+        if not self._slots.acquire(timeout=self.limits.timeout_s):
+            raise MergeBusy("method", f"every merge worker ({self.limits.workers}, LORAMUX_MERGE_WORKERS) stayed "
+                                      f"busy for {self.limits.timeout_s:g} s (LORAMUX_MERGE_TIMEOUT_S); nothing "
+                                      "ran, try again later")
+        try:
+            parts = []
+            for c in components:  # checked plain LoRA (check_components): A, B and the modules' own scales
+                a = c.adapter
+                blob, digest = pack(a.rank, a.alpha, a.use_rslora, a.target_modules, a.weights, a.module_scales)
+                parts.append((c.label, blob, digest, float(c.weight)))
+            job = {"method": method, "params": dict(params), "components": parts, "base": base,
+                   "memory_bytes": self.limits.memory_bytes, "cpu_s": self.limits.timeout_s}
+            payload = pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL)
+            del parts, job
+            return self._run(method, payload)
+        finally:
+            self._slots.release()
+
+    def _run(self, method: str, payload: bytes) -> MergedAdapter:
+        from loramux.engine.compile_pool import read_frame, write_frame
+
+        deadline = time.monotonic() + self.limits.timeout_s
+        proc = subprocess.Popen([sys.executable, "-m", "loramux.adapters.merge_worker"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, close_fds=True)
+        with self._lock:
+            self._live.add(proc.pid)
+            self.started = [*self.started[-63:], proc.pid]
+        # Written from a thread: a worker that stops reading must not block the deadline.
+        writer = threading.Thread(target=_send, args=(proc, write_frame, payload), daemon=True,
+                                  name="loramux-merge-send")
+        writer.start()
+        try:
+            try:
+                kind, body = read_frame(proc.stdout.fileno(), deadline, self.limits.memory_bytes + 2**30)
+            except TimeoutError:
+                raise self._timed_out(method) from None
+            except Exception:  # noqa: BLE001 - the worker died (EOF) or wrote garbage: say why from its exit
+                _kill(proc)
+                if proc.returncode == -signal.SIGXCPU:  # the RLIMIT_CPU backstop
+                    raise self._timed_out(method) from None
+                if proc.returncode == -signal.SIGKILL:  # the kernel's OOM killer
+                    raise self._out_of_memory(method, "it was killed for memory") from None
+                raise RuntimeError(f"the {method} merge's worker process failed (exit {proc.returncode})") from None
+        finally:
+            _kill(proc)
+            writer.join()
+            with self._lock:
+                self._live.discard(proc.pid)
+        if kind == b"O":
+            config, weights, rank = pickle.loads(body)
+            return MergedAdapter(config, weights, rank)
+        if kind == b"X":
+            raise self._out_of_memory(method, body.decode(errors="replace")[:300])
+        raise pickle.loads(body)  # E: the merge's own exception (PEFT's, a MergeError), re-raised here
+
+    def _timed_out(self, method: str) -> MergeTooLarge:
+        return MergeTooLarge("components", f"the {method} merge ran longer than this server's merge time limit of "
+                                           f"{self.limits.timeout_s:g} s (LORAMUX_MERGE_TIMEOUT_S) and was stopped; "
+                                           "nothing was stored. Merge fewer or smaller components, or raise "
+                                           "LORAMUX_MERGE_TIMEOUT_S")
+
+    def _out_of_memory(self, method: str, detail: str) -> MergeTooLarge:
+        return MergeTooLarge("components", f"the {method} merge ran out of its memory limit of "
+                                           f"{_gib(self.limits.memory_bytes)} (LORAMUX_MERGE_MEMORY_BYTES="
+                                           f"{self.limits.memory_bytes}) and was stopped ({detail}); nothing was "
+                                           "stored. Merge fewer components, or raise LORAMUX_MERGE_MEMORY_BYTES")
+
+
+def _send(proc: subprocess.Popen, write_frame, payload: bytes) -> None:
+    try:
+        write_frame(proc.stdin, b"J", payload)
+        proc.stdin.close()
+    except (OSError, ValueError):  # the worker is gone (killed on timeout): nothing to send to
+        pass
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """Kill the worker if it runs and reap it (returns once it is gone); close the pipes."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    for pipe in (proc.stdin, proc.stdout):
+        try:
+            pipe.close()
+        except OSError:
+            pass

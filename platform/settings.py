@@ -183,6 +183,16 @@ class Settings(BaseSettings):
     composition_build_threads: int = Field(default=1, ge=1, le=64)
     composition_builds_per_tenant: int = Field(default=2, ge=1)
 
+    # Stored merges of adapters (POST /admin/adapters/merge, issue 36): ties, dare_* and svd run in a worker
+    # process, at most `merge_workers` at once (a merge waits for one at most `merge_timeout_s`, then 503), killed
+    # past `merge_timeout_s` of wall time (its start, a few seconds of imports, included) and allowed
+    # `merge_memory_bytes` beyond its own start (RLIMIT_AS). A merge whose estimated peak (svd: per module the
+    # components' dense d_out x d_in deltas, three copies each in PEFT's sum, and the SVD) is above
+    # `merge_memory_bytes` is refused before it starts (413 naming LORAMUX_MERGE_MEMORY_BYTES).
+    merge_workers: int = Field(default=1, ge=1, le=16)
+    merge_timeout_s: float = Field(default=600.0, gt=0)
+    merge_memory_bytes: int = Field(default=4 * 1024**3, ge=128 * 1024**2)
+
     # Operator console (/console): the secret that signs its session cookies ("" = a random one per process,
     # so sessions end at a restart; set one shared by every ingress replica) and how long a session lasts.
     console_secret: str = ""

@@ -1,7 +1,10 @@
 """Stored merges of adapters: every method equals PEFT's own `add_weighted_adapter` on a real PeftModel of the
 tiny Llama (tensor for tensor, same seed for DARE), the merged adapter served through the admin API generates
 what HF + PEFT's merged model generates, its provenance is answered by the API, shown by the console and the
-CLI makes one; refusals (unknown or invisible components, method preconditions, DoRA) name what to fix."""
+CLI makes one; refusals (unknown or invisible components, method preconditions, DoRA) name what to fix. Bounds
+(issue 36): svd asks for thin matrices, a merge above the memory bound is refused before it starts (413 naming
+LORAMUX_MERGE_MEMORY_BYTES), worker merges are stopped by their memory and time limits and leave no process,
+temporary file, row or blob."""
 from __future__ import annotations
 
 import json
@@ -12,7 +15,18 @@ import pytest
 import torch
 
 from conftest import admin_client, make_engine, make_services, new_tenant_key
-from loramux.adapters.merge import MergeComponent, MergeError, check_components, check_request, merge
+from loramux.adapters.merge import (
+    MergeComponent,
+    MergeError,
+    MergeLimits,
+    MergeTooLarge,
+    check_components,
+    check_memory,
+    check_request,
+    merge,
+    merge_pool,
+    peak_bytes,
+)
 from loramux.adapters.peft_format import build_adapter, load_adapter_dir
 from loramux.testing import LiveServer, save_tiny_hf_model, write_peft_adapter
 
@@ -50,9 +64,16 @@ def peft_merged(model_dir: Path, dirs: dict[str, Path], names, weights, method, 
     for i, name in enumerate(names[1:], 1):
         model.load_adapter(dirs[name], adapter_name=f"c{i}")
     kwargs = {k: v for k, v in params.items() if k != "seed"}
+    if method == "svd":  # as loramux merges: thin U and Vh (PEFT's default, full matrices, is d_out x d_out)
+        kwargs.setdefault("svd_full_matrices", False)
     torch.manual_seed(params.get("seed", 0))
-    model.add_weighted_adapter([f"c{i}" for i in range(len(names))], weights, "merged", combination_type=method,
-                               **kwargs)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the merge worker: BLAS and LAPACK round by how they split the work
+    try:
+        model.add_weighted_adapter([f"c{i}" for i in range(len(names))], weights, "merged", combination_type=method,
+                                   **kwargs)
+    finally:
+        torch.set_num_threads(threads)
     model.set_adapter("merged")
     return model
 
@@ -437,3 +458,146 @@ def test_embedding_and_head_components_are_refused_by_name(lora, words, adapters
     with pytest.raises(MergeError) as info:
         check_components("cat", {}, components, tiny_cfg)
     assert info.value.param == "components[1]" and f"component x@2 {words}" in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------- bounds (issue 36)
+
+def _one_module_components(cfg, count: int, target: str, hidden: int, intermediate: int, rank: int = 8):
+    """A one-layer variant of `cfg` with the given sizes, and `count` random rank-`rank` LoRAs on its `target`
+    (LoRA tensors only: nothing dense is built here)."""
+    import dataclasses
+
+    from loramux.adapters.peft_format import LoRAAdapter
+    from loramux.adapters.validation import checkpoint_shapes
+
+    big = dataclasses.replace(cfg, hidden_size=hidden, intermediate_size=intermediate, num_layers=1,
+                              layer_windows=(), layer_ropes=())
+    d_in, d_out = checkpoint_shapes(big)[target]
+    g = torch.Generator().manual_seed(count)
+    components = []
+    for i in range(count):
+        weights = {(0, target): (torch.randn(rank, d_in, generator=g), torch.randn(d_out, rank, generator=g))}
+        components.append(MergeComponent(f"c{i}@1", LoRAAdapter(f"c{i}", rank, 2.0 * rank, False, (target,), weights),
+                                         1.0))
+    return big, components
+
+
+def test_svd_asks_for_thin_matrices_and_gives_the_full_ones_delta(adapters, tiny_dir, tiny_cfg, monkeypatch):
+    """PEFT's default, full_matrices=True, allocates a d_out x d_out U (822 MB at 14336 x 4096) for the rank-r
+    columns it keeps; the merge asks for the thin one, and the merged deltas equal PEFT's full-matrices ones."""
+    from loramux.adapters.merge import _merge_here  # what the worker runs
+
+    names, weights, params = CASES["svd"]
+    components = [MergeComponent(n, load_adapter_dir(adapters[n], tiny_cfg), w) for n, w in zip(names, weights)]
+    calls, real = [], torch.linalg.svd
+
+    def spy(matrix, *args, **kwargs):
+        out = real(matrix, *args, **kwargs)
+        calls.append((tuple(matrix.shape), kwargs.get("full_matrices", True), tuple(out[0].shape)))
+        return out
+
+    monkeypatch.setattr(torch.linalg, "svd", spy)
+    merged = _merge_here("svd", check_request("svd", params, weights), components, tiny_cfg)
+    assert calls and all(not full for _, full, _ in calls), calls
+    assert all(u == (m, min(m, n)) for (m, n), _, u in calls)
+    ours = build_adapter("m", merged.config, merged.weights, tiny_cfg)
+    full = peft_tensors(peft_merged(tiny_dir, adapters, names, weights, "svd", {**params, "svd_full_matrices": True}))
+    assert set(ours.weights) == set(full)
+    for key, (a, b, scale) in full.items():
+        torch.testing.assert_close(ours.weights[key][1] @ ours.weights[key][0] * ours.scale_of(key), b @ a * scale,
+                                   rtol=1e-4, atol=1e-5)
+
+
+def test_a_merge_above_the_memory_bound_is_refused_before_it_starts(tiny_cfg):
+    """The issue's case: 16 components on a 14336 x 4096 projection. PEFT's svd holds each component's dense delta
+    three times in its weighted sum: about 10.8 GiB for that module, refused at the default 4 GiB before any worker
+    starts; two components fit, and cat of the sixteen (no dense deltas) needs LoRA-sized memory."""
+    big, components = _one_module_components(tiny_cfg, 16, "gate_proj", hidden=4096, intermediate=14336, rank=16)
+    dense = 14336 * 4096 * 4
+    need, why = peak_bytes("svd", {}, components, big)
+    assert 49 * dense <= need < 49 * dense + 2**30, need
+    assert "16 components' dense 14336 x 4096 deltas" in why
+    limits = MergeLimits(memory_bytes=4 * 1024**3, timeout_s=7.0)  # LORAMUX_MERGE_MEMORY_BYTES's default
+    with pytest.raises(MergeTooLarge) as info:
+        merge("svd", {}, components, big, limits)
+    message = str(info.value)
+    assert info.value.code == "too_large" and info.value.param == "components"
+    assert "above this server's merge memory limit of 4.00 GiB (LORAMUX_MERGE_MEMORY_BYTES=4294967296)" in message
+    assert "layer 0 gate_proj: 16 components' dense 14336 x 4096 deltas" in message and "raise" in message
+    assert merge_pool(limits).started == []  # no worker started: nothing was allocated for the merge
+    assert check_memory("svd", {}, components[:2], big, limits.memory_bytes) < limits.memory_bytes
+    assert peak_bytes("cat", {}, components, big)[0] < 256 * 2**20  # LoRA-sized: 16 x 1.2 MB in, rank 256 out
+
+
+def test_a_worker_merge_past_its_memory_limit_stops_in_the_worker(tiny_cfg):
+    """RLIMIT_AS in the worker: a merge that outgrows its bound (here past the estimate, run on the pool directly,
+    as an underestimate would) fails in its own process with a 413 naming the setting; the worker is reaped."""
+    big, components = _one_module_components(tiny_cfg, 2, "gate_proj", hidden=2048, intermediate=2048)
+    limits = MergeLimits(memory_bytes=64 * 2**20, timeout_s=120.0)  # 7 dense 16 MiB deltas do not fit
+    pool = merge_pool(limits)
+    with pytest.raises(MergeTooLarge, match=r"ran out of its memory limit of 0\.06 GiB \(LORAMUX_MERGE_MEMORY_BYTES="):
+        pool.run("svd", {}, components, big)
+    assert len(pool.started) == 1 and pool.live_pids() == []
+    assert not Path(f"/proc/{pool.started[0]}").exists()  # gone and reaped, not a zombie
+
+
+def test_a_merge_past_its_time_limit_is_killed_and_leaves_nothing(served, monkeypatch, tmp_path):
+    """A worker past LORAMUX_MERGE_TIMEOUT_S is killed: a 413 naming the setting, no process (not even a zombie),
+    no temporary file or shared-memory segment, no row, no blob. The tiny limit is shorter than the worker's own
+    start (importing torch and PEFT), so the kill always comes while it runs."""
+    import os
+    import tempfile
+
+    server, admin, _, _ = served
+    settings = server.services.settings
+    monkeypatch.setattr(settings, "merge_timeout_s", 0.2)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))  # the worker inherits it
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    shm_before = set(os.listdir("/dev/shm"))
+    before = stored_counts(server)
+    answer = admin.post("/admin/adapters/merge", json=merge_body("slow", "svd", [{"adapter": "a"}, {"adapter": "b"}]))
+    assert answer.status_code == 413, answer.text
+    error = answer.json()["error"]
+    assert error["code"] == "too_large" and error["param"] == "components"
+    assert "longer than this server's merge time limit of 0.2 s (LORAMUX_MERGE_TIMEOUT_S)" in error["message"]
+    pool = merge_pool(MergeLimits.from_settings(settings))
+    assert len(pool.started) == 1 and pool.live_pids() == []
+    pid = pool.started[0]
+    assert not Path(f"/proc/{pid}").exists()
+    assert list(scratch.iterdir()) == []
+    assert not [n for n in set(os.listdir("/dev/shm")) - shm_before if str(pid) in n or str(os.getpid()) in n]
+    assert stored_counts(server) == before
+
+
+def test_a_merge_above_the_memory_bound_over_http_is_a_413_naming_the_setting(served, monkeypatch):
+    server, admin, _, _ = served
+    monkeypatch.setattr(server.services.settings, "merge_memory_bytes", 16 * 2**20)
+    before = stored_counts(server)
+    answer = admin.post("/admin/adapters/merge", json=merge_body("huge", "ties", [{"adapter": "a"}, {"adapter": "b"}],
+                                                                 density=0.5))
+    assert answer.status_code == 413, answer.text
+    error = answer.json()["error"]
+    assert error["code"] == "too_large" and error["param"] == "components"
+    assert "memory at its peak" in error["message"]
+    assert "(LORAMUX_MERGE_MEMORY_BYTES=16777216); merge fewer or smaller components, or raise" in error["message"]
+    assert merge_pool(MergeLimits.from_settings(server.services.settings)).started == []
+    assert stored_counts(server) == before
+
+
+def test_a_merge_with_every_worker_busy_is_a_503(served, monkeypatch):
+    server, admin, _, _ = served
+    settings = server.services.settings
+    monkeypatch.setattr(settings, "merge_timeout_s", 0.1)
+    pool = merge_pool(MergeLimits.from_settings(settings))
+    assert pool._slots.acquire(blocking=False)  # the one worker (LORAMUX_MERGE_WORKERS=1) taken
+    try:
+        answer = admin.post("/admin/adapters/merge", json=merge_body("busy", "dare_linear",
+                                                                     [{"adapter": "a"}, {"adapter": "b"}], density=0.5))
+    finally:
+        pool._slots.release()
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["error"]["code"] == "merge_busy" and "Retry-After" in answer.headers
+    assert "every merge worker (1, LORAMUX_MERGE_WORKERS) stayed busy" in answer.json()["error"]["message"]
+    assert pool.started == []

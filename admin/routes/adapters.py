@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from pydantic import ConfigDict, Field
 
+from loramux.adapters.merge import MergeBusy
 from loramux.adapters.registry import AdapterVersionInfo
 from loramux.admin.routes.schemas import (
     AdapterDetail,
@@ -21,6 +22,7 @@ from loramux.admin.routes.schemas import (
 from loramux.admin.uploads import receive_upload
 from loramux.server.deps import ServicesDep
 from loramux.server.http.bodies import RequestBody
+from loramux.server.http.errors import ApiError
 from loramux.services import adapter_merges as merges
 from loramux.services import adapters as ops
 
@@ -67,8 +69,11 @@ async def merge_adapters(body: MergeBody, services: ServicesDep) -> AdapterVersi
     """Merge adapters with PEFT's add_weighted_adapter into a new adapter (or a new version of `name`), stored
     like an upload, with its provenance (method, parameters, components with their versions and digests)."""
     components = [merges.ComponentRef(c.adapter, c.version, c.weight) for c in body.components]
-    return await run_in_threadpool(merges.merge_adapters, services, body.tenant_id, body.name, components,
-                                   body.method, body.parameters, body.visibility)
+    try:
+        return await run_in_threadpool(merges.merge_adapters, services, body.tenant_id, body.name, components,
+                                       body.method, body.parameters, body.visibility)
+    except MergeBusy as exc:  # every merge worker busy: nothing ran (a bound too large is a 413, as any adapter)
+        raise ApiError(503, str(exc), retry_after_s=services.settings.merge_timeout_s, code="merge_busy") from None
 
 
 @router.get("", response_model=AdapterList)

@@ -8,7 +8,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from loramux.adapters.blob import unpack
-from loramux.adapters.merge import MergeComponent, check_components, check_request, merge
+from loramux.adapters.merge import (
+    MergeComponent,
+    MergeLimits,
+    MergeTooLarge,
+    check_components,
+    check_request,
+    merge,
+)
 from loramux.adapters.registry import AdapterNotFoundError, AdapterVersionInfo
 from loramux.names import check_name
 from loramux.services.container import Services
@@ -47,7 +54,12 @@ def merge_adapters(services: Services, tenant_ref: str, name: str, components: S
                    parameters: Mapping | None = None, visibility: str = "private") -> AdapterVersionInfo:
     """Merge `components` with `method` into the next version of the tenant's adapter `name` and return it.
     Checks the request, then that the tenant may use every component (AdapterNotFoundError naming it), then
-    the method's preconditions on the components (MergeError), before merging. Runs on a worker thread."""
+    the method's preconditions on the components (MergeError), before merging. Runs on a worker thread.
+
+    Bounded by LORAMUX_MERGE_* (`MergeLimits`): components whose stored size could not be held in memory are
+    refused before they are loaded, a merge whose estimated peak is above the memory bound before it starts
+    (MergeTooLarge, a 413 naming the bound); ties, dare_* and svd run in a worker process (adapters/merge.py)
+    killed past the time limit, so a refused, stopped or failed merge stores nothing."""
     import peft
     import torch
 
@@ -57,10 +69,17 @@ def merge_adapters(services: Services, tenant_ref: str, name: str, components: S
     tenant = services.tenancy.tenant(tenant_ref)
     registry = services.registry
     versions = [_resolve(services, tenant.id, tenant.name, i, c) for i, c in enumerate(components)]
+    limits = MergeLimits.from_settings(services.settings)
+    stored = sum(v.size_bytes for v in versions)
+    if 2 * stored > limits.memory_bytes:  # float32 in memory: twice a 16-bit blob's bytes
+        raise MergeTooLarge("components", f"the components' stored weights are {stored} bytes (up to twice that "
+                                          f"in memory), above half this server's merge memory limit of "
+                                          f"{limits.memory_bytes} bytes (LORAMUX_MERGE_MEMORY_BYTES); merge fewer "
+                                          "or smaller components, or raise LORAMUX_MERGE_MEMORY_BYTES")
     loaded = [MergeComponent(f"{v.name}@{v.version}", unpack(registry.store.get(v.storage_key), v.name, v.digest),
                              float(c.weight)) for v, c in zip(versions, components)]
     check_components(method, params, loaded, registry.base_config, registry.limits.max_rank)
-    merged = merge(method, params, loaded, registry.base_config)
+    merged = merge(method, params, loaded, registry.base_config, limits)
     del loaded
     provenance = {"method": method, "parameters": params, "peft_version": peft.__version__,
                   "components": [{"adapter_id": v.adapter_id, "version": v.version, "digest": v.digest,
