@@ -20,9 +20,13 @@ async def upload_heads(request: Request, services: ServicesDep) -> MedusaHeadsIn
     (medusa_heads.safetensors), as `loramux medusa train` writes them; optional `adapter` (an adapter name of
     `tenant_id`, or an adapter id ad_...) and `version` (default: its latest). With an adapter the heads serve
     that adapter version's requests, else the base model's (and every version without heads of its own). They
-    replace the target's active heads. Validated against the served model: 400 with what to fix."""
+    replace the target's active heads. Validated against the served model: 400 with what to fix. On a
+    scaled-out (Ray Serve) deployment, whose replicas run no registry heads yet: 409, nothing stored."""
     cap = services.settings.max_upload_bytes + 1024 * 1024  # the weights, the config and the multipart framing
     async with receive_upload(request, cap, MEDUSA_FIELD_NAMES, MEDUSA_HINT) as (fields, files):
+        # After the body is read (it is only spooled to a temporary folder): a client still sending it would
+        # see a broken connection instead of the answer.
+        ops.check_heads_served(services)
         ops.check_medusa_fields(fields)
         return await run_in_threadpool(ops.upload_heads, services, fields, files)
 

@@ -30,7 +30,15 @@ log = logging.getLogger(__name__)
 
 class RemoteAdapterCache:
     """The ingress side of the adapter cache levels: nothing is loaded here; a lease names the version, which the
-    replica that serves the request loads through its own tiers."""
+    replica that serves the request loads through its own tiers. Nothing is ever pinned here either: combining
+    adapters per request (`CompositionCache`) is refused on a scaled-out deployment (its components' weights
+    are not on the ingress), so a composite is never built or looked up here."""
+
+    def __init__(self):
+        self.release_listeners: list = []  # CompositionCache subscribes; nothing is released here
+
+    def pin(self, digest: str) -> None:
+        return None
 
     async def acquire(self, version: AdapterVersionInfo, timeout: float | None = None) -> Acquired:
         return Acquired(RemoteAdapter(version), level="remote", load_ms=0.0)
@@ -126,10 +134,15 @@ def ingress_services(settings: Settings, engine_handle, ingress_id: str) -> Serv
         admin_keys.ensure(settings.admin_key)
     ledger = claim_ledger(db, Path(settings.data_dir) / "ingress")
     log.info("ingress %s writes its ledger log in %s", ingress_id, ledger.wal_path.parent)
-    # Medusa heads: uploaded, listed and deleted here; not handed to the replicas yet (no medusa_cache).
+    # Medusa heads are not handed to the replicas yet (no medusa_cache: requests run without them), so uploads
+    # are refused (409); heads stored by a single-process server can still be listed and deleted.
     medusa = MedusaRegistry(db, store, model_config.hidden_size, base_model_id(settings.model), limits)
     services = Services(settings, db, store, registry, RemoteAdapterCache(), engine, tenancy, admin_keys,
-                        PriceBook(db), ledger, medusa=medusa)
+                        PriceBook(db), ledger, medusa=medusa, serves_medusa_heads=False)
+    stored = medusa.list()
+    if stored:
+        log.warning("%d Medusa heads upload(s) in the registry are not used on a scaled-out deployment: requests "
+                    "run without them", len(stored))
     services.register_local_adapters()
     return services
 

@@ -52,6 +52,9 @@ class Services:
     # process serves none (a cluster ingress has the registry but no cache: its replicas run the engine).
     medusa: MedusaRegistry | None = None
     medusa_cache: MedusaCache | None = None
+    # Whether requests here ever run with registry Medusa heads. False on a Ray Serve ingress (its replicas get
+    # none yet): uploads are then refused with a 409 rather than stored for nothing (`services.medusa`).
+    serves_medusa_heads: bool = True
 
     @classmethod
     def from_settings(cls, settings: Settings, engine=None, migrate: bool = True) -> Services:

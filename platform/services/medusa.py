@@ -25,6 +25,24 @@ class MedusaUnavailableError(RegistryError):
     """This process keeps no Medusa registry (answered as a 400)."""
 
 
+class MedusaNotServedError(UploadError):
+    """Heads uploaded where no request would ever run with them (a scaled-out deployment): a 409, before
+    anything is stored."""
+
+    def __init__(self):
+        super().__init__(409, "Medusa heads are not served on a scaled-out (Ray Serve) deployment yet: its engine "
+                              "replicas run every request without them, so this upload is refused and nothing is "
+                              "stored. Requests are unaffected (heads only speed decoding up); upload the heads "
+                              "to a single-process server (loramux serve without --ray) to use them")
+
+
+def check_heads_served(services: Services) -> None:
+    """Raise MedusaNotServedError where requests never run with registry heads (`Services.serves_medusa_heads`
+    off: a Ray Serve ingress)."""
+    if not services.serves_medusa_heads:
+        raise MedusaNotServedError()
+
+
 def _registry(services: Services) -> MedusaRegistry:
     if services.medusa is None:
         raise MedusaUnavailableError("this server keeps no Medusa heads")
@@ -76,9 +94,11 @@ def resolve_target(services: Services, tenant_ref: str | None, adapter_ref: str 
 def upload_heads(services: Services, fields: dict, files: dict[str, Path]) -> MedusaHeadsInfo:
     """Validate and store uploaded heads for the adapter version the fields name (else the base model),
     replacing its active heads; `files` maps the file names to validate to their temporary paths. Runs on a
-    worker thread (it reads and checks tensors)."""
+    worker thread (it reads and checks tensors). Refused first (MedusaNotServedError, 409) where no request
+    would run with them."""
     import torch
 
+    check_heads_served(services)
     torch.set_num_threads(1)  # as adapter uploads: no second OpenMP team contending with the engine's
     check_medusa_fields(fields)
     version = int(fields["version"]) if fields.get("version") else None
