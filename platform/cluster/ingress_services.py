@@ -138,7 +138,8 @@ def ingress_services(settings: Settings, engine_handle, ingress_id: str) -> Serv
     # are refused (409); heads stored by a single-process server can still be listed and deleted.
     medusa = MedusaRegistry(db, store, model_config.hidden_size, base_model_id(settings.model), limits)
     services = Services(settings, db, store, registry, RemoteAdapterCache(), engine, tenancy, admin_keys,
-                        PriceBook(db), ledger, medusa=medusa, serves_medusa_heads=False)
+                        PriceBook(db), ledger, medusa=medusa, serves_medusa_heads=False,
+                        combines_adapters=False)
     stored = medusa.list()
     if stored:
         log.warning("%d Medusa heads upload(s) in the registry are not used on a scaled-out deployment: requests "

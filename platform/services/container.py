@@ -55,6 +55,9 @@ class Services:
     # Whether requests here ever run with registry Medusa heads. False on a Ray Serve ingress (its replicas get
     # none yet): uploads are then refused with a 409 rather than stored for nothing (`services.medusa`).
     serves_medusa_heads: bool = True
+    # Whether requests may combine adapters with weights (`adapters`): the composite is built from weights in
+    # this process's host RAM, which a Ray Serve ingress does not hold (its replicas do): False there (a 400).
+    combines_adapters: bool = True
 
     @classmethod
     def from_settings(cls, settings: Settings, engine=None, migrate: bool = True) -> Services:

@@ -117,9 +117,6 @@ async def acquire_composition(registry: AdapterRegistry, compositions: Compositi
 
     def check(loaded: list[LoRAAdapter]) -> None:
         for component, adapter in zip(components, loaded):
-            if not isinstance(adapter, LoRAAdapter):  # a scaled-out ingress holds no weights (loramux.cluster)
-                raise ApiError(400, "combining adapters per request is not available on a scaled-out (Ray Serve) "
-                                    "deployment", code="unsupported_parameter", param="adapters")
             reason = refusal_reason(adapter)
             if reason is not None:
                 raise _cannot_combine(component, reason)

@@ -106,6 +106,10 @@ class Server:
         both. Raises ApiError with nothing held."""
         components = parse_adapters(body.adapters, self.services.settings.composition_max_adapters)
         if components is not None:
+            if not self.services.combines_adapters:
+                raise ApiError(400, "combining adapters per request (`adapters`) is not available on a scaled-out "
+                                    "(Ray Serve) deployment yet: name one adapter in `model`",
+                               code="unsupported_parameter", param="adapters")
             if models is not None:
                 raise ApiError(400, "send either `adapters` (one weighted composition of adapters) or `models` (the "
                                     "prompt to each of several adapters), not both", param="models")
