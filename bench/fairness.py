@@ -2,9 +2,12 @@
 
 Tenant A (standard tier) keeps `--streams` (32) streaming requests in flight, closed loop; tenant B (the same
 tier) sends one request every `--interval` (2) s. Measured side by side in one run, each phase `--duration` s:
-B alone, A alone, then A and B together. Both send the same kind of request (a chat prompt of ~40 tokens,
-`--max-tokens` new tokens, greedy, ignore_eos so every request is the same work), streamed over HTTP to the
-server of bench/serve_stack.py (its own process, pinned to `--threads` cores, the embedded SmolLM2-135M).
+B alone, A alone, A and B together, then A at saturation and B: A keeps `--saturation-streams` (128) in
+flight, twice the server's 64-sequence batch, so 64 of A's run and 64 wait whenever B's request arrives. Both
+send the same kind of request (a prompt of ~30 tokens, `--max-tokens` new tokens, greedy, ignore_eos so every
+request is the same work), streamed over HTTP to the server of bench/serve_stack.py (its own process, pinned
+to `--threads` cores, the embedded SmolLM2-135M). TTFT is until the first chunk with text: on this raw prompt
+the model's first token is `<|im_end|>` (no text), so that is the second token, one decode step later.
 
 Then fan-out: one request sent to 8 adapters (`"models": [...]`) against the same 8 requests sent separately
 and concurrently, output tok/s of each.
@@ -12,6 +15,7 @@ and concurrently, output tok/s of each.
 Prints the machine, a line per phase and round, medians over `--rounds`, draws each tenant's cumulative
 output tokens over time in the shared phase (docs/fairness.png with --plot), and ends with:
   FIGURE light_tenant_ttft_ratio <x>   B's TTFT p50 under A's load / B's TTFT p50 alone (target <= 1.5)
+  FIGURE queue_ttft_ratio <x>          B's TTFT p50 with A at saturation / with A's 32 streams (target <= 1.5)
   FIGURE heavy_tenant_tok_s_ratio <x>  A's output tok/s with B / A alone (recorded)
   FIGURE fanout8_vs_single_tok_s <x>   tok/s of one fan-out to 8 adapters / 8 separate requests (recorded)
 """
@@ -98,10 +102,12 @@ def tok_s(streams: list[Stream], start: float, end: float) -> float:
     return sum(n for s in streams for at, n in s.chunks if start <= at < end) / (end - start)
 
 
-async def phase(url: str, keys: dict, model: str, args, heavy: bool, light: bool) -> dict:
+async def phase(url: str, keys: dict, model: str, args, heavy: bool, light: bool, streams: int | None = None) -> dict:
+    """One phase: A's `streams` (default `--streams`) closed-loop streams if `heavy`, B's requests if `light`."""
     import httpx
 
-    limits = httpx.Limits(max_connections=args.streams + 64, max_keepalive_connections=args.streams + 64)
+    streams = streams or args.streams
+    limits = httpx.Limits(max_connections=streams + 64, max_keepalive_connections=streams + 64)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         start = time.monotonic()
         until = start + args.duration
@@ -109,7 +115,7 @@ async def phase(url: str, keys: dict, model: str, args, heavy: bool, light: bool
         light_done: list[Stream] = []
         jobs = []
         if heavy:
-            jobs.append(heavy_load(client, keys["standard"], model, args.streams, args.max_tokens, until, heavy_done))
+            jobs.append(heavy_load(client, keys["standard"], model, streams, args.max_tokens, until, heavy_done))
         if light:
             jobs.append(light_load(client, keys["standard-2"], model, args.interval, args.max_tokens, until,
                                    light_done))
@@ -152,28 +158,30 @@ def write_adapters(root: Path) -> Path:
     return root
 
 
-def plot(shared: dict, path: Path, title: str) -> None:
-    """Each tenant's cumulative output tokens over the shared phase."""
+def plot(phases: list[tuple[str, dict]], path: Path, title: str) -> None:
+    """Each tenant's cumulative output tokens over each shared phase ((A's label, phase result) pairs), side
+    by side."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4))
-    for name, streams in (("A (32 streams)", shared["heavy"]), ("B (1 request / 2 s)", shared["light"])):
-        arrivals = sorted((at - shared["start"], n) for s in streams for at, n in s.chunks)
-        total, xs, ys = 0, [], []
-        for at, n in arrivals:
-            total += n
-            xs.append(at)
-            ys.append(total)
-        ax.step(xs, ys, where="post", label=name)
-    ax.set_yscale("symlog")
-    ax.set_xlabel("seconds into the shared phase")
-    ax.set_ylabel("output tokens received (cumulative)")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    ax.set_title(title, fontsize=8)
+    fig, axes = plt.subplots(1, len(phases), figsize=(6 * len(phases), 4), squeeze=False)
+    for ax, (label, shared) in zip(axes[0], phases):
+        for name, streams in ((label, shared["heavy"]), ("B (1 request / 2 s)", shared["light"])):
+            arrivals = sorted((at - shared["start"], n) for s in streams for at, n in s.chunks)
+            total, xs, ys = 0, [], []
+            for at, n in arrivals:
+                total += n
+                xs.append(at)
+                ys.append(total)
+            ax.step(xs, ys, where="post", label=name)
+        ax.set_yscale("symlog")
+        ax.set_xlabel("seconds into the phase")
+        ax.set_ylabel("output tokens received (cumulative)")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(title, fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -183,6 +191,8 @@ def plot(shared: dict, path: Path, title: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--streams", type=int, default=32, help="tenant A's concurrent streams")
+    ap.add_argument("--saturation-streams", type=int, default=128,
+                    help="tenant A's concurrent streams in the saturation phase (the batch holds 64)")
     ap.add_argument("--interval", type=float, default=2.0, help="seconds between tenant B's requests")
     ap.add_argument("--duration", type=float, default=30.0, help="seconds per phase")
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -193,9 +203,9 @@ def main() -> None:
     ap.add_argument("--plot", type=Path, default=None, help="draw the shared phase here (e.g. docs/fairness.png)")
     args = ap.parse_args()
     if args.quick:
-        args.rounds, args.duration, args.streams, args.interval = 1, 8.0, 4, 1.0
+        args.rounds, args.duration, args.streams, args.saturation_streams, args.interval = 1, 8.0, 4, 8, 1.0
     print(describe_cpu(), flush=True)
-    rows: dict[str, list[dict]] = {"light_alone": [], "heavy_alone": [], "shared": []}
+    rows: dict[str, list[dict]] = {"light_alone": [], "heavy_alone": [], "shared": [], "saturated": []}
     fanouts = []
     with tempfile.TemporaryDirectory() as tmp:
         adapters_dir = write_adapters(Path(tmp) / "adapters")
@@ -206,9 +216,10 @@ def main() -> None:
             asyncio.run(phase(url, keys, base, argparse.Namespace(**{**vars(args), "duration": 4.0}),
                               heavy=True, light=True))  # warm-up: every code path once
             for r in range(args.rounds):
-                for name, heavy, light in (("light_alone", False, True), ("heavy_alone", True, False),
-                                           ("shared", True, True)):
-                    result = asyncio.run(phase(url, keys, base, args, heavy, light))
+                for name, heavy, light, streams in (("light_alone", False, True, None),
+                                                    ("heavy_alone", True, False, None), ("shared", True, True, None),
+                                                    ("saturated", True, True, args.saturation_streams)):
+                    result = asyncio.run(phase(url, keys, base, args, heavy, light, streams))
                     rows[name].append(result)
                     ttft = result["light_ttft_p50_ms"] or float("nan")
                     queue = result["light_queue_p50_ms"] or float("nan")
@@ -227,13 +238,23 @@ def main() -> None:
         return statistics.median(row[key] for row in rows[name])
 
     ttft_ratio = median("shared", "light_ttft_p50_ms") / median("light_alone", "light_ttft_p50_ms")
+    queue_ratio = median("saturated", "light_ttft_p50_ms") / median("shared", "light_ttft_p50_ms")
     heavy_ratio = median("shared", "heavy_tok_s") / median("heavy_alone", "heavy_tok_s")
     print(f"B TTFT p50: alone {median('light_alone', 'light_ttft_p50_ms'):.1f} ms, "
           f"under A's load {median('shared', 'light_ttft_p50_ms'):.1f} ms; "
           f"A: alone {median('heavy_alone', 'heavy_tok_s'):.1f} tok/s, with B {median('shared', 'heavy_tok_s'):.1f}")
+    queued = [r["light_queue_p50_ms"] for r in rows["saturated"] if r["light_queue_p50_ms"] is not None]
+    print(f"B TTFT p50 with A at saturation ({args.saturation_streams} streams): "
+          f"{median('saturated', 'light_ttft_p50_ms'):.1f} ms, queued p50 "
+          f"{statistics.median(queued) if queued else float('nan'):.1f} ms "
+          f"({sum(r['light_requests'] for r in rows['saturated'])} requests); "
+          f"A {median('saturated', 'heavy_tok_s'):.1f} tok/s")
     if args.plot is not None:
-        plot(rows["shared"][-1], args.plot, describe_cpu().splitlines()[0][:140])
+        plot([(f"A ({args.streams} streams)", rows["shared"][-1]),
+              (f"A ({args.saturation_streams} streams)", rows["saturated"][-1])],
+             args.plot, describe_cpu().splitlines()[0][:200])
     print(f"FIGURE light_tenant_ttft_ratio {ttft_ratio:.2f}")
+    print(f"FIGURE queue_ttft_ratio {queue_ratio:.2f}")
     print(f"FIGURE heavy_tenant_tok_s_ratio {heavy_ratio:.2f}")
     if fanouts:
         ratio = statistics.median(f["fanout_tok_s"] / f["single_tok_s"] for f in fanouts)
