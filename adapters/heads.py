@@ -18,11 +18,18 @@ the head, as the tied Linear LoRA `logits += (h @ B) @ A * scale`, recorded as `
 empty marker). Trainable tokens of the embedding are shared with a tied head unless the config gives the
 head its own, different indices (PEFT's `indices_mismatch`).
 
-PEFT also saves the base embedding next to an embedding LoRA (`save_embedding_layers="auto"`:
-`embed_tokens.base_layer.weight`, and `lm_head.base_layer.weight` when the head is tied with
-`ensure_weight_tying`). Loading one into PEFT overwrites the base weights; here each is kept as
-`heads["<module>.base"]` and the device pool compares it with the served weights once: equal (the usual
-case) it is dropped, different it serves as that adapter's replacement (`DevicePool.absorb_base_copies`).
+PEFT also saves the base weight of a module it wrapped with a LoRA (`get_peft_model_state_dict`:
+`save_embedding_layers="auto"` when target_modules names embed_tokens and there are no trainable tokens, or
+`save_embedding_layers=True`, which the config does not record): `embed_tokens.base_layer.weight` next to an
+embedding LoRA, and `lm_head.base_layer.weight` when the head is tied with `ensure_weight_tying` (PEFT then
+wraps the head with the tied LoRA too). Those are the only places such a copy is accepted; anywhere else
+(`lm_head.base_layer.weight` on an untied model, either copy without an embedding LoRA) it is refused by name
+(unknown_tensor), since loading it would silently replace the base weights. Loading one into PEFT overwrites
+the base weights; here each is kept as `heads["<module>.base"]` and the device pool compares it with the
+served weights once: equal (the usual case) it is dropped, different it serves as that adapter's replacement
+(`head_slots.absorb_base_copies`). The upload summary counts each as the replacement it may become
+(adapters/summary.py). PEFT's plain copies without a LoRA (`embed_tokens.weight`, `lm_head.weight`, written by
+`save_embedding_layers=True` without modules_to_save) are refused as unknown tensors.
 
 Refused by name: LoRA on `lm_head` itself, other `modules_to_save` (e.g. a classifier `score`), and any
 embedding or head whose row count differs from the base vocabulary (added tokens: `vocab_mismatch`).
@@ -176,11 +183,15 @@ def check_head_tensors(found: Mapping, plan: HeadPlan, hc: HeadConfig, vocab: in
                                               "is not supported (train it with modules_to_save=[\"lm_head\"], "
                                               "or with trainable_token_indices for a few tokens)")
         want = plan.expected.get((module, kind))
-        if want is None and kind == "base":
+        if kind == "base":
+            if (module, kind) not in plan.optional:
+                raise fail("unknown_tensor", _stray_base_copy(name, module, hc))
             want = (vocab, hidden)
         if want is None and (module, kind) not in plan.optional:
+            hint = (" (save_pretrained(..., save_embedding_layers=True) writes such a copy of the base weight: "
+                    "save with save_embedding_layers=False)") if kind == "weight" else ""
             raise fail("unknown_tensor", f"unexpected tensor {show(name)}: {CONFIG_FILE} does not ask for it "
-                                          f"({_asked(hc)}); remove it or fix the config")
+                                          f"({_asked(hc)}); remove it or fix the config{hint}")
         if kind in ("weight", "base") and len(shape) == 2 and shape[0] != vocab and shape[1] == hidden:
             raise fail("vocab_mismatch", f"tensor {show(name)} has {shape[0]} token rows but the base model's "
                                           f"vocabulary has {vocab}: {_VOCAB_HELP}")
@@ -206,6 +217,22 @@ def _asked(hc: HeadConfig) -> str:
         [f"trainable_token_indices for {sorted(hc.token_indices)}"] * bool(hc.token_indices)
     return "; ".join(parts) or "it names no embed_tokens / lm_head change in target_modules, modules_to_save or " \
         "trainable_token_indices"
+
+
+def _stray_base_copy(name: str, module: str, hc: HeadConfig) -> str:
+    """Why a `<module>.base_layer.weight` the config does not explain is refused: PEFT writes one only for a
+    module it wrapped with a LoRA (see the module docstring), and loading it would replace that module."""
+    if module == EMBED:
+        where, but = "next to a LoRA on embed_tokens (embed_tokens in target_modules)", f"{CONFIG_FILE} asks for none"
+    else:
+        where = ("on a model with tied embeddings (tie_word_embeddings), next to a LoRA on embed_tokens with "
+                 "ensure_weight_tying: true")
+        but = ("this base model does not tie its embeddings" if hc.embedding_lora and hc.ensure_weight_tying else
+               f"{CONFIG_FILE} does not ask for that")
+    return (f"unexpected tensor {show(name)}: a copy of the base {module} weight, which PEFT saves only {where}; "
+            f"{but} ({_asked(hc)}), and loading it would replace the base {module}. Remove it (save with "
+            f"save_embedding_layers=False), or to train {module} in full give modules_to_save=[\"{module}\"] "
+            f"(saved as {module}.modules_to_save.weight)")
 
 
 def _what(key: tuple[str, str]) -> str:

@@ -12,12 +12,19 @@
 range of its modules' ranks and scales. `device_bytes.lora` is exactly what one slot of the adapter's
 device-pool bucket takes at `dtype_bytes` per weight (`pool_layout`: a plain adapter holds every slice of
 each merged projection it targets, a per-module one only what it covers, with float32 per-slice scales);
-DoRA's scales, the embedding LoRA and trained heads are counted as the pool holds them too (`head_slots`), except
-that PEFT's saved copy of an unchanged base embedding, which the pool drops at load, counts here as a head.
+DoRA's scales, the embedding LoRA and trained heads are counted as the pool holds them too (`head_slots`).
+PEFT's saved copies of the base weights (`embed_tokens.base_layer.weight`, `lm_head.base_layer.weight`:
+adapters/heads.py) serve as a replacement embedding / head when they differ from the served weights, which the
+pool finds out only at load (`head_slots.absorb_base_copies`), so here each counts as that replacement, in
+`heads` ("embed_tokens (saved base copy)", "lm_head (tied to embed_tokens, saved base copy)") and in
+`device_bytes.heads`: an adapter that may replace a head never looks like a plain LoRA (the composition
+pre-check reads `embedding` and `heads`).
 """
 from __future__ import annotations
 
-from loramux.adapters.head_slots import extras_bytes, extras_of
+from types import SimpleNamespace
+
+from loramux.adapters.head_slots import absorb_base_copies, extras_bytes, extras_of
 from loramux.adapters.peft_format import LoRAAdapter
 from loramux.adapters.pool_layout import layer_ranks as layout_of
 from loramux.adapters.pool_layout import lora_slot_bytes, path_shapes
@@ -29,9 +36,18 @@ def _tensor_bytes(tensors, dtype_bytes: int) -> int:
     return sum(t.numel() for t in tensors) * dtype_bytes
 
 
-def _head_name(entry: tuple) -> str:
+def _head_name(entry: tuple, base_copy: bool = False) -> str:
     """What one extras entry (adapters/head_slots.py) replaces, for people: "lm_head", "embed_tokens",
-    "lm_head (tied to embed_tokens)", "lm_head (embedding LoRA, tied)", "embed_tokens tokens (4)"."""
+    "lm_head (tied to embed_tokens)", "lm_head (embedding LoRA, tied)", "embed_tokens tokens (4)"; with
+    `base_copy` (the entry comes from PEFT's saved copy of the base weight): "embed_tokens (saved base copy)",
+    "lm_head (tied to embed_tokens, saved base copy)"."""
+    name = _head_label(entry)
+    if not base_copy:
+        return name
+    return f"{name[:-1]}, saved base copy)" if name.endswith(")") else f"{name} (saved base copy)"
+
+
+def _head_label(entry: tuple) -> str:
     name = entry[0]
     if name.endswith(".tokens"):
         return f"{name[:-len('.tokens')]} tokens ({entry[1]})"
@@ -40,6 +56,19 @@ def _head_name(entry: tuple) -> str:
     if entry[1:] == ("tied",):
         return "lm_head (tied to embed_tokens)"
     return name
+
+
+def _with_base_copies(adapter: LoRAAdapter, cfg: ModelConfig) -> tuple[tuple, frozenset]:
+    """(the adapter's extras with its saved base copies taken as replacements, the entries only the copies
+    add): `absorb_base_copies` on a copy of the heads, against a model whose weights are unknown (no table to
+    compare with, so every copy is kept, as one that differs from the served weights is)."""
+    if not any(name.endswith(".base") for name in adapter.heads):
+        return extras_of(adapter), frozenset()
+    probe = SimpleNamespace(embedding=adapter.embedding, heads=dict(adapter.heads))
+    unknown = SimpleNamespace(embed_tokens=None, lm_head=SimpleNamespace(weight=None), config=cfg)
+    absorb_base_copies(probe, unknown)
+    extras = extras_of(probe)
+    return extras, frozenset(extras) - frozenset(extras_of(adapter))
 
 
 def _dora_bytes(adapter: LoRAAdapter, paths, table, shapes, num_layers: int, dtype_bytes: int) -> int:
@@ -66,7 +95,7 @@ def describe(adapter: LoRAAdapter, cfg: ModelConfig, dtype_bytes: int) -> dict:
     shapes = path_shapes(cfg)
     table = layout_of(adapter, shapes, cfg.num_layers)
     paths = tuple(p for p in LORA_MODULES if any(PROJECTION_SLICES[t][0] == p for t in modules))
-    extras = extras_of(adapter)
+    extras, copies = _with_base_copies(adapter, cfg)
     embedding_extras = tuple(e for e in extras if e[0] == "embed_lora")
     head_extras = tuple(e for e in extras if e[0] != "embed_lora")
     device = {
@@ -81,5 +110,5 @@ def describe(adapter: LoRAAdapter, cfg: ModelConfig, dtype_bytes: int) -> dict:
         "scale": adapter.scale, "layout": "per-module" if table else "plain", "modules": modules,
         "dora": bool(adapter.magnitudes),
         "embedding": None if adapter.embedding is None else {"rank": int(adapter.embedding[0].shape[0])},
-        "heads": [_head_name(e) for e in head_extras], "device_bytes": device,
+        "heads": [_head_name(e, e in copies) for e in head_extras], "device_bytes": device,
     }
