@@ -4,10 +4,12 @@ Tenant A (standard tier) keeps `--streams` (32) streaming requests in flight, cl
 tier) sends one request every `--interval` (2) s. Measured side by side in one run, each phase `--duration` s:
 B alone, A alone, A and B together, then A at saturation and B: A keeps `--saturation-streams` (128) in
 flight, twice the server's 64-sequence batch, so 64 of A's run and 64 wait whenever B's request arrives. Both
-send the same kind of request (a prompt of ~30 tokens, `--max-tokens` new tokens, greedy, ignore_eos so every
-request is the same work), streamed over HTTP to the server of bench/serve_stack.py (its own process, pinned
-to `--threads` cores, the embedded SmolLM2-135M). TTFT is until the first chunk with text: on this raw prompt
-the model's first token is `<|im_end|>` (no text), so that is the second token, one decode step later.
+send the same kind of request (a chat of one user message, 53 prompt tokens with the template, `--max-tokens`
+new tokens, greedy, ignore_eos so every request is the same work), streamed over HTTP to the server of
+bench/serve_stack.py (its own process, pinned to `--threads` cores, the embedded SmolLM2-135M). TTFT is until
+the first chunk with content, which is the first token: the model answers with text at once. (Until
+2026-12-04 the bench sent the message as a raw /v1/completions prompt, whose first token is `<|im_end|>`,
+which has no text: its TTFT was the second token's, one decode step later.)
 
 Then fan-out: one request sent to 8 adapters (`"models": [...]`) against the same 8 requests sent separately
 and concurrently, output tok/s of each.
@@ -54,10 +56,10 @@ class Stream:
 
 
 async def stream_completion(client, key: str, body: dict) -> Stream:
-    """POST /v1/completions with stream=True; every content chunk counted as one token (the server sends a
-    chunk per token here: no stop strings, no coalescing on a reader that keeps up)."""
+    """POST /v1/chat/completions with stream=True; every content chunk counted as one token (the server sends
+    a chunk per token here: no stop strings, no coalescing on a reader that keeps up)."""
     result = Stream(sent=time.monotonic())
-    async with client.stream("POST", "/v1/completions", json={**body, "stream": True},
+    async with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True},
                              headers={"Authorization": f"Bearer {key}"}) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
@@ -67,14 +69,15 @@ async def stream_completion(client, key: str, body: dict) -> Stream:
             event = json.loads(line[6:])
             if isinstance(event.get("loramux"), dict):
                 result.queue_ms = event["loramux"].get("queue_ms")
-            texts = [c.get("text") for c in event.get("choices", []) if c.get("text")]
+            texts = [c["delta"]["content"] for c in event.get("choices", []) if (c.get("delta") or {}).get("content")]
             if texts:
                 result.chunks.append((time.monotonic(), len(texts)))
     return result
 
 
 def body(model: str, max_tokens: int) -> dict:
-    return {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    return {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True}
 
 
 async def heavy_load(client, key: str, model: str, streams: int, max_tokens: int, until: float,
