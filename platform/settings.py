@@ -183,7 +183,7 @@ class Settings(BaseSettings):
     composition_build_threads: int = Field(default=1, ge=1, le=64)
     composition_builds_per_tenant: int = Field(default=2, ge=1)
 
-    # Stored merges of adapters (POST /admin/adapters/merge, issue 36): ties, dare_* and svd run in a worker
+    # Stored merges of adapters (POST /admin/adapters/merge): ties, dare_* and svd run in a worker
     # process, at most `merge_workers` at once (a merge waits for one at most `merge_timeout_s`, then 503), killed
     # past `merge_timeout_s` of wall time (its start, a few seconds of imports, included) and allowed
     # `merge_memory_bytes` beyond its own start (RLIMIT_AS). A merge whose estimated peak (svd: per module the

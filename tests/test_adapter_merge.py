@@ -1,8 +1,8 @@
 """Stored merges of adapters: every method equals PEFT's own `add_weighted_adapter` on a real PeftModel of the
 tiny Llama (tensor for tensor, same seed for DARE), the merged adapter served through the admin API generates
 what HF + PEFT's merged model generates, its provenance is answered by the API, shown by the console and the
-CLI makes one; refusals (unknown or invisible components, method preconditions, DoRA) name what to fix. Bounds
-(issue 36): svd asks for thin matrices, a merge above the memory bound is refused before it starts (413 naming
+CLI makes one; refusals (unknown or invisible components, method preconditions, DoRA) name what to fix. Bounds:
+svd asks for thin matrices, a merge above the memory bound is refused before it starts (413 naming
 LORAMUX_MERGE_MEMORY_BYTES), worker merges are stopped by their memory and time limits and leave no process,
 temporary file, row or blob."""
 from __future__ import annotations
@@ -460,7 +460,7 @@ def test_embedding_and_head_components_are_refused_by_name(lora, words, adapters
     assert info.value.param == "components[1]" and f"component x@2 {words}" in str(info.value)
 
 
-# ---------------------------------------------------------------------------------------------- bounds (issue 36)
+# ---------------------------------------------------------------------------------------------- bounds
 
 def _one_module_components(cfg, count: int, target: str, hidden: int, intermediate: int, rank: int = 8):
     """A one-layer variant of `cfg` with the given sizes, and `count` random rank-`rank` LoRAs on its `target`

@@ -1,5 +1,5 @@
-"""A composite that is finite in float32 but overflows a float16 device pool is refused, naming the module
-(issue 36): MAX_WEIGHT alone cannot bound w * scale * A for float16."""
+"""A composite that is finite in float32 but overflows a float16 device pool is refused, naming the module:
+MAX_WEIGHT alone cannot bound w * scale * A for float16."""
 from __future__ import annotations
 
 import pytest

@@ -491,7 +491,7 @@ def test_a_random_key_flood_is_cut_off_per_address_before_any_lookup(behind_prox
     assert keyed_chat(client, random_key(), "198.51.100.9").status_code == 401
 
 
-# -- issue 36: the bytes the checks read are the bytes the parser reads -----------------------------------
+# -- the bytes the checks read are the bytes the parser reads -----------------------------------
 @pytest.fixture(scope="module")
 def encodings_client(tiny_dir, tokenizer, tmp_path_factory):
     """The app over the tiny model (SQLite); a premium tenant's client."""
