@@ -196,3 +196,31 @@ def test_a_local_adapter_follows_the_upload_base_model_rule(tiny_dir, tokenizer,
             engine.load_adapter_dir(path, f"a{i}")
         assert info.value.code == "base_model_mismatch" and "allow_base_mismatch" in str(info.value)
         engine.load_adapter_dir(path, f"a{i}", allow_base_mismatch=True)
+
+
+def test_decodes_held_back_for_a_below_share_tenant_keep_outputs(tiny_dir, tokenizer):
+    """Tenant a holds 3 of 4 slots (above its share of 2 once b has work): the step that starts b's prompt
+    leaves a's decodes out (fair share's first token); every request's greedy tokens stay as if run alone."""
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    reference = make_engine(tiny_dir, tokenizer)
+    expected = {p: run_alone(reference, p, params).token_ids for p in PROMPTS}
+    engine = make_engine(tiny_dir, tokenizer, max_num_seqs=4)
+    schedule, batches = engine.scheduler.schedule, []
+
+    def recorded(now=None):
+        batches.append(batch := schedule(now))
+        return batch
+
+    engine.scheduler.schedule = recorded
+    for p in PROMPTS[:3]:
+        engine.add_request(p, p, params, tenant="a")
+    finished = {}
+    for steps in range(100):
+        if steps == 3:
+            engine.add_request(PROMPTS[3], PROMPTS[3], params, tenant="b")
+        finished.update({out.request_id: out.token_ids for out in engine.step() if out.finished})
+        if not engine.has_unfinished():
+            break
+    assert finished == expected
+    b_step = next(b for b in batches if any(seq.tenant == "b" for seq, _ in b.prefills))
+    assert b_step.decodes == []

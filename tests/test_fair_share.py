@@ -187,7 +187,63 @@ def test_a_full_batch_admits_another_tenants_request_at_the_next_step():
     batch = s.schedule(now=1.0)
     assert [q for q, _ in batch.prefills] == [light]
     assert batch.preempted == [latest] and latest.num_preemptions == 1 and latest in s.waiting
-    assert len(s.running) == 64 and len(batch.decodes) == 63
+    assert len(s.running) == 64 and batch.decodes == []  # a's 63 sit this step out (see below)
+
+
+def test_a_below_share_admission_runs_without_the_above_share_decodes_for_one_step():
+    """63 of a running (above its share of 32 once b has work) and b's request: the step that starts b's
+    prompt carries none of a's decodes, so b's first token waits for a step of its prompt only; the next
+    step carries a's 63 decodes and b's first decode. Nothing of a's is preempted or freed for it."""
+    s = full_batch(64, 0)
+    s.finish(max(s.running, key=lambda q: q.arrival), FinishReason.LENGTH)  # a free slot: no _share_slot
+    a = list(s.running)
+    computed = {q: q.num_computed_tokens for q in a}
+    light = Sequence("b-0", list(range(40)), SamplingParams(max_tokens=8), tenant="b", arrival=1.0)
+    s.add(light)
+    batch = s.schedule(now=1.0)
+    assert batch.prefills == [(light, 40)] and batch.decodes == [] and not batch.preempted
+    advance(s, batch)
+    assert all(q.num_computed_tokens == computed[q] and q.block_table for q in a)
+    batch = s.schedule(now=1.0)
+    assert not batch.prefills and set(batch.decodes) == {*a, light}
+
+
+def test_a_tenant_within_its_share_keeps_decoding_in_the_newcomers_step():
+    """a holds 32 of 64 slots, its share once b has work: its decodes stay in b's prefill step."""
+    s = Scheduler(BlockManager(4096, 16), max_num_seqs=64, max_num_batched_tokens=4096)
+    for i in range(32):
+        s.add(Sequence(f"a-{i}", list(range(40)), SamplingParams(max_tokens=1000), tenant="a", arrival=i * 1e-3))
+    step(s)
+    light = Sequence("b-0", list(range(40)), SamplingParams(max_tokens=8), tenant="b", arrival=1.0)
+    s.add(light)
+    batch = s.schedule(now=1.0)
+    assert batch.prefills == [(light, 40)] and len(batch.decodes) == 32
+
+
+def test_a_tenant_alone_in_its_level_is_never_held_back():
+    """One tenant (63 running, one more arriving), or a newcomer of another level: every decode runs."""
+    s = full_batch(64, 0)
+    s.finish(max(s.running, key=lambda q: q.arrival), FinishReason.LENGTH)
+    s.add(Sequence("a-new", list(range(40)), SamplingParams(max_tokens=8), tenant="a", arrival=1.0))
+    batch = s.schedule(now=1.0)
+    assert len(batch.prefills) == 1 and len(batch.decodes) == 63
+    advance(s, batch)
+    s.finish(s.running[-1], FinishReason.LENGTH)
+    s.add(Sequence("c-0", list(range(40)), SamplingParams(max_tokens=8), tenant="c", priority=-1, arrival=1.0))
+    batch = s.schedule(now=1.0)
+    assert len(batch.prefills) == 1 and len(batch.decodes) == 63
+
+
+def test_held_back_decodes_run_in_the_same_step_when_the_newcomer_is_not_admitted():
+    """b's request is peeked at but does not fit the KV pool: a's decodes are not held back for nothing."""
+    s = Scheduler(BlockManager(8, 16), max_num_seqs=4, max_num_batched_tokens=64)
+    for i in range(3):
+        s.add(Sequence(f"a-{i}", list(range(20)), SamplingParams(max_tokens=1000), tenant="a", arrival=i * 1e-3))
+    step(s)
+    s.add(Sequence("b-0", list(range(40)), SamplingParams(max_tokens=8), tenant="b", arrival=1.0))
+    assert s._held_back()[0] == {(0, "a")}  # a holds 3 of 4, above its share of 2
+    batch = s.schedule(now=1.0)
+    assert not batch.prefills and len(batch.decodes) == 3
 
 
 def test_a_tenant_takes_slots_up_to_its_share_only():

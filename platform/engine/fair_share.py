@@ -16,7 +16,10 @@ OSDI'24), adapted to this scheduler:
   taken, the least-served waiting tenant of a level may take the slot of the latest request of the tenant
   served most there, while it holds less than its weighted share of the slots (`max_num_seqs` x its weight /
   the weights of the level's tenants with work) and that tenant holds more than its own (see
-  loramux.engine.scheduler). The share keeps two busy tenants from taking slots back and forth.
+  loramux.engine.scheduler). The share keeps two busy tenants from taking slots back and forth. And the
+  step that starts such a below-share request's prompt leaves out the decodes of the level's tenants above
+  their share (they decode one step later, at most once per such admission), so its first token does not
+  wait for a step of their whole overfill.
 - Preemption under KV pressure takes the lowest priority level first, then the tenant with the largest
   counter, then the latest arrival.
 - A tenant with nothing queued or running for `idle_prune_s` is forgotten (its account and its Prometheus

@@ -13,8 +13,10 @@ request's). Heaps keep both choices (`TenantHeap`): an admission costs O(log ten
 When the batch is full (`max_num_seqs`), that request need not wait for another tenant's request to end: it
 takes the slot of the latest request of the tenant served most in its level, while it holds less than its
 weighted share of the slots and that tenant more than its own (`_share_slot`). Otherwise the next slot to
-free goes to it. Preemption under KV pressure takes the lowest level, then the tenant served most, then the
-latest arrival.
+free goes to it. In the step that admits a request of a tenant below its share, the decodes of its level's
+tenants above their own share sit out one step (`_held_back`), so its first token costs a step of the
+within-share decodes only, however far the batch is overfilled. Preemption under KV pressure takes the
+lowest level, then the tenant served most, then the latest arrival.
 
 A sequence with an adapter is admitted only once its adapter is on the device (`adapters`, an
 `AdapterResidency`: see loramux.adapters.residency for the load, eviction and drain policy); it pins the
@@ -206,12 +208,7 @@ class Scheduler:
         free slot, as it would have anyway)."""
         level = self._best_level()
         priority = level.priority
-        slots: dict[str, int] = {}
-        weights: dict[str, float] = {}
-        for s in self.running:
-            if s.priority == priority:
-                slots[s.tenant] = slots.get(s.tenant, 0) + 1
-                weights[s.tenant] = s.share_weight
+        slots, weights = self._slots(priority)
         running_weight = sum(weights.values())
 
         def total(tenant: str) -> float:
@@ -229,6 +226,47 @@ class Scheduler:
                    and slots[s.tenant] > self.max_num_seqs * weights[s.tenant] / whole
                    and self.fair.counter(s.tenant) >= counter]
         return (seq, max(victims, key=self._victim_key)) if victims else None
+
+    def _slots(self, priority: int) -> tuple[dict[str, int], dict[str, float]]:
+        """Per tenant of level `priority`: the running sequences (slots) it holds, and its share weight."""
+        slots: dict[str, int] = {}
+        weights: dict[str, float] = {}
+        for s in self.running:
+            if s.priority == priority:
+                slots[s.tenant] = slots.get(s.tenant, 0) + 1
+                weights[s.tenant] = s.share_weight
+        return slots, weights
+
+    def _held_back(self) -> tuple[set[tuple[int, str]], Sequence | None]:
+        """A fair first token: ((priority, tenant) whose decodes sit this step out, the admission they make
+        way for), or (empty, None).
+
+        The admission this step will make is peeked at as the admission loop will choose it (a free slot:
+        `_next_waiting`; every slot taken: `_share_slot`). If its tenant holds less than its weighted share of
+        its level's slots (as `_share_slot` counts them, with it), the decodes of that level's tenants holding
+        more than their own share wait one step, so its prompt runs in a step of the other tenants' decodes
+        only: its TTFT does not grow with how far an above-share tenant overfills the batch. Nothing is
+        preempted or freed, and outputs are the same, one step later. Tenants within their share, other
+        levels (a higher one is never held back by a lower one) and a tenant alone in its level decode as
+        always. No starvation: a tenant is held back at most once per such admission (if the peeked request
+        is not admitted after all, they decode in the same step), and below-share admissions are bounded by
+        the slots their tenants may take before reaching their share."""
+        if not self._num_waiting:
+            return set(), None
+        if len(self.running) < self.max_num_seqs:
+            seq = self._next_waiting()
+        else:
+            taken = self._share_slot([])
+            if taken is None:
+                return set(), None
+            seq = taken[0]
+        if seq.adapter is not None and not self.adapters.ready(seq.adapter):
+            return set(), None  # passed over this step
+        slots, weights = self._slots(seq.priority)
+        whole = sum(weights.values()) + (0.0 if seq.tenant in weights else seq.share_weight)
+        if slots.get(seq.tenant, 0) + 1 > self.max_num_seqs * weights.get(seq.tenant, seq.share_weight) / whole:
+            return set(), None
+        return {(seq.priority, t) for t, n in slots.items() if n > self.max_num_seqs * weights[t] / whole}, seq
 
     def _victim_key(self, seq: Sequence) -> tuple:
         """Preemption order, largest first: lowest priority, then the tenant served most, then the latest."""
@@ -274,8 +312,14 @@ class Scheduler:
         # threads (the server's queue-wait estimate, stats) read `running` meanwhile.
         self.running = sorted(self.running, key=self._rank)
 
+        held, newcomer = self._held_back()
+        deferred: list[Sequence] = []  # decodes held back for the newcomer's first token
         for seq in [s for s in self.running if not s.is_prefill]:
             if seq.status is not SequenceStatus.RUNNING:
+                continue
+            if (seq.priority, seq.tenant) in held:
+                seq.draft_token_ids = []
+                deferred.append(seq)
                 continue
             if self.long_rope_after is not None and not seq.long_rope:
                 room = self.long_rope_after - seq.num_computed_tokens - 1  # drafts the short factors still cover
@@ -298,8 +342,9 @@ class Scheduler:
             # still preempt a planned decode; the plan then over-counts that step, erring on the safe side.)
             for seq in batch.decodes:
                 plan.add_decode(1 + len(seq.draft_token_ids), seq.num_computed_tokens)
+        reserve = len(deferred)  # their tokens, kept for them until the newcomer is admitted
         for seq in [s for s in self.running if s.is_prefill]:
-            n = self._chunk(seq, seq.num_computed_tokens, budget, plan)
+            n = self._chunk(seq, seq.num_computed_tokens, budget - reserve, plan)
             if n <= 0:
                 break
             if seq.status is SequenceStatus.RUNNING and self._make_room(seq, n, batch):
@@ -329,7 +374,7 @@ class Scheduler:
             hits = self.blocks.match_prefix(seq)
             cached = len(hits) * self.blocks.block_size
             remaining = seq.num_tokens - cached
-            n = self._chunk(seq, cached, budget, plan)
+            n = self._chunk(seq, cached, budget if seq is newcomer else budget - reserve, plan)
             if n <= 0:
                 break
             if victim is not None:
@@ -352,8 +397,17 @@ class Scheduler:
             admitted.append(seq)
             self._add_prefill(batch, seq, n)
             budget -= n
+            if seq is newcomer:
+                reserve = 0
         for seq in passed_over:
             self._put(seq, rejoin=False)
+        if reserve:  # the newcomer was not admitted after all: the held-back decodes run in this step
+            for seq in deferred:
+                if seq.status is SequenceStatus.RUNNING and self.blocks.can_allocate(seq, 1):
+                    self.blocks.allocate(seq, 1)
+                    batch.decodes.append(seq)
+                    if plan is not None:
+                        plan.add_decode(1, seq.num_computed_tokens)
         return batch
 
     def complete(self, batch: ScheduledBatch, accepted: Mapping[Sequence, int] | None = None) -> None:
