@@ -176,6 +176,9 @@ def decode_timing(cfg_dict, device, dtype, tiny: bool) -> None:
         def want(self, digest, waited_s=0.0):
             return True
 
+        def ready(self, digest):
+            return True
+
         def pin(self, digest):
             pass
 
