@@ -208,6 +208,32 @@ def test_a_below_share_admission_runs_without_the_above_share_decodes_for_one_st
     assert not batch.prefills and set(batch.decodes) == {*a, light}
 
 
+def test_the_newcomers_step_carries_no_prompt_work_of_the_held_tenants_either():
+    """With no decodes, a step is bounded by the token cap only: a's prompts (a chunk in progress, a's
+    own waiting requests) would fill b's step. They wait a step too, then run."""
+    s = Scheduler(BlockManager(4096, 16), max_num_seqs=64, max_num_batched_tokens=4096)
+    for i in range(62):
+        s.add(Sequence(f"a-{i}", list(range(40)), SamplingParams(max_tokens=1000), tenant="a", arrival=i * 1e-3))
+    step(s)
+    step(s)
+    assert len(s.running) == 62 and not any(q.is_prefill for q in s.running)
+    s.max_num_batched_tokens = 512  # a's long prompt then takes several steps
+    long = Sequence("a-long", list(range(2000)), SamplingParams(max_tokens=8), tenant="a", arrival=0.5)
+    s.add(long)
+    first = s.schedule(now=0.5)  # a's 62 decodes and the first chunk of its long prompt
+    advance(s, first)
+    assert long.is_prefill and long.num_computed_tokens > 0
+    light = Sequence("b-0", list(range(40)), SamplingParams(max_tokens=8), tenant="b", arrival=1.0)
+    more = Sequence("a-more", list(range(40)), SamplingParams(max_tokens=8), tenant="a", arrival=1.1)
+    s.add(light)
+    s.add(more)
+    batch = s.schedule(now=1.0)
+    assert batch.prefills == [(light, 40)] and batch.decodes == [] and more in s.waiting
+    advance(s, batch)
+    batch = s.schedule(now=1.0)
+    assert long in {q for q, _ in batch.prefills} and len(batch.decodes) == 63  # a's 62 and b's first
+
+
 def test_a_tenant_within_its_share_keeps_decoding_in_the_newcomers_step():
     """a holds 32 of 64 slots, its share once b has work: its decodes stay in b's prefill step."""
     s = Scheduler(BlockManager(4096, 16), max_num_seqs=64, max_num_batched_tokens=4096)

@@ -13,10 +13,10 @@ request's). Heaps keep both choices (`TenantHeap`): an admission costs O(log ten
 When the batch is full (`max_num_seqs`), that request need not wait for another tenant's request to end: it
 takes the slot of the latest request of the tenant served most in its level, while it holds less than its
 weighted share of the slots and that tenant more than its own (`_share_slot`). Otherwise the next slot to
-free goes to it. In the step that admits a request of a tenant below its share, the decodes of its level's
-tenants above their own share sit out one step (`_held_back`), so its first token costs a step of the
-within-share decodes only, however far the batch is overfilled. Preemption under KV pressure takes the
-lowest level, then the tenant served most, then the latest arrival.
+free goes to it. In the step that admits a request of a tenant below its share, the work of its level's
+tenants above their own share (decodes, prompt chunks, admissions) sits out one step (`_held_back`), so its
+first token costs a step of the within-share work only, however far the batch is overfilled. Preemption
+under KV pressure takes the lowest level, then the tenant served most, then the latest arrival.
 
 A sequence with an adapter is admitted only once its adapter is on the device (`adapters`, an
 `AdapterResidency`: see loramux.adapters.residency for the load, eviction and drain policy); it pins the
@@ -238,14 +238,16 @@ class Scheduler:
         return slots, weights
 
     def _held_back(self) -> tuple[set[tuple[int, str]], Sequence | None]:
-        """A fair first token: ((priority, tenant) whose decodes sit this step out, the admission they make
+        """A fair first token: ((priority, tenant) whose work sits this step out, the admission it makes
         way for), or (empty, None).
 
         The admission this step will make is peeked at as the admission loop will choose it (a free slot:
         `_next_waiting`; every slot taken: `_share_slot`). If its tenant holds less than its weighted share of
-        its level's slots (as `_share_slot` counts them, with it), the decodes of that level's tenants holding
-        more than their own share wait one step, so its prompt runs in a step of the other tenants' decodes
-        only: its TTFT does not grow with how far an above-share tenant overfills the batch. Nothing is
+        its level's slots (as `_share_slot` counts them, with it), the work of that level's tenants holding
+        more than their own share waits one step (their decodes, their prompts' next chunks and admissions:
+        a step without decodes would otherwise fill up with their prompts), so its prompt runs in a step of
+        the other tenants' work only: its TTFT does not grow with how far an above-share tenant overfills the
+        batch. Nothing is
         preempted or freed, and outputs are the same, one step later. Tenants within their share, other
         levels (a higher one is never held back by a lower one) and a tenant alone in its level decode as
         always. No starvation: a tenant is held back at most once per such admission (if the peeked request
@@ -344,6 +346,8 @@ class Scheduler:
                 plan.add_decode(1 + len(seq.draft_token_ids), seq.num_computed_tokens)
         reserve = len(deferred)  # their tokens, kept for them until the newcomer is admitted
         for seq in [s for s in self.running if s.is_prefill]:
+            if (seq.priority, seq.tenant) in held:
+                continue  # its next chunk waits a step too: the newcomer's step carries no held tenant's work
             n = self._chunk(seq, seq.num_computed_tokens, budget - reserve, plan)
             if n <= 0:
                 break
@@ -364,6 +368,8 @@ class Scheduler:
                 if taken is None:
                     break
                 seq, victim = taken
+            if seq is not newcomer and (seq.priority, seq.tenant) in held:
+                break  # a held tenant's prompt waits for the next step, as its decodes do
             if seq.adapter is not None and not self.adapters.want(seq.adapter, now - seq.arrival):
                 self._take(seq, leave=False)  # its adapter is on its way
                 passed_over.append(seq)
