@@ -519,7 +519,7 @@ class MergePool:
             self._slots.release()
 
     def _run(self, method: str, payload: bytes) -> MergedAdapter:
-        from loramux.engine.compile_pool import read_frame, write_frame
+        from loramux.engine.compile_pool import kill_worker, read_frame, write_frame
 
         deadline = time.monotonic() + self.limits.timeout_s
         proc = subprocess.Popen([sys.executable, "-m", "loramux.adapters.merge_worker"], stdin=subprocess.PIPE,
@@ -537,14 +537,14 @@ class MergePool:
             except TimeoutError:
                 raise self._timed_out(method) from None
             except Exception:  # noqa: BLE001 - the worker died (EOF) or wrote garbage: say why from its exit
-                _kill(proc)
+                kill_worker(proc)
                 if proc.returncode == -signal.SIGXCPU:  # the RLIMIT_CPU backstop
                     raise self._timed_out(method) from None
                 if proc.returncode == -signal.SIGKILL:  # the kernel's OOM killer
                     raise self._out_of_memory(method, "it was killed for memory") from None
                 raise RuntimeError(f"the {method} merge's worker process failed (exit {proc.returncode})") from None
         finally:
-            _kill(proc)
+            kill_worker(proc)
             writer.join()
             with self._lock:
                 self._live.discard(proc.pid)
@@ -574,15 +574,3 @@ def _send(proc: subprocess.Popen, write_frame, payload: bytes) -> None:
         proc.stdin.close()
     except (OSError, ValueError):  # the worker is gone (killed on timeout): nothing to send to
         pass
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    """Kill the worker if it runs and reap it (returns once it is gone); close the pipes."""
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait()
-    for pipe in (proc.stdin, proc.stdout):
-        try:
-            pipe.close()
-        except OSError:
-            pass

@@ -125,7 +125,7 @@ class CompilePool:
             job.future.set_exception(CompileBusy("the compile pool is shut down"))
         for proc in self._procs:
             if proc is not None:
-                _kill(proc)
+                kill_worker(proc)
         for t in self._threads:
             t.join(timeout=10)
 
@@ -168,7 +168,7 @@ class CompilePool:
                                        self.limits.max_compiled_bytes)
         except (TimeoutError, _FrameTooLarge, EOFError, OSError) as exc:
             self._procs[slot] = None
-            _kill(proc)  # returns once the process is gone: its compile has stopped
+            kill_worker(proc)  # returns once the process is gone: its compile has stopped
             with self._wake:
                 self._killed += 1
             raise CompileTooComplex(_why(exc, self.limits)) from None
@@ -192,7 +192,7 @@ class CompilePool:
             with self._wake:
                 self._ready_at = self._ready_at or time.monotonic()
         except (TimeoutError, _FrameTooLarge, EOFError, OSError) as exc:
-            _kill(proc)
+            kill_worker(proc)
             raise RuntimeError(f"a structured-output compile worker failed to start ({type(exc).__name__})") from None
         return proc
 
@@ -209,7 +209,8 @@ def _why(exc: BaseException, limits: CompileLimits) -> str:
     return "the compile exceeded its CPU or memory limit"
 
 
-def _kill(proc: subprocess.Popen) -> None:
+def kill_worker(proc: subprocess.Popen) -> None:
+    """Kill the worker process if it runs and reap it (returns once it is gone); close its pipes."""
     if proc.poll() is None:
         proc.kill()
     proc.wait()
