@@ -197,9 +197,21 @@ def test_model_must_be_the_base_and_weights_must_be_finite(stack):
             "adapters": [{"model": "big", "weight": 0.5}, {"model": "legal", "weight": 0.5}]})
 
 
-def test_a_composition_is_built_once_and_a_new_version_makes_a_new_one(stack, peft_case, tmp_path):
+def _register_scaled_tone(server, peft_case, path, name: str, which: str, factor: float) -> None:
+    """Register for acme, as `name`, the case's `tone` adapter with its `which` ("lora_A" / "lora_B") tensors
+    multiplied by `factor`, written to `path`."""
     from safetensors.torch import load_file, save_file
 
+    _, dirs, _, _ = peft_case
+    tensors = {k: v * (factor if which in k else 1.0)
+               for k, v in load_file(dirs["tone"] / "adapter_model.safetensors").items()}
+    path.mkdir()
+    save_file(tensors, path / "adapter_model.safetensors")
+    (path / "adapter_config.json").write_bytes((dirs["tone"] / "adapter_config.json").read_bytes())
+    server.services.registry.register(server.services.tenancy.tenant("acme").id, name, adapter_files(path))
+
+
+def test_a_composition_is_built_once_and_a_new_version_makes_a_new_one(stack, peft_case, tmp_path):
     server, _, _ = stack
     compositions = server.app.state.server.compositions
     c = client(stack)
@@ -213,14 +225,7 @@ def test_a_composition_is_built_once_and_a_new_version_makes_a_new_one(stack, pe
     built = compositions.builds
     assert ask().choices[0].text == first.choices[0].text and compositions.builds == built  # from the LRU
     # A new version of a component is a new composition (its digest is in the key), never a stale copy.
-    _, dirs, _, _ = peft_case
-    tensors = {k: v * (3.0 if "lora_B" in k else 1.0)
-               for k, v in load_file(dirs["tone"] / "adapter_model.safetensors").items()}
-    (tmp_path / "tone2").mkdir()
-    save_file(tensors, tmp_path / "tone2" / "adapter_model.safetensors")
-    (tmp_path / "tone2" / "adapter_config.json").write_bytes((dirs["tone"] / "adapter_config.json").read_bytes())
-    server.services.registry.register(server.services.tenancy.tenant("acme").id, "tone",
-                                      adapter_files(tmp_path / "tone2"))
+    _register_scaled_tone(server, peft_case, tmp_path / "tone2", "tone", "lora_B", 3.0)
     newer = ask()
     assert [p["version"] for p in newer.model_extra["loramux"]["composition"]] == [2, 1]
     assert compositions.builds == built + 1
@@ -261,17 +266,9 @@ def test_a_composite_beyond_what_the_adapter_pools_dtype_holds_is_a_400_naming_t
     """On a float16 pool a weighted A of 1e5 would be loaded as inf (every token NaN): refused, naming the
     module and the dtype, with nothing held; the same adapter at a weight whose product fits is served."""
     import torch
-    from safetensors.torch import load_file, save_file
 
     server, _, records = stack
-    _, dirs, _, _ = peft_case
-    tensors = {k: v * (100.0 if "lora_A" in k else 1.0)
-               for k, v in load_file(dirs["tone"] / "adapter_model.safetensors").items()}
-    (tmp_path / "loud").mkdir()
-    save_file(tensors, tmp_path / "loud" / "adapter_model.safetensors")
-    (tmp_path / "loud" / "adapter_config.json").write_bytes((dirs["tone"] / "adapter_config.json").read_bytes())
-    server.services.registry.register(server.services.tenancy.tenant("acme").id, "loud",
-                                      adapter_files(tmp_path / "loud"))
+    _register_scaled_tone(server, peft_case, tmp_path / "loud", "loud", "lora_A", 100.0)
     monkeypatch.setattr(server.app.state.server, "adapter_dtype", torch.float16)
     before = len(records)
     resp = _post(stack, {**BASE, "adapters": [{"model": "loud", "weight": 1000}]})
