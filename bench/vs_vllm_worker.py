@@ -29,7 +29,8 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # benc
 def _preload_libs() -> list[str]:
     """PyTorch's libgomp and vLLM's tcmalloc: vLLM's CPU platform puts them into LD_PRELOAD for the engine
     processes it spawns; in-process (no multiprocessing) they must be there before this process starts, or
-    the OpenMP thread binding leaves one core doing the work (vllm-project/vllm#27369)."""
+    the OpenMP thread binding leaves one core doing the work
+    (https://github.com/vllm-project/vllm/issues/27369)."""
     libs = []
     torch_spec, vllm_spec = importlib.util.find_spec("torch"), importlib.util.find_spec("vllm")
     if torch_spec and torch_spec.submodule_search_locations:

@@ -155,17 +155,18 @@ class Settings(BaseSettings):
     # this server, whatever its tier's `max_fanout` (400 above it).
     max_fanout: int = Field(default=16, ge=1, le=128)
     structured_compile_timeout_s: float = Field(default=10.0, gt=0)
-    # Structured-output compiles (issue 24) run in worker processes, killed past the timeout above: at most
-    # this many at once (a compile waits for a free worker at most the timeout, then 503), each allowed
-    # this much address space beyond the worker's own (RLIMIT_AS; a blow-up kills the worker, not the
-    # engine). Repetition bounds above `structured_max_repetition` (regex {m,n}, a schema's minLength,
-    # maxLength, minItems, maxItems, minProperties, maxProperties) are a 400 before anything compiles.
+    # Structured-output compiles run in worker processes (a pathological spec never stalls the engine),
+    # killed past the timeout above: at most this many at once (a compile waits for a free worker at most
+    # the timeout, then 503), each allowed this much address space beyond the worker's own (RLIMIT_AS; a
+    # blow-up kills the worker, not the engine). Repetition bounds above `structured_max_repetition` (regex
+    # {m,n}, a schema's minLength, maxLength, minItems, maxItems, minProperties, maxProperties) are a 400
+    # before anything compiles.
     structured_compile_workers: int = Field(default=2, ge=1, le=64)
     structured_compile_memory_bytes: int = Field(default=2 * 1024**3, ge=64 * 1024**2)
     structured_max_repetition: int = Field(default=4096, ge=1)
-    # Request shape limits (issue 24): counted on the parsed JSON before any validator runs or the rate
-    # limiter is asked, so a body of 100k tiny items is a 400 naming the field within milliseconds. Then
-    # the most logprob entries one answer may hold (n x max_tokens x (top_logprobs + 1)): above it a 400
+    # Request shape limits, against hostile bodies: counted on the parsed JSON before any validator runs or
+    # the rate limiter is asked, so a body of 100k tiny items is a 400 naming the field within milliseconds.
+    # Then the most logprob entries one answer may hold (n x max_tokens x (top_logprobs + 1)): above it a 400
     # naming this setting, so no answer of hundreds of megabytes is built.
     max_messages: int = Field(default=2048, ge=1)  # `messages` of one chat request
     max_content_parts: int = Field(default=256, ge=1)  # content parts of one message
@@ -173,7 +174,7 @@ class Settings(BaseSettings):
     max_logit_bias_entries: int = Field(default=300, ge=0)  # `logit_bias` keys
     max_tools: int = Field(default=128, ge=0)  # `tools` of one request
     max_logprob_entries: int = Field(default=131_072, ge=1)  # about 8 MB of JSON
-    # Weighted composition of adapters per request (`"adapters": [{"model", "weight"}, ...]`, issue 29): the
+    # Weighted composition of adapters per request (`"adapters": [{"model", "weight"}, ...]`): the
     # most components one request may combine and the most summed rank (the sum of each component's largest
     # module rank; composites are served like adapters, so LORAMUX_MAX_LORA_RANK caps them too), 400 above
     # either. Built composites live in the host RAM cache (LORAMUX_HOST_CACHE_BYTES, with every adapter), built

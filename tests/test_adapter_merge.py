@@ -509,7 +509,7 @@ def test_svd_asks_for_thin_matrices_and_gives_the_full_ones_delta(adapters, tiny
 
 
 def test_a_merge_above_the_memory_bound_is_refused_before_it_starts(tiny_cfg):
-    """The issue's case: 16 components on a 14336 x 4096 projection. PEFT's svd holds each component's dense delta
+    """A large merge: 16 components on a 14336 x 4096 projection. PEFT's svd holds each component's dense delta
     three times in its weighted sum: about 10.8 GiB for that module, refused at the default 4 GiB before any worker
     starts; two components fit, and cat of the sixteen (no dense deltas) needs LoRA-sized memory."""
     big, components = _one_module_components(tiny_cfg, 16, "gate_proj", hidden=4096, intermediate=14336, rank=16)

@@ -1,4 +1,4 @@
-"""Authentication hardening against the real ASGI app (issue 24, items 9-10): forwarded addresses are
+"""Authentication hardening against the real ASGI app: forwarded addresses are
 believed from trusted proxies only; a flood of unknown keys never evicts real keys' cached answers (the
 per-address cut-off of a random-key flood is in tests/test_hostile_requests.py); /metrics can be closed
 with a key and shows adapter ids, never names; non-ASCII credentials and CSRF tokens are refusals, not

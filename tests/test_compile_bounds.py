@@ -1,4 +1,4 @@
-"""Structured-output compiles are bounded (issue 24, items 2 and 3): huge repetition bounds are refused
+"""Structured-output compiles are bounded: huge repetition bounds are refused
 before anything compiles; a compile past its time limit is stopped (its worker process killed) before the
 request is refused, so a flood of new pathological specs never stacks up running compiles; the engine
 thread never compiles, not even for a spec the LRU evicted after the server checked it; on Ray the ingress
@@ -67,7 +67,7 @@ async def collect(stream) -> list:
     return [out async for out in stream]
 
 
-# -- item 2: bounds before compiling, compiles that stop ----------------------------------------------------
+# -- bounds before compiling, compiles that stop ------------------------------------------------------------
 @pytest.mark.parametrize("spec,named", [
     (StructuredOutput("regex", "a{1,100000}"), "the repetition {1,100000} exceeds the limit of 4096"),
     (StructuredOutput("regex", "(ab){5000}"), "the repetition {5000} exceeds the limit of 4096"),
@@ -120,7 +120,7 @@ def test_a_timed_out_compile_is_stopped_before_its_refusal_returns(stack):
     engine.compile_structured(StructuredOutput("regex", "[a-c]{2}"))  # a fresh worker takes the next spec
 
 
-# -- item 3: never on the engine thread; pinned until the request ends --------------------------------------
+# -- never on the engine thread; pinned until the request ends ----------------------------------------------
 def test_the_engine_thread_never_compiles_even_for_a_spec_evicted_after_its_check(stack, monkeypatch):
     server, _ = stack
     async_engine, grammars = server.services.engine, grammars_of(server)

@@ -202,7 +202,7 @@ def test_a_long_user_is_a_400_naming_it(stack, printable):
     assert answer.status_code in (400, 422) and answer.json()["error"]["param"] == "user", answer.text
 
 
-# --- item 7: count limits before validation and admission; the prompt bound counts template tokens ------
+# --- count limits before validation and admission; the prompt bound counts template tokens --------------
 @pytest.fixture
 def limited(tiny_dir, tokenizer, tmp_path):
     """The app over the tiny model (SQLite) with small count and logprob limits; a premium tenant."""
@@ -322,7 +322,7 @@ def tokenizer_once(smol_dir):
     return tokenizer, template_tokens_per_message(tokenizer), max_chars_per_token(tokenizer)
 
 
-# --- item 8: logprob volume bounded; the final answer is built off the event loop ---------------------
+# --- logprob volume bounded; the final answer is built off the event loop -----------------------------
 def test_an_answer_with_more_logprob_entries_than_the_setting_is_a_400_naming_it(limited):
     client, _ = limited
     body = {"model": MODEL, "messages": [_HI], "max_tokens": 3, "logprobs": True, "top_logprobs": 20}
@@ -362,7 +362,7 @@ def test_the_final_json_answer_is_built_off_the_event_loop(limited, monkeypatch)
     assert answer.status_code == 200 and on_loop == [False], (answer.text, on_loop)
 
 
-# --- item 10: a replica lost mid-stream bills what the client already got ------------------------------
+# --- a replica lost mid-stream bills what the client already got ---------------------------------------
 def _dies_after(services, monkeypatch, tokens: int) -> None:
     """The engine's streams raise EngineDeadError (as a lost Ray replica does) after `tokens` tokens."""
     from loramux.engine.async_engine import EngineDeadError

@@ -1,5 +1,5 @@
-"""Issue 29's schema: several ledger rows per request (fan-out: one per adapter, `part` 0..N-1), the
-composition a request ran with, and where a merged adapter version came from.
+"""Fan-out and weighted composition: several ledger rows per request (fan-out: one per adapter, `part`
+0..N-1), the composition a request ran with, and where a merged adapter version came from.
 
 - ledger.part: which part of its request a row bills (0 for a plain request); the ledger is now
   idempotent on (request_id, part) instead of request_id alone.

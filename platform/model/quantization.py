@@ -101,7 +101,8 @@ def merge_passes(y: torch.Tensor, peak: torch.Tensor, rows: int, qmax: int) -> t
 def qint8_per_channel(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """q as a torch.qint8 per-channel tensor, the input fbgemm's prepack takes."""
     with warnings.catch_warnings():
-        # torch 2.13 flags quantized dtypes as deprecated (pytorch#184982); fbgemm's ops still need one.
+        # torch 2.13 flags quantized dtypes as deprecated (https://github.com/pytorch/pytorch/issues/184982);
+        # fbgemm's ops still need one.
         # If a later torch drops them, `kernel_works` fails and the model falls back to another kernel.
         warnings.simplefilter("ignore", UserWarning)
         zero_points = torch.zeros_like(scales, dtype=torch.long)
