@@ -1,6 +1,6 @@
 """`loramux admin ...`: the admin API from the command line (HTTP, with LORAMUX_ADMIN_KEY), plus
 `create-key`, which bootstraps an admin key directly in the database, and `tenants`/`keys`, which are
-`loramux tenants|keys` (see loramux.tenancy_cli) with JSON output."""
+`loramux tenants|keys` (see loramux.tenancy.cli) with JSON output."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from loramux.settings import Settings
-from loramux.tenancy_cli import add_tenant_parsers, cmd_keys, cmd_tenants
+from loramux.tenancy.cli import add_tenant_parsers, cmd_keys, cmd_tenants
 
 
 def add_parser(sub) -> None:
@@ -93,9 +93,9 @@ def run(args, settings: Settings) -> int:
     if args.admin_command == "keys":
         return cmd_keys(args, settings)
     if args.admin_command == "create-key":
-        from loramux.admin.keys import AdminKeys
         from loramux.db import Database
         from loramux.services.admin_keys import create_admin_key
+        from loramux.tenancy.admin_keys import AdminKeys
 
         db = Database(settings.resolved_database_url())
         db.upgrade()

@@ -6,8 +6,8 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from loramux.admin.keys import AdminKeyInfo
 from loramux.server.http.ingress import Refusal, resolve_admin
+from loramux.tenancy.admin_keys import AdminKeyInfo
 
 _bearer = HTTPBearer(auto_error=False, scheme_name="AdminKey",
                      description="An admin key: `Authorization: Bearer lmxa-...`")

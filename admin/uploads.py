@@ -10,8 +10,8 @@ from pathlib import Path
 from fastapi import Request
 from starlette.datastructures import UploadFile
 
-from loramux.adapters.medusa_format import MEDUSA_CONFIG, MEDUSA_WEIGHTS
-from loramux.adapters.validation import ALLOWED_FILENAMES
+from loramux.adapters.formats.medusa import MEDUSA_CONFIG, MEDUSA_WEIGHTS
+from loramux.adapters.formats.validation import ALLOWED_FILENAMES
 from loramux.services.adapters import UploadError
 
 CONFIG_FIELD, WEIGHTS_FIELD = "adapter_config", "adapter_model"

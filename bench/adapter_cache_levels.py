@@ -119,7 +119,7 @@ class Bench:
 
     async def _streams_with_arrivals(self, arrival_adapters: list[str]) -> list[float]:
         """Inter-token gaps (ms) of the long streams while `arrival_adapters` requests arrive over HTTP."""
-        from loramux.engine.sampling_params import SamplingParams
+        from loramux.engine.sampling.params import SamplingParams
 
         engine, cache = self.services.engine, self.services.adapter_cache
         long_adapters = [None, self.warm[0], None, self.warm[1]]

@@ -30,7 +30,7 @@ def add_dora(path: Path, cfg, seed: int) -> Path:
     """Turn a PEFT LoRA adapter directory into a DoRA one: use_dora and a random magnitude per module."""
     from safetensors.torch import load_file, save_file
 
-    from loramux.adapters.validation import projection_shapes
+    from loramux.adapters.formats.validation import projection_shapes
 
     tensors = load_file(path / "adapter_model.safetensors")
     shapes, g = projection_shapes(cfg), torch.Generator().manual_seed(seed)
@@ -45,7 +45,7 @@ def add_dora(path: Path, cfg, seed: int) -> Path:
 
 
 def decode_tokens_per_s(engine, prompts, names, new_tokens: int) -> float:
-    from loramux.engine.sampling_params import SamplingParams
+    from loramux.engine.sampling.params import SamplingParams
 
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     for i, (prompt, name) in enumerate(zip(prompts, names)):

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None, figure: bool = True) -> float:
         headed = add_head(write_peft_adapter(tmp / "heads" / name, cfg, args.rank, ALL, seed=i, b_std=0.02),
                           base_head.float().contiguous(), seed=100 + i)
         engines["heads"].load_adapter_dir(headed, name)
-    from loramux.engine.sampling_params import SamplingParams
+    from loramux.engine.sampling.params import SamplingParams
 
     rows = [names[j % len(names)] for j in range(args.batch)]
     texts = prompts(args.batch)

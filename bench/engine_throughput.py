@@ -69,7 +69,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from loramux.engine.engine import LLMEngine
-    from loramux.engine.sampling_params import SamplingParams
+    from loramux.engine.sampling.params import SamplingParams
     from loramux.settings import Settings
 
     engine = LLMEngine.from_settings(Settings(dtype="float32", device="cpu"))

@@ -135,12 +135,12 @@ def check_bgmv(cfg, device, dtype, measure, g) -> int:
 
 
 def decode_timing(cfg_dict, device, dtype, tiny: bool) -> None:
-    from loramux.adapters.device_pool import BucketKey, DevicePool
-    from loramux.adapters.peft_format import LoRAAdapter
-    from loramux.engine.block_manager import BlockManager
+    from loramux.adapters.formats.peft import LoRAAdapter
+    from loramux.adapters.residency.device_pool import BucketKey, DevicePool
     from loramux.engine.model_runner import ModelRunner
-    from loramux.engine.sampling_params import SamplingParams
-    from loramux.engine.scheduler import Scheduler
+    from loramux.engine.sampling.params import SamplingParams
+    from loramux.engine.scheduling.block_manager import BlockManager
+    from loramux.engine.scheduling.scheduler import Scheduler
     from loramux.engine.sequence import Sequence
     from loramux.model.config import ModelConfig
     from loramux.model.llama import LORA_MODULES, LlamaModel

@@ -11,7 +11,7 @@ other on one thread here; neither's thread pool is used). Time per token = wall 
 
 Rows reported:
   xgrammar    GrammarMatcher.fill_next_token_bitmask + accept_token
-  loramux     loramux.engine.constrained.Constraint.accept: xgrammar's fill + accept, plus the engine's own
+  loramux     loramux.engine.structured.constraint.Constraint.accept: xgrammar's fill + accept, plus the engine's own
               work per token (the control-character mask AND, the "only a stop token is left" check)
   llguidance  llguidance.torch.fill_next_token_bitmask + LLMatcher.consume_token (pip install llguidance,
               or `pip install -e '.[bench]'`; the row is skipped, with that hint, when it is missing)
@@ -94,8 +94,8 @@ class Loramux:
     name = "loramux"
 
     def __init__(self, tokenizer, vocab: int):
-        from loramux.engine.grammar import GrammarCache
-        from loramux.engine.sampling_params import StructuredOutput
+        from loramux.engine.sampling.params import StructuredOutput
+        from loramux.engine.structured.grammar import GrammarCache
 
         self.cache = GrammarCache(tokenizer, vocab, [tokenizer.eos_token_id])
         self.spec = lambda schema: StructuredOutput("json_schema", json.dumps(schema))
@@ -105,7 +105,7 @@ class Loramux:
         return schema
 
     def matcher(self, schema):
-        from loramux.engine.constrained import Constraint
+        from loramux.engine.structured.constraint import Constraint
 
         return Constraint(self.cache, self.spec(schema))
 

@@ -33,10 +33,10 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
-from loramux.admin.ledger import LedgerWriter, durable
+from loramux.billing.ledger import LedgerWriter, durable
+from loramux.billing.usage import RequestRecord
 from loramux.db import Database
 from loramux.testing import describe_cpu, percentile
-from loramux.usage import RequestRecord
 
 
 def make_record(rid: str) -> RequestRecord:

@@ -121,7 +121,7 @@ def adapter_specs(family: str, n: int, seed: int) -> list[AdapterSpec]:
 def adapter_dir(spec: AdapterSpec, base_cfg, generate: bool = True) -> Path | None:
     """The PEFT files of `spec` for this base model, generated once into the cache (written aside, then renamed);
     None when not cached and not `generate`."""
-    from loramux.adapters.peft_format import projection_shapes
+    from loramux.adapters.formats.peft import projection_shapes
 
     shapes = projection_shapes(base_cfg)
     key = json.dumps([GENERATOR_VERSION, spec.rank, spec.targets, spec.seed, WEIGHT_DTYPE, B_STD,
@@ -180,7 +180,7 @@ async def admin_call(client, stack: Stack, method: str, path: str, **kw) -> dict
 
 
 def weight_bytes(spec: AdapterSpec, base_cfg) -> int:
-    from loramux.adapters.peft_format import projection_shapes
+    from loramux.adapters.formats.peft import projection_shapes
 
     shapes = projection_shapes(base_cfg)
     return sum(sum(shapes[t]) for t in spec.targets) * spec.rank * base_cfg.num_layers * WEIGHT_BYTES

@@ -134,7 +134,7 @@ def parse_args(argv=None):
 
 
 def make_engine(model_dir: Path, num_adapters: int, model_cfg):
-    from loramux.adapters.validation import projection_shapes
+    from loramux.adapters.formats.validation import projection_shapes
     from loramux.engine.engine import LLMEngine
     from loramux.settings import Settings
 

@@ -111,7 +111,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from loramux.engine.engine import LLMEngine
-    from loramux.engine.sampling_params import SamplingParams
+    from loramux.engine.sampling.params import SamplingParams
     from loramux.settings import Settings
 
     batches = [int(b) for b in args.batches.split(",")]

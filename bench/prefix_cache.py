@@ -135,7 +135,7 @@ def main() -> None:
     from transformers.cache_utils import DynamicCache
 
     from loramux.engine.engine import LLMEngine
-    from loramux.engine.sampling_params import SamplingParams
+    from loramux.engine.sampling.params import SamplingParams
     from loramux.settings import Settings
 
     settings = Settings(dtype="float32", device="cpu", prefix_caching=True,

@@ -55,7 +55,7 @@ def agreement(a: list[int], b: list[int]) -> float:
 
 
 def greedy_agreement(engines: dict, texts: list[str], new_tokens: int, chunk: int = 20) -> tuple[float, float]:
-    from loramux.engine.sampling_params import SamplingParams
+    from loramux.engine.sampling.params import SamplingParams
 
     params = SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens)
     outputs: dict[str, list[list[int]]] = {name: [] for name in engines}
@@ -96,7 +96,7 @@ def decode_runs(engines: dict, chats: dict, adapters: list[str], params, order: 
 
 
 def throughput(engines: dict, batch: int, rank: int, decode_tokens: int, rounds: int) -> dict[str, float]:
-    from loramux.engine.sampling_params import SamplingParams
+    from loramux.engine.sampling.params import SamplingParams
 
     tmp = Path(tempfile.mkdtemp(prefix="loramux-int8-bench-"))
     names = [f"ad{i}" for i in range(batch)]

@@ -78,9 +78,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         args.prompts, args.rounds, args.new_tokens, args.no_draft, args.no_adapter = 1, 1, 8, True, True
     torch.set_num_threads(args.threads)
 
-    from loramux.adapters.medusa_format import load_medusa_dir
+    from loramux.adapters.formats.medusa import load_medusa_dir
     from loramux.engine.engine import LLMEngine
-    from loramux.engine.sampling_params import SamplingParams
+    from loramux.engine.sampling.params import SamplingParams
     from loramux.settings import Settings
     from loramux.testing import describe_cpu
 
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     assert engine.medusa_base is not None, "no shipped Medusa heads: run `loramux medusa train --ship`"
     configs = {"none": {}, "medusa": {"methods": "medusa"}}
     if not args.no_draft:
-        from loramux.engine.draft_runner import DraftRunner
+        from loramux.engine.speculation.draft_runner import DraftRunner
         from loramux.model.loader import build_model
 
         draft_dir = ensure("distilled draft", CACHE / "draft", ["draft", "distill"])

@@ -237,7 +237,7 @@ def main() -> None:
         return f"[{time.perf_counter() - t_start:.0f} s]"
 
     from loramux.engine.engine import LLMEngine
-    from loramux.engine.sampling_params import SamplingParams
+    from loramux.engine.sampling.params import SamplingParams
     from loramux.settings import Settings
 
     default_k = args.default_k if args.default_k is not None else Settings().speculative_tokens

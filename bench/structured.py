@@ -71,7 +71,7 @@ class Batch:
     `tokens` tokens; `step()` runs one engine step and returns its seconds when every row was decoding."""
 
     def __init__(self, engine, prompts: list[list[int]], constrained: int, tokens: int, spec):
-        from loramux.engine.sampling_params import SamplingParams
+        from loramux.engine.sampling.params import SamplingParams
 
         self.engine, self.tokens, self.generated = engine, tokens, {}
         for i, prompt in enumerate(prompts):
@@ -121,7 +121,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
 
-    from loramux.engine.sampling_params import StructuredOutput
+    from loramux.engine.sampling.params import StructuredOutput
 
     print(describe_cpu())
     configs = {"none": 0, "one": 1, "all": args.batch}

@@ -325,7 +325,7 @@ def run_vllm(model_dir: Path, adapters: dict[str, Path], threads: int) -> dict[s
 def run_loramux(adapters: dict[str, Path]) -> dict[str | None, str]:
     """loramux's own engine, greedy, on the same prompt: the base model and the same adapters."""
     from loramux.engine.engine import LLMEngine
-    from loramux.engine.sampling_params import SamplingParams
+    from loramux.engine.sampling.params import SamplingParams
     from loramux.settings import Settings
 
     engine = LLMEngine.from_settings(Settings())

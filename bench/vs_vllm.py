@@ -118,7 +118,7 @@ def make_engine(args, variant: str, num_adapters: int):
 def loramux_generate(engine, prompts: list[list[int]], adapters: list[str | None], new_tokens: int
                      ) -> tuple[float, list[list[int]]]:
     """One batch to completion: (seconds, token ids per request in prompt order)."""
-    from loramux.engine.sampling_params import SamplingParams
+    from loramux.engine.sampling.params import SamplingParams
 
     params = SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, temperature=0)
     ids = [f"vs-{time.monotonic_ns()}-{j}" for j in range(len(prompts))]

@@ -6,7 +6,7 @@
 computed as g * y + (1 - g) * bias, so that a column whose g is 1 (a slice the adapter does not cover) keeps
 its value bit for bit.
 
-g [n_slots, d_out] is each slot's fixed DoRA scale m / ||W + s·B·A||_row (loramux.adapters.dora; 1 on output
+g [n_slots, d_out] is each slot's fixed DoRA scale m / ||W + s·B·A||_row (loramux.adapters.formats.dora; 1 on output
 columns its adapter does not cover). With y = W x + b + s·B A x this is PEFT's DoRA output exactly.
 One elementwise op per bucket: `dora_rescale_torch` (the reference, also what fixed-shape decode steps use:
 capturable, shapes depend only on the row count), `dora_rescale_triton` (loramux.kernels.dora_triton) beside

@@ -1,5 +1,5 @@
 """One step's rows of adapters that carry an embedding LoRA or trained heads (`BucketKey.extras`, see
-loramux.adapters.head_slots), and the two model entry points that serve them through the LoRA wrapper:
+loramux.adapters.residency.head_slots), and the two model entry points that serve them through the LoRA wrapper:
 
 * `embed(x, ids, embed_scale)`: the step's embeddings [T, hidden], before the model's embedding scale.
   Replacement rows first (a trained embedding, trainable tokens), then the scale (Gemma), then the LoRA

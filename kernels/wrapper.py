@@ -5,7 +5,7 @@ Semantics, for every row i of the step's flat batch and every slice of a merged 
 where rows without an adapter are left untouched; then, for DoRA buckets only (`LoRALayerWeights.dora_g`),
     y[i, :] = g[adapter(i)] * (y[i, :] - bias) + bias
 (loramux.kernels.dora: DoRA's fixed per-channel scale, one elementwise op per bucket). Adapters live in
-rank buckets (see `loramux.adapters.device_pool`): every adapter of a bucket has the bucket's rank and
+rank buckets (see `loramux.adapters.residency.device_pool`): every adapter of a bucket has the bucket's rank and
 projections, exactly, so each row costs its own adapter's rank. The engine sets each row's location (rank,
 slot) once per step; every layer then calls `apply` with its own key, and the wrapper runs the shared ops
 once per bucket present, on the span of rows that bucket's adapters cover.
@@ -25,7 +25,7 @@ from loramux.kernels.dora import dora_rescale
 from loramux.kernels.head_rows import StepHeads
 from loramux.kernels.ops import LoRABatch, LoRACost, lora_shrink_expand, resolve_lora_impl
 
-Location = tuple[object, int]  # (bucket key, slot in it): see loramux.adapters.device_pool
+Location = tuple[object, int]  # (bucket key, slot in it): see loramux.adapters.residency.device_pool
 
 
 @dataclass

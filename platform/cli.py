@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from loramux.settings import DEFAULT_MODEL, Settings
-from loramux.tenancy_cli import add_tenant_parsers
+from loramux.tenancy.cli import add_tenant_parsers
 from loramux.training.draft_cli import add_draft_parser
 
 
@@ -31,9 +31,9 @@ def settings_from_args(args) -> Settings:
 
 
 def cmd_generate(args, settings: Settings) -> int:
-    from loramux.adapters.peft_format import AdapterFormatError
+    from loramux.adapters.formats.peft import AdapterFormatError
     from loramux.engine.engine import LLMEngine, RequestError
-    from loramux.engine.sampling_params import SamplingParams
+    from loramux.engine.sampling.params import SamplingParams
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature or 0.0,
@@ -142,11 +142,11 @@ def cmd_plan(args, settings: Settings) -> int:
 def cmd_serve(args, settings: Settings) -> int:
     import uvicorn
 
-    from loramux.admin.keys import AdminKeyFormatError, check_admin_key_format
     from loramux.model.loader import read_model_config, resolve_model_dir
     from loramux.server.app import create_app
     from loramux.server.http.logs import configure_logging
     from loramux.services.container import Services
+    from loramux.tenancy.admin_keys import AdminKeyFormatError, check_admin_key_format
 
     # Configuration that cannot work fails here, in one line, before the server starts.
     settings.adapter_dirs()
@@ -249,8 +249,8 @@ def cmd_db(args, settings: Settings) -> int:
 def _collect_garbage(db, settings: Settings) -> int:
     """Delete adapter blobs in the object store that no live version references, and Medusa heads blobs
     that no live heads reference (retiring the heads of deleted adapter versions first)."""
-    from loramux.adapters.medusa_registry import collect_medusa_garbage
-    from loramux.adapters.registry import collect_garbage
+    from loramux.adapters.storage.medusa_registry import collect_medusa_garbage
+    from loramux.adapters.storage.registry import collect_garbage
     from loramux.services.container import store_from_settings
 
     store = store_from_settings(settings)

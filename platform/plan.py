@@ -90,7 +90,8 @@ def plan_memory(cfg: ModelConfig, dtype_bytes: int, context_len: int, batch_size
         kv_cache=kv_token * kv_tokens_held(cfg, context_len, block_size) * batch_size,
         adapter_bytes=per_slot,
         adapter_pool=adapter_pool,
-        head_bytes=cfg.vocab_size * h * dtype_bytes,  # the device pool holds it whole (adapters/head_slots.py)
+        # the device pool holds it whole (adapters/residency/head_slots.py)
+        head_bytes=cfg.vocab_size * h * dtype_bytes,
         medusa_bytes=medusa_heads_bytes(cfg, dtype_bytes),
     )
 

@@ -46,7 +46,8 @@ class Settings(BaseSettings):
     step_target_ms: float = Field(default=0.0, ge=0)
     max_model_len: int = 4096
     priority_aging_s: float = 10.0  # queue aging: waiting this long is worth one tier of priority
-    # Fair share within a tier (virtual token counters, loramux.engine.fair_share): what a prompt token and an
+    # Fair share within a tier (virtual token counters, loramux.engine.scheduling.fair_share): what a prompt token
+    # and an
     # output token add to a tenant's counter, and each tier's weight (tokens count 1/weight; absent: 1).
     fair_share_input_weight: float = Field(default=1.0, gt=0)
     fair_share_output_weight: float = Field(default=2.0, gt=0)
@@ -64,14 +65,15 @@ class Settings(BaseSettings):
     # the embedded model when it is served, none otherwise; "" = none. Adapters' own heads come from the
     # registry (admin API /admin/medusa).
     medusa_heads: str = "auto"
-    # Draft-model speculation (loramux.engine.draft_runner): a second resident model with the base's tokenizer
+    # Draft-model speculation (loramux.engine.speculation.draft_runner): a second resident model with the base's
+    # tokenizer
     # that proposes tokens (the embedded name, an HF directory or a .gguf; `loramux draft distill` makes one
     # from the base's own first layers), and the memory budget of its own paged KV pool.
     draft_model: str | None = None
     draft_kv_cache_bytes: int = Field(default=64 * 1024**2, gt=0)
 
     # LoRA adapters: device memory for them (each at its own rank), the largest rank, an optional cap on
-    # distinct adapters in one batch, and the residency policy (see loramux.adapters.residency).
+    # distinct adapters in one batch, and the residency policy (see loramux.adapters.residency.locations).
     adapter_pool_bytes: int = Field(default=0, ge=0)  # 0 = the same as kv_cache_bytes (`loramux plan` shows it)
     max_lora_rank: int = Field(default=128, ge=0)  # 0 disables LoRA
     max_loras: int = Field(default=0, ge=0)  # 0 = no cap

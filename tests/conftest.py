@@ -81,7 +81,7 @@ def s3_store(moto_server):
     """An S3Store on a fresh, uniquely named bucket of the session's moto server."""
     import uuid
 
-    from loramux.adapters.store import S3Store
+    from loramux.adapters.storage.store import S3Store
 
     bucket = f"loramux-test-{uuid.uuid4().hex[:16]}"
     moto_create_bucket(moto_server, bucket)
@@ -230,7 +230,7 @@ def drafts_expected(prompt: list[int], output: list[int]) -> bool:
 def decode_step_lora_cost(engine: LLMEngine, requests: dict[str, str | None], prompt) -> tuple[int, int]:
     """LoRA multiply-adds and weight bytes of one decode step of `requests` (id -> adapter), each started with
     `prompt` and past its prefill; the requests are aborted afterwards."""
-    from loramux.engine.sampling_params import SamplingParams
+    from loramux.engine.sampling.params import SamplingParams
 
     for rid, adapter in requests.items():
         engine.add_request(rid, prompt, SamplingParams(max_tokens=4, ignore_eos=True), adapter=adapter)

@@ -15,11 +15,11 @@ import torch
 from safetensors.torch import load, save
 
 from conftest import make_engine, run_to_completion
-from loramux.adapters.heads import EMBED, HEAD
-from loramux.adapters.peft_format import load_adapter_dir
-from loramux.adapters.summary import describe
-from loramux.adapters.validation import AdapterValidationError, UploadLimits, validate_adapter_files
-from loramux.engine.sampling_params import SamplingParams
+from loramux.adapters.formats.heads import EMBED, HEAD
+from loramux.adapters.formats.peft import load_adapter_dir
+from loramux.adapters.formats.summary import describe
+from loramux.adapters.formats.validation import AdapterValidationError, UploadLimits, validate_adapter_files
+from loramux.engine.sampling.params import SamplingParams
 from loramux.testing import save_tiny_hf_model, write_peft_adapter
 
 FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -197,8 +197,8 @@ def test_copies_serve_exactly_like_peft(world, tokenizer):
 
 def test_a_composition_naming_it_is_refused_from_the_summary(world, tmp_path):
     """At request time, a 400 from the stored summary: nothing is loaded."""
-    from loramux.adapters.registry import AdapterRegistry
-    from loramux.adapters.store import FileStore
+    from loramux.adapters.storage.registry import AdapterRegistry
+    from loramux.adapters.storage.store import FileStore
     from loramux.db import Database
     from loramux.server.http.errors import ApiError
     from loramux.server.intake.composition import Component

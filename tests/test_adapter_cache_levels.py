@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from conftest import adapter_files, server_stats
-from loramux.adapters.cache_levels import AdapterCache, AdapterLoadError, DiskCache, HostCache
-from loramux.adapters.registry import AdapterRegistry
-from loramux.adapters.store import FileStore, S3Store, StoreUnavailableError
+from loramux.adapters.residency.cache_levels import AdapterCache, AdapterLoadError, DiskCache, HostCache
+from loramux.adapters.storage.registry import AdapterRegistry
+from loramux.adapters.storage.store import FileStore, S3Store, StoreUnavailableError
 from loramux.db import Database
 from loramux.testing import MOTO_CREDENTIALS, MOTO_REGION, FaultyProxy, moto_create_bucket, write_peft_adapter
 
@@ -244,7 +244,8 @@ def test_tenant_facing_load_errors_name_no_server_path_or_bucket(base_cfg, tmp_p
     version = registry.register(registry.tenancy.create_tenant("acme").id, "bot", adapter_files(path))
     (store.root / version.storage_key).unlink()  # the weights vanished from the store
     cache = AdapterCache(store, DiskCache(tmp_path / "disk", 1 << 30), HostCache(1 << 30))
-    with caplog.at_level("WARNING", logger="loramux.adapters.cache_levels"), pytest.raises(AdapterLoadError) as info:
+    logger = "loramux.adapters.residency.cache_levels"
+    with caplog.at_level("WARNING", logger=logger), pytest.raises(AdapterLoadError) as info:
         cache.acquire_blocking(version, timeout=10)
     message = str(info.value)
     assert message == "adapter bot@1 could not be loaded from storage: its stored weights are missing"
@@ -286,7 +287,7 @@ class _GuardedDict(dict):
 def test_stats_reads_the_caches_under_their_locks(base_cfg, tmp_path):
     from collections import OrderedDict
 
-    from loramux.adapters.peft_format import load_adapter_dir
+    from loramux.adapters.formats.peft import load_adapter_dir
 
     cache = AdapterCache(FileStore(tmp_path / "blobs"), DiskCache(tmp_path / "disk", 1 << 30), HostCache(1 << 30))
     adapter = load_adapter_dir(write_peft_adapter(tmp_path / "a", base_cfg, 4, ["q_proj"], seed=1), base_cfg)

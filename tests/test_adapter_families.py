@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from loramux.adapters.peft_format import load_adapter_dir
-from loramux.adapters.validation import AdapterValidationError, module_names
+from loramux.adapters.formats.peft import load_adapter_dir
+from loramux.adapters.formats.validation import AdapterValidationError, module_names
 from loramux.model.config import ModelConfig
 from loramux.testing import save_tiny_hf_model, write_peft_adapter
 

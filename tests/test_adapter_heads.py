@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from conftest import run_to_completion
-from loramux.adapters.heads import EMBED, HEAD, TIED_LORA
-from loramux.adapters.peft_format import load_adapter_dir
-from loramux.adapters.validation import AdapterValidationError, UploadLimits, validate_adapter_files
+from loramux.adapters.formats.heads import EMBED, HEAD, TIED_LORA
+from loramux.adapters.formats.peft import load_adapter_dir
+from loramux.adapters.formats.validation import AdapterValidationError, UploadLimits, validate_adapter_files
 from loramux.engine.config import EngineConfig
 from loramux.engine.engine import LLMEngine
-from loramux.engine.sampling_params import SamplingParams
+from loramux.engine.sampling.params import SamplingParams
 from loramux.model.loader import build_model, end_of_turn_ids
 from loramux.testing import save_tiny_hf_model, write_peft_adapter
 
@@ -194,9 +194,9 @@ def test_heads_take_their_bytes_in_the_pool(heads_world, tokenizer):
 def test_registry_round_trip_serves_like_the_directory(heads_world, tokenizer, tmp_path):
     """Uploaded through the registry (pack), read back from the store (unpack): the same tensors, ties
     included, and the same tokens as PEFT."""
-    from loramux.adapters.blob import unpack
-    from loramux.adapters.registry import AdapterRegistry
-    from loramux.adapters.store import FileStore
+    from loramux.adapters.storage.blob import unpack
+    from loramux.adapters.storage.registry import AdapterRegistry
+    from loramux.adapters.storage.store import FileStore
     from loramux.db import Database
     from loramux.model.loader import read_model_config
 

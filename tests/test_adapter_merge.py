@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import admin_client, make_engine, make_services, new_tenant_key
-from loramux.adapters.merge import (
+from loramux.adapters.composition.merge import (
     MergeComponent,
     MergeError,
     MergeLimits,
@@ -27,7 +27,7 @@ from loramux.adapters.merge import (
     merge_pool,
     peak_bytes,
 )
-from loramux.adapters.peft_format import build_adapter, load_adapter_dir
+from loramux.adapters.formats.peft import build_adapter, load_adapter_dir
 from loramux.testing import LiveServer, save_tiny_hf_model, write_peft_adapter
 
 ADMIN_KEY = "lmxa-merge-admin-key-0123456789abcdefghijklmnop"
@@ -300,7 +300,7 @@ def test_refusals_name_what_to_fix_and_store_nothing(served, body, status, param
 
 
 def test_a_merge_whose_store_write_fails_leaves_no_rows_or_blob(served, monkeypatch):
-    from loramux.adapters.store import StoreError
+    from loramux.adapters.storage.store import StoreError
 
     server, admin, _, _ = served
     before = stored_counts(server)
@@ -467,8 +467,8 @@ def _one_module_components(cfg, count: int, target: str, hidden: int, intermedia
     (LoRA tensors only: nothing dense is built here)."""
     import dataclasses
 
-    from loramux.adapters.peft_format import LoRAAdapter
-    from loramux.adapters.validation import checkpoint_shapes
+    from loramux.adapters.formats.peft import LoRAAdapter
+    from loramux.adapters.formats.validation import checkpoint_shapes
 
     big = dataclasses.replace(cfg, hidden_size=hidden, intermediate_size=intermediate, num_layers=1,
                               layer_windows=(), layer_ropes=())
@@ -485,7 +485,7 @@ def _one_module_components(cfg, count: int, target: str, hidden: int, intermedia
 def test_svd_asks_for_thin_matrices_and_gives_the_full_ones_delta(adapters, tiny_dir, tiny_cfg, monkeypatch):
     """PEFT's default, full_matrices=True, allocates a d_out x d_out U (822 MB at 14336 x 4096) for the rank-r
     columns it keeps; the merge asks for the thin one, and the merged deltas equal PEFT's full-matrices ones."""
-    from loramux.adapters.merge import _merge_here  # what the worker runs
+    from loramux.adapters.composition.merge import _merge_here  # what the worker runs
 
     names, weights, params = CASES["svd"]
     components = [MergeComponent(n, load_adapter_dir(adapters[n], tiny_cfg), w) for n, w in zip(names, weights)]

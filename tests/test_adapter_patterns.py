@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from conftest import decode_step_lora_cost, drafts_expected, run_to_completion
-from loramux.adapters.blob import pack, unpack
-from loramux.adapters.module_selection import module_rank_alpha, select_modules
-from loramux.adapters.peft_format import load_adapter_dir
-from loramux.adapters.summary import describe
-from loramux.adapters.validation import AdapterValidationError, module_names, validate_adapter_files
+from loramux.adapters.formats.module_selection import module_rank_alpha, select_modules
+from loramux.adapters.formats.peft import load_adapter_dir
+from loramux.adapters.formats.summary import describe
+from loramux.adapters.formats.validation import AdapterValidationError, module_names, validate_adapter_files
+from loramux.adapters.storage.blob import pack, unpack
 from loramux.engine.config import EngineConfig
 from loramux.engine.engine import LLMEngine
-from loramux.engine.sampling_params import SamplingParams
+from loramux.engine.sampling.params import SamplingParams
 from loramux.model.config import ModelConfig
 from loramux.model.loader import build_model, end_of_turn_ids
 from loramux.testing import save_tiny_hf_model
@@ -341,8 +341,8 @@ def test_bad_pattern_and_layer_options_are_refused(tiny3, adapters, tmp_path, ch
 def test_registry_round_trip_serves_identically(tiny3, tokenizer, adapters, tmp_path):
     """Uploaded to the registry (validated, packed into the stored blob, unpacked by the serving path), each
     patterned adapter is the one loaded from its directory and serves PEFT's tokens."""
-    from loramux.adapters.registry import AdapterRegistry
-    from loramux.adapters.store import FileStore
+    from loramux.adapters.storage.registry import AdapterRegistry
+    from loramux.adapters.storage.store import FileStore
     from loramux.db import Database
 
     model_dir, cfg = tiny3
@@ -557,7 +557,7 @@ def test_fused_phi3_patterns_split_onto_the_engines_projections_exactly(tmp_path
 def test_the_regex_deadline_counts_cpu_time_so_a_starved_thread_is_not_refused(tiny3, monkeypatch):
     """Wall time jumping 10 s between two names (the thread waiting for a core on a loaded machine) used to
     refuse a harmless pattern as too slow; only this thread's CPU time counts now, and still bounds it."""
-    from loramux.adapters import module_selection
+    from loramux.adapters.formats import module_selection
 
     _, cfg = tiny3
     names = module_names(cfg)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from conftest import decode_step_lora_cost, make_engine
-from loramux.adapters.peft_format import AdapterFormatError, load_adapter_dir
+from loramux.adapters.formats.peft import AdapterFormatError, load_adapter_dir
 from loramux.engine.engine import RequestError
-from loramux.engine.sampling_params import SamplingParams
+from loramux.engine.sampling.params import SamplingParams
 from loramux.model.llama import LORA_MODULES, PROJECTION_SLICES
 from loramux.testing import write_peft_adapter
 

@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import save as save_safetensors_bytes
 
-from loramux.adapters.peft_format import AdapterFormatError, build_adapter, load_adapter_dir
-from loramux.adapters.validation import (
+from loramux.adapters.formats.peft import AdapterFormatError, build_adapter, load_adapter_dir
+from loramux.adapters.formats.validation import (
     ALLOWED_FILENAMES,
     AdapterValidationError,
     UploadLimits,
@@ -480,8 +480,8 @@ def test_every_hostile_upload_leaves_nothing_in_sql_or_the_store(adapter, databa
     """The whole corpus through the registry, on SQLite and PostgreSQL: refused, no rows, no blobs."""
     from sqlalchemy import func, select
 
-    from loramux.adapters.registry import AdapterRegistry
-    from loramux.adapters.store import FileStore
+    from loramux.adapters.storage.registry import AdapterRegistry
+    from loramux.adapters.storage.store import FileStore
     from loramux.db import Adapter, AdapterVersion, Tenant
 
     store = FileStore(tmp_path / "blobs")

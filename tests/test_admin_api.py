@@ -18,7 +18,7 @@ import pytest
 from sqlalchemy import MetaData, select
 
 from conftest import admin_client, serve_admin_stack
-from loramux.admin.billing import COLUMN_NAMES
+from loramux.billing.reports import COLUMN_NAMES
 from loramux.db import Adapter, AdapterVersion
 from loramux.testing import write_peft_adapter
 

@@ -10,7 +10,7 @@ import pytest
 from conftest import make_engine
 from loramux.engine.async_engine import AsyncEngine
 from loramux.engine.outputs import RequestOutput, SoFar
-from loramux.engine.sampling_params import SamplingParams
+from loramux.engine.sampling.params import SamplingParams
 from loramux.testing import save_tiny_hf_model
 from polling import wait_until, wait_until_async
 

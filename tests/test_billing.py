@@ -1,4 +1,4 @@
-"""Billing summary and streamed export (loramux.admin.billing), on SQLite and PostgreSQL."""
+"""Billing summary and streamed export (loramux.billing.reports), on SQLite and PostgreSQL."""
 from __future__ import annotations
 
 import csv
@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from loramux.admin.billing import (
+from loramux.billing.reports import (
     COLUMN_NAMES,
     FORMATS,
     BillingQueryError,

@@ -14,8 +14,8 @@ import threading
 import pytest
 
 from conftest import make_engine, make_services, new_tenant_key
-from loramux.engine.grammar import GrammarCache, StructuredOutputError
-from loramux.engine.sampling_params import SamplingParams, StructuredOutput
+from loramux.engine.sampling.params import SamplingParams, StructuredOutput
+from loramux.engine.structured.grammar import GrammarCache, StructuredOutputError
 from loramux.server.app import create_app
 from loramux.testing import LiveServer
 
@@ -87,7 +87,7 @@ def test_huge_repetition_bounds_are_refused_before_compiling(tokenizer, spec, na
 
 
 def test_escaped_braces_are_no_repetition():
-    from loramux.engine.spec_checks import check_spec
+    from loramux.engine.structured.prechecks import check_spec
 
     check_spec(StructuredOutput("regex", r"x\{99999\}"), 4096)  # a literal brace, not a quantifier
 

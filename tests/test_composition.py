@@ -1,4 +1,4 @@
-"""Weighted composition of adapters (loramux.adapters.composition) against PEFT's own
+"""Weighted composition of adapters (loramux.adapters.composition.weighted) against PEFT's own
 `add_weighted_adapter(..., combination_type="cat")`: the composite's A and B equal PEFT's to the bit (its
 zero padding aside), and the engine serving it generates PEFT's greedy tokens, alone and in one mixed batch
 with plain adapters and the base model; refusals name the component.
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from conftest import run_to_completion
-from loramux.adapters.composition import CompositionError, compose, composition_digest, refusal_reason
-from loramux.adapters.peft_format import load_adapter_dir
-from loramux.engine.sampling_params import SamplingParams
+from loramux.adapters.composition.weighted import CompositionError, compose, composition_digest, refusal_reason
+from loramux.adapters.formats.peft import load_adapter_dir
+from loramux.engine.sampling.params import SamplingParams
 from loramux.model.llama import PROJECTION_SLICES
 from loramux.testing import save_tiny_hf_model
 
@@ -242,7 +242,7 @@ def _cfg(peft_case):
 def test_a_components_rank_is_pefts_r_or_its_largest_pattern_rank():
     from datetime import datetime, timezone
 
-    from loramux.adapters.registry import AdapterVersionInfo
+    from loramux.adapters.storage.registry import AdapterVersionInfo
     from loramux.server.serving.composition_choice import component_rank
 
     version = AdapterVersionInfo(

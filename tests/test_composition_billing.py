@@ -1,14 +1,14 @@
-"""The price of a request that combined adapters: its costliest component's price (admin/pricing.py
-`price_for_composition`), applied by the ledger row (admin/ledger_records.py `ledger_row`), set by admins
+"""The price of a request that combined adapters: its costliest component's price (platform/billing/pricing.py
+`price_for_composition`), applied by the ledger row (platform/billing/ledger_records.py `ledger_row`), set by admins
 with ordinary adapter prices through the price API."""
 from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 
-from loramux.admin.ledger_records import ledger_row
-from loramux.admin.pricing import PriceInfo, cost_of, price_for_composition
-from loramux.usage import RequestRecord
+from loramux.billing.ledger_records import ledger_row
+from loramux.billing.pricing import PriceInfo, cost_of, price_for_composition
+from loramux.billing.usage import RequestRecord
 
 T0 = datetime(2026, 12, 1, tzinfo=timezone.utc)
 BASE = "SmolLM2-135M-Instruct"

@@ -1,4 +1,4 @@
-"""Composites in host RAM (loramux.adapters.composition_cache): counted in bytes against the host adapter budget
+"""Composites in host RAM (loramux.adapters.composition.cache): counted in bytes against the host adapter budget
 with every adapter, cached and in use alike, never built past it; built on their own threads while callers
 await; one build per composite, a few per tenant; the components' leases held until the build thread is done.
 Small synthetic adapters on a real AdapterCache, whose host level already holds them (no store reads)."""
@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from loramux.adapters.cache_levels import AdapterCache, DiskCache, HostCache
-from loramux.adapters.composition import compose, composite_nbytes, composition_digest
-from loramux.adapters.composition_cache import CompositionCache, CompositionCapacityError, CompositionTooLargeError
-from loramux.adapters.peft_format import LoRAAdapter
+from loramux.adapters.composition.cache import CompositionCache, CompositionCapacityError, CompositionTooLargeError
+from loramux.adapters.composition.weighted import compose, composite_nbytes, composition_digest
+from loramux.adapters.formats.peft import LoRAAdapter
+from loramux.adapters.residency.cache_levels import AdapterCache, DiskCache, HostCache
 from polling import wait_until_async
 
 HIDDEN = 64

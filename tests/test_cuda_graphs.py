@@ -16,7 +16,7 @@ import torch
 from conftest import make_engine
 from loramux.engine.config import EngineConfig
 from loramux.engine.cuda_graphs import LoRABuckets, batch_buckets, block_buckets
-from loramux.engine.sampling_params import SamplingParams
+from loramux.engine.sampling.params import SamplingParams
 from loramux.kernels.bgmv import StaticLoRA, bgmv_shrink_expand
 from loramux.kernels.torch_ops import lora_expand_reference, lora_shrink_reference
 from loramux.model.loader import read_model_config
@@ -266,7 +266,7 @@ def test_padding_rows_write_only_the_scratch_block(tiny_dir, tokenizer, adapter_
 
 
 def test_steps_the_graphs_cannot_take_run_eagerly(tiny_dir, tokenizer, adapter_dirs):
-    from loramux.engine.scheduler import ScheduledBatch
+    from loramux.engine.scheduling.scheduler import ScheduledBatch
 
     engine = lora_engine(tiny_dir, tokenizer, adapter_dirs)
     runner = engine.runner

@@ -7,8 +7,8 @@ import pytest
 
 from conftest import make_engine
 from loramux.engine import model_runner
-from loramux.engine.decode_groups import plan_decode_groups
-from loramux.engine.sampling_params import SamplingParams
+from loramux.engine.sampling.params import SamplingParams
+from loramux.engine.scheduling.decode_groups import plan_decode_groups
 
 
 def cost(groups: list[list[int]], blocks: list[int], overhead: int) -> int:

@@ -1,4 +1,4 @@
-"""Tests for loramux.engine.detokenizer with SmolLM2's real byte-level BPE tokenizer (offline)."""
+"""Tests for loramux.engine.sampling.detokenizer with SmolLM2's real byte-level BPE tokenizer (offline)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from loramux.engine.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
+from loramux.engine.sampling.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
 
 EMOJI = "Hello 🦙🚀 world"
 CJK = "東京は日本の首都です。"

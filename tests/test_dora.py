@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from conftest import make_engine, run_to_completion
-from loramux.adapters.peft_format import load_adapter_dir
-from loramux.adapters.validation import AdapterValidationError
+from loramux.adapters.formats.peft import load_adapter_dir
+from loramux.adapters.formats.validation import AdapterValidationError
 from loramux.engine.outputs import RequestError
-from loramux.engine.sampling_params import SamplingParams
+from loramux.engine.sampling.params import SamplingParams
 from loramux.testing import save_tiny_hf_model
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -225,7 +225,7 @@ def qv_dora_dir(tmp_path_factory, llama_dir):
 
 @pytest.mark.parametrize("case", sorted(REFUSALS))
 def test_malformed_dora_uploads_are_refused_by_name(case, qv_dora_dir, llama_dir):
-    from loramux.adapters.validation import validate_adapter_files
+    from loramux.adapters.formats.validation import validate_adapter_files
     from loramux.model.loader import read_model_config
 
     cfg, _ = read_model_config(llama_dir)
@@ -246,7 +246,7 @@ def test_dora_scale_matches_peft_weight_norm(llama_dir, llama_adapters, packed):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from loramux.adapters.dora import dora_scale
+    from loramux.adapters.formats.dora import dora_scale
     from loramux.model.llama import PROJECTION_SLICES
     from loramux.model.loader import build_model
 
@@ -348,9 +348,9 @@ def test_a_dora_slot_counts_its_scales(llama_dir, tokenizer, llama_adapters):
 
 def test_registry_upload_serves_exactly_like_the_directory(llama_dir, tokenizer, llama_adapters, llama_prompts,
                                                            llama_expected, tmp_path):
-    from loramux.adapters.blob import pack, unpack
-    from loramux.adapters.registry import AdapterRegistry
-    from loramux.adapters.store import FileStore
+    from loramux.adapters.storage.blob import pack, unpack
+    from loramux.adapters.storage.registry import AdapterRegistry
+    from loramux.adapters.storage.store import FileStore
     from loramux.db import Database
     from loramux.model.loader import read_model_config
 
@@ -449,7 +449,7 @@ def test_phi3_fused_dora_splits_onto_the_engine_projections(tmp_path_factory, to
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from loramux.adapters.dora import dora_scale
+    from loramux.adapters.formats.dora import dora_scale
     from loramux.model.llama import PROJECTION_SLICES
     from loramux.model.loader import build_model
 

@@ -12,7 +12,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from loramux.engine.draft_runner import DraftMismatchError, DraftRunner, check_draft_compatible, draft_from_settings
+from loramux.engine.speculation.draft_runner import (
+    DraftMismatchError,
+    DraftRunner,
+    check_draft_compatible,
+    draft_from_settings,
+)
 from loramux.model.attention import AttentionMetadata, KVCache, PrefillChunk
 from loramux.model.loader import build_model, read_model_config
 from loramux.settings import Settings
@@ -288,8 +293,8 @@ def test_engine_with_a_draft_model_gives_the_same_greedy_text(draft_dir, tiny_di
     adapter rows in one batch, with prefix caching and structured output; the draft's KV is freed as requests
     end."""
     from conftest import make_engine, run_to_completion
-    from loramux.adapters.peft_format import load_adapter_dir
-    from loramux.engine.sampling_params import SamplingParams, StructuredOutput
+    from loramux.adapters.formats.peft import load_adapter_dir
+    from loramux.engine.sampling.params import SamplingParams, StructuredOutput
     from loramux.testing import write_peft_adapter
 
     cfg, _ = read_model_config(tiny_dir)

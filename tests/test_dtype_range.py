@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loramux.adapters.composition import CompositionError, compose
-from loramux.adapters.device_pool import DevicePool
-from loramux.adapters.dtype_range import check_fits, first_out_of_range
-from loramux.adapters.peft_format import LoRAAdapter
-from loramux.adapters.validation import projection_shapes
+from loramux.adapters.composition.weighted import CompositionError, compose
+from loramux.adapters.formats.dtype_range import check_fits, first_out_of_range
+from loramux.adapters.formats.peft import LoRAAdapter
+from loramux.adapters.formats.validation import projection_shapes
+from loramux.adapters.residency.device_pool import DevicePool
 from loramux.model.llama import PROJECTION_SLICES
 from loramux.model.loader import build_model
 from loramux.server.intake.composition import MAX_WEIGHT

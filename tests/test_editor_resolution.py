@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LANGSERVER = Path(sys.executable).parent / "basedpyright-langserver"
 PROBE = """\
 from loramux.engine.engine import LLMEngine
-from loramux.adapters.registry import AdapterRegistry
+from loramux.adapters.storage.registry import AdapterRegistry
 """
 
 
@@ -103,4 +103,4 @@ def test_pyright_resolves_loramux_to_the_source_files(tmp_path):
             found[name] = path.resolve().relative_to(ROOT).as_posix()
     finally:
         server.close()
-    assert found == {"LLMEngine": "platform/engine/engine.py", "AdapterRegistry": "adapters/registry.py"}
+    assert found == {"LLMEngine": "platform/engine/engine.py", "AdapterRegistry": "adapters/storage/registry.py"}

@@ -5,7 +5,7 @@ import pytest
 
 from conftest import make_engine
 from loramux.engine.engine import RequestError
-from loramux.engine.sampling_params import SamplingParams
+from loramux.engine.sampling.params import SamplingParams
 
 PROMPTS = ["Hello there, how are", "The quick brown fox", "1 2 3", "Once upon a time in a very distant land"]
 
@@ -178,7 +178,7 @@ def test_a_local_adapter_follows_the_upload_base_model_rule(tiny_dir, tokenizer,
     an upload (another hub model is refused unless allowed; a local copy's path is fine)."""
     import json
 
-    from loramux.adapters.validation import AdapterFormatError
+    from loramux.adapters.formats.validation import AdapterFormatError
     from loramux.testing import write_peft_adapter
 
     engine = make_engine(tiny_dir, tokenizer, max_loras=2, max_lora_rank=8)

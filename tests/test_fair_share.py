@@ -1,4 +1,4 @@
-"""Fair share within a tier (virtual token counters, loramux.engine.fair_share), on a simulated engine:
+"""Fair share within a tier (virtual token counters, loramux.engine.scheduling.fair_share), on a simulated engine:
 the scheduler and block manager driven step by step, without torch."""
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import random
 
 from test_scheduler import advance
 
-from loramux.engine.block_manager import BlockManager
-from loramux.engine.fair_share import FairShare
-from loramux.engine.sampling_params import SamplingParams
-from loramux.engine.scheduler import Scheduler
+from loramux.engine.sampling.params import SamplingParams
+from loramux.engine.scheduling.block_manager import BlockManager
+from loramux.engine.scheduling.fair_share import FairShare
+from loramux.engine.scheduling.scheduler import Scheduler
 from loramux.engine.sequence import FinishReason, Sequence
 
 MAX_NUM_SEQS = 4

@@ -361,7 +361,7 @@ def test_one_admission_covers_every_part_and_each_part_is_a_request(stack, peft_
     adapter and one request per adapter of the tier's requests per minute (a tier with max_fanout 2 would
     otherwise get twice its rate): a budget a single request fits can refuse the same call fanned out, with
     429 and Retry-After while the parts do not fit yet, and 400 when they never can."""
-    from loramux.tenancy import TierInfo
+    from loramux.tenancy.tenants import TierInfo
 
     server, _, _, _ = stack
     services = server.services
@@ -459,7 +459,7 @@ class FakeRegistry:
     def resolve(self, tenant_id: str, ref: str):
         from types import SimpleNamespace
 
-        from loramux.adapters.registry import AdapterNotFoundError
+        from loramux.adapters.storage.registry import AdapterNotFoundError
 
         if ref == "nope":
             raise AdapterNotFoundError(ref)
@@ -477,7 +477,7 @@ class FakeCache:
     async def acquire(self, version, timeout):
         from types import SimpleNamespace
 
-        from loramux.adapters.cache_levels import AdapterLoadError
+        from loramux.adapters.residency.cache_levels import AdapterLoadError
 
         if version.adapter_id in self.broken:
             raise AdapterLoadError(version, "gone")
@@ -492,7 +492,7 @@ class FakeCache:
 
 
 def fake_tenant(fallback: str = "none"):
-    from loramux.tenancy import TenantContext, TierInfo
+    from loramux.tenancy.tenants import TenantContext, TierInfo
 
     tier = TierInfo("standard", 1, 0, 0, 0, 60.0, 120.0, max_fanout=8)
     return TenantContext("tn_x", "x", "active", "key_x", "lmx-x", tier, fallback)

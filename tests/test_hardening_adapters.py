@@ -13,9 +13,9 @@ import httpx
 import pytest
 
 from conftest import admin_client, serve_admin_stack
-from loramux.adapters import registry as registry_module
+from loramux.adapters.storage import registry as registry_module
 from loramux.names import InvalidNameError, check_name
-from loramux.tenancy import Tenancy, TierInfo
+from loramux.tenancy.tenants import Tenancy, TierInfo
 from loramux.testing import write_peft_adapter
 
 ADMIN_KEY = "lmxa-test-admin-key-hardening-0123456789abcdefghij"

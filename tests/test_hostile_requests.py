@@ -24,7 +24,7 @@ from test_compile_bounds import TIMEOUT_S, compiles_still_running, grammars_of, 
 from conftest import adapter_files, make_engine, make_services, new_tenant_key
 from loramux.db.models import LedgerEntry
 from loramux.server.app import create_app
-from loramux.tenancy import TierInfo
+from loramux.tenancy.tenants import TierInfo
 from loramux.testing import LiveServer
 from polling import wait_until, wait_until_async
 
@@ -83,8 +83,8 @@ def _rows(services) -> list[LedgerEntry]:
 def test_a_record_the_ledger_refuses_fails_the_request_instead_of_answering_200(stack, monkeypatch, stream):
     """Whatever slips past intake and is refused by the ledger's checks makes the answer a 500 (an error
     event on a stream, with no [DONE]), logged and counted; nothing is answered unbilled."""
-    import loramux.admin.ledger as ledger_module
-    from loramux.admin.ledger_records import LedgerRecordError
+    import loramux.billing.ledger as ledger_module
+    from loramux.billing.ledger_records import LedgerRecordError
 
     client, services = stack
 
@@ -134,7 +134,7 @@ def test_n_choices_are_charged_n_times_max_tokens_and_hold_n_concurrency_slots(s
 
 
 def _limits(tier: TierInfo):
-    from loramux.rate_limits import TierLimits
+    from loramux.tenancy.rate_limits import TierLimits
 
     return TierLimits(tier.requests_per_min, tier.tokens_per_min, tier.max_concurrent)
 
@@ -621,8 +621,8 @@ def test_a_400_digit_integer_in_any_other_numeric_field_is_never_a_500(encodings
 def composition_flood(tiny_dir, tiny_cfg, tokenizer, tmp_path_factory):
     """A live server on the tiny model: tenant `flood` owns two adapters, tenant `quiet` sends plain requests
     (both premium: no rate limits). The host RAM budget holds the two components and about three composites."""
-    from loramux.adapters.composition import composite_nbytes
-    from loramux.adapters.peft_format import load_adapter_dir
+    from loramux.adapters.composition.weighted import composite_nbytes
+    from loramux.adapters.formats.peft import load_adapter_dir
     from loramux.testing import write_peft_adapter
 
     tmp = tmp_path_factory.mktemp("hostile-composition")

@@ -27,7 +27,7 @@ PACKAGES = {"platform": "loramux", "adapters": "loramux.adapters", "kernels": "l
             "admin": "loramux.admin"}
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [  # top to bottom; a module is in the layer of its longest prefix
-    ("entry", ("loramux.cli", "loramux.tenancy_cli", "loramux.plan", "loramux.admin.cli", "loramux.server.app",
+    ("entry", ("loramux.cli", "loramux.tenancy.cli", "loramux.plan", "loramux.admin.cli", "loramux.server.app",
                "loramux.server.error_handlers", "loramux.cluster.app", "loramux.cluster.replica",
                "loramux.cluster.ingress_services", "loramux.testing", "loramux.training.medusa_cli",
                "loramux.training.draft_cli")),
@@ -38,8 +38,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [  # top to bottom; a module is in t
     ("intake", ("loramux.server.intake",)),
     ("http", ("loramux.server.http",)),
     ("services", ("loramux.services", "loramux.training")),
-    ("domain", ("loramux.engine", "loramux.cluster", "loramux.adapters", "loramux.tenancy", "loramux.admin",
-                "loramux.rate_limits", "loramux.usage", "loramux.request_rates", "loramux.key_cache")),
+    ("domain", ("loramux.engine", "loramux.cluster", "loramux.adapters", "loramux.tenancy", "loramux.billing",
+                "loramux.admin", "loramux.request_rates")),
     ("base", ("loramux",)),  # db, model, kernels, settings, names, text, durable_files, histogram, ...
 ]
 BASE_PACKAGES = ("loramux.db", "loramux.model", "loramux.kernels", "loramux.migrations")

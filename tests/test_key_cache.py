@@ -1,7 +1,7 @@
 """KeyCache: answers are cached for their TTL, bounded in number, and never outlive an invalidate()."""
 from __future__ import annotations
 
-from loramux.key_cache import KeyCache, hash_key
+from loramux.tenancy.key_cache import KeyCache, hash_key
 
 
 def test_answers_are_cached_and_invalidate_forgets_them():

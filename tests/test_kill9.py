@@ -20,7 +20,7 @@ from sqlalchemy import func, select
 
 from loramux.db import Database, LedgerEntry
 from loramux.model.loader import read_model_config
-from loramux.tenancy import Tenancy
+from loramux.tenancy.tenants import Tenancy
 from loramux.testing import free_port, write_peft_adapter
 from polling import wait_until
 

@@ -12,13 +12,13 @@ import pytest
 from sqlalchemy import create_engine, func, select, text
 from sqlalchemy.engine import make_url
 
-from loramux.admin import ledger as ledger_module
-from loramux.admin.ledger import LedgerWriter, write_records
-from loramux.admin.pricing import PriceBook, PriceError, PriceInfo, cost_of, price_for
+from loramux.billing import ledger as ledger_module
+from loramux.billing.ledger import LedgerWriter, write_records
+from loramux.billing.money import sum_money
+from loramux.billing.pricing import PriceBook, PriceError, PriceInfo, cost_of, price_for
+from loramux.billing.usage import RequestRecord
 from loramux.db import Adapter, Database, LedgerEntry, Tenant
-from loramux.db.money import sum_money
 from loramux.testing import FaultyProxy
-from loramux.usage import RequestRecord
 from polling import wait_until
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
@@ -345,7 +345,7 @@ def pg(postgres_server_url):
 
 @pytest.mark.parametrize("fault", ["refuse", "blackhole"])
 def test_writer_keeps_records_while_the_database_is_down(pg, tmp_path, fault, caplog):
-    caplog.set_level(logging.WARNING, logger="loramux.admin.ledger")
+    caplog.set_level(logging.WARNING, logger="loramux.billing.ledger")
     db, proxy, direct = pg
     PriceBook(direct).set_price(MODEL, "0", "0", "1", effective_from=T0)
     writer = LedgerWriter(db, tmp_path / "spool.jsonl", retry_initial_s=0.05, retry_max_s=0.2)

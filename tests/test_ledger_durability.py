@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select
 
-from loramux.admin import ledger as ledger_module
-from loramux.admin import ledger_wal
-from loramux.admin.ledger import LedgerWriter, durable, write_records
+from loramux.billing import ledger as ledger_module
+from loramux.billing import ledger_wal
+from loramux.billing.ledger import LedgerWriter, durable, write_records
+from loramux.billing.usage import RequestRecord
 from loramux.db import LedgerEntry
-from loramux.usage import RequestRecord
 from polling import wait_until
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
@@ -31,9 +31,9 @@ CHILD = r'''
 import asyncio, sys, time
 from datetime import datetime, timezone
 from loramux.admin import ledger as ledger_module
-from loramux.admin.ledger import LedgerWriter, durable
+from loramux.billing.ledger import LedgerWriter, durable
 from loramux.db import Database
-from loramux.usage import RequestRecord
+from loramux.billing.usage import RequestRecord
 
 url, spool, prefix = sys.argv[1:4]
 real = ledger_module.write_records

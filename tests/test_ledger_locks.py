@@ -11,9 +11,9 @@ import pytest
 from sqlalchemy import func, select
 from test_ledger import record
 
-from loramux.admin import ledger_wal
-from loramux.admin.ledger import LedgerBacklogError, LedgerWriter
-from loramux.admin.ledger_wal import WAL_NAME, LogInUseError
+from loramux.billing import ledger_wal
+from loramux.billing.ledger import LedgerBacklogError, LedgerWriter
+from loramux.billing.ledger_wal import WAL_NAME, LogInUseError
 from loramux.cluster.ingress_services import adopt_orphans, claim_ledger
 from loramux.db import LedgerEntry
 from polling import wait_until
@@ -44,7 +44,7 @@ def test_the_lock_of_a_killed_process_is_free_at_once(database, tmp_path):
     spool = tmp_path / WAL_NAME
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys
-        from loramux.admin.ledger_wal import WriteAheadLog
+        from loramux.billing.ledger_wal import WriteAheadLog
         WriteAheadLog({str(spool)!r}).open()
         print("locked", flush=True)
         sys.stdin.read()
@@ -113,7 +113,7 @@ def test_a_full_disk_refuses_new_records_instead_of_growing_memory(database, tmp
 # -- a log an older version left under its old name ----------------------------------------------------------
 def _legacy_log(folder, records) -> None:
     """What an older loramux left in `folder`: a sealed segment, an active one and a rejected file."""
-    from loramux.admin.ledger_lines import encode
+    from loramux.billing.ledger_lines import encode
 
     old = folder / ledger_wal.LEGACY_WAL_NAMES[0]
     folder.mkdir(parents=True, exist_ok=True)

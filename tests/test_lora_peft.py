@@ -7,7 +7,7 @@ import torch
 
 from loramux.engine.config import EngineConfig
 from loramux.engine.engine import LLMEngine
-from loramux.engine.sampling_params import SamplingParams
+from loramux.engine.sampling.params import SamplingParams
 from loramux.model.loader import build_model, end_of_turn_ids
 from loramux.testing import write_peft_adapter
 

@@ -100,8 +100,8 @@ def test_request_rates_are_thread_safe():
 # -- the adapter cache: residency answers and load timings --------------------------------------------------
 def _registered_version(tmp_path, tiny_cfg, seed: int):
     """A registry on SQLite and a file store holding one adapter version: (database, store, version)."""
-    from loramux.adapters.registry import AdapterRegistry
-    from loramux.adapters.store import FileStore
+    from loramux.adapters.storage.registry import AdapterRegistry
+    from loramux.adapters.storage.store import FileStore
     from loramux.db import Database
 
     db = Database(f"sqlite:///{tmp_path / 'registry.db'}")
@@ -114,7 +114,7 @@ def _registered_version(tmp_path, tiny_cfg, seed: int):
 
 
 def test_adapter_cache_residency_and_load_seconds(tmp_path, tiny_cfg):
-    from loramux.adapters.cache_levels import AdapterCache, DiskCache, HostCache
+    from loramux.adapters.residency.cache_levels import AdapterCache, DiskCache, HostCache
 
     db, store, version = _registered_version(tmp_path, tiny_cfg, seed=3)
     disk = DiskCache(tmp_path / "disk", 1 << 30)
@@ -180,7 +180,7 @@ class DoneFirstPool:
 
 
 def test_a_load_done_before_its_callback_is_added_does_not_deadlock(tmp_path, tiny_cfg):
-    from loramux.adapters.cache_levels import AdapterCache, DiskCache, HostCache
+    from loramux.adapters.residency.cache_levels import AdapterCache, DiskCache, HostCache
 
     db, store, version = _registered_version(tmp_path, tiny_cfg, seed=4)
     disk = DiskCache(tmp_path / "disk", 1 << 30)

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import make_engine, run_to_completion
-from loramux.adapters.medusa_format import (
+from loramux.adapters.formats.medusa import (
     MEDUSA_CONFIG,
     MEDUSA_WEIGHTS,
     MedusaFormatError,
@@ -19,9 +19,9 @@ from loramux.adapters.medusa_format import (
     save_medusa_dir,
     validate_medusa_files,
 )
-from loramux.adapters.peft_format import load_adapter_dir
+from loramux.adapters.formats.peft import load_adapter_dir
 from loramux.engine.outputs import RequestError
-from loramux.engine.sampling_params import SamplingParams, StructuredOutput
+from loramux.engine.sampling.params import SamplingParams, StructuredOutput
 from loramux.model.loader import read_model_config
 from loramux.testing import save_tiny_hf_model, write_peft_adapter
 from loramux.training.medusa_train import hidden_features, train_heads

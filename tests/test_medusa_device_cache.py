@@ -1,4 +1,4 @@
-"""Requests' own Medusa heads on the device (`loramux.engine.medusa_device_cache`): their bytes stay within
+"""Requests' own Medusa heads on the device (`loramux.engine.speculation.medusa_device_cache`): their bytes stay within
 LORAMUX_MEDUSA_DEVICE_BYTES whatever the number of digests in use (a set that does not fit runs its request
 without heads, with the same output), a released set stays cached (no rebuild), the device copy is made off the
 engine thread while other requests keep stepping, and a failed copy (out of memory) runs the request without
@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from conftest import make_engine, run_to_completion
-from loramux.adapters.medusa_format import MedusaHeadsWeights
+from loramux.adapters.formats.medusa import MedusaHeadsWeights
 from loramux.engine.async_engine import AsyncEngine
-from loramux.engine.medusa_device_cache import device_bytes
-from loramux.engine.sampling_params import SamplingParams
+from loramux.engine.sampling.params import SamplingParams
+from loramux.engine.speculation.medusa_device_cache import device_bytes
 from loramux.model.loader import read_model_config
 from polling import wait_until_async
 

@@ -17,17 +17,17 @@ from sqlalchemy import func, select
 
 from conftest import adapter_files as files_of
 from conftest import make_engine, make_services, new_tenant_key
-from loramux.adapters.medusa_format import MEDUSA_CONFIG, MEDUSA_WEIGHTS, save_medusa_dir
-from loramux.adapters.medusa_registry import (
+from loramux.adapters.formats.medusa import MEDUSA_CONFIG, MEDUSA_WEIGHTS, save_medusa_dir
+from loramux.adapters.formats.validation import AdapterValidationError
+from loramux.adapters.storage.medusa_registry import (
     MedusaNotFoundError,
     MedusaRegistry,
     collect_medusa_garbage,
     medusa_key,
     unpack_medusa,
 )
-from loramux.adapters.registry import AdapterNotFoundError, AdapterRegistry
-from loramux.adapters.store import FileStore
-from loramux.adapters.validation import AdapterValidationError
+from loramux.adapters.storage.registry import AdapterNotFoundError, AdapterRegistry
+from loramux.adapters.storage.store import FileStore
 from loramux.db import MedusaHeads
 from loramux.db.models import new_id, utcnow
 from loramux.server.app import create_app
@@ -186,7 +186,7 @@ def test_failures_after_validation_leave_nothing(registries, tiny_cfg, tmp_path,
     v1 = new_adapter(adapters, acme.id, "bot", tiny_cfg, tmp_path, 1)
     files = heads_files(heads_dir(tmp_path / "h", tiny_cfg.hidden_size))
 
-    from loramux.adapters.store import StoreUnavailableError
+    from loramux.adapters.storage.store import StoreUnavailableError
 
     def broken_put(key, data):
         raise StoreUnavailableError("the store is down")

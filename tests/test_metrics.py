@@ -329,7 +329,7 @@ def test_lora_requests_info_of_a_real_engine(tiny_dir, tokenizer, tiny_cfg, tmp_
     """One adapter's request runs and another's waits (one sequence per batch): the gauge a Prometheus
     scraper reads from /metrics lists exactly those adapters."""
     from conftest import make_engine
-    from loramux.engine.sampling_params import SamplingParams
+    from loramux.engine.sampling.params import SamplingParams
     from loramux.testing import write_peft_adapter
 
     engine = make_engine(tiny_dir, tokenizer, max_num_seqs=1, max_loras=2, max_lora_rank=8)
@@ -506,7 +506,7 @@ def test_fair_share_counters_per_tenant_of_a_real_engine(tiny_dir, tokenizer):
     """Two tenants' requests run to the end: /metrics shows each tenant's virtual counter and weighted
     service, equal to its prompt tokens plus twice its output tokens (the default weights)."""
     from conftest import make_engine
-    from loramux.engine.sampling_params import SamplingParams
+    from loramux.engine.sampling.params import SamplingParams
 
     engine = make_engine(tiny_dir, tokenizer)
     m = ServerMetrics()

@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loramux.engine.block_manager import BlockManager
 from loramux.engine.model_runner import ModelRunner
-from loramux.engine.sampling_params import SamplingParams
-from loramux.engine.scheduler import Scheduler
+from loramux.engine.sampling.params import SamplingParams
+from loramux.engine.scheduling.block_manager import BlockManager
+from loramux.engine.scheduling.scheduler import Scheduler
 from loramux.engine.sequence import Sequence
 from loramux.model.config import ModelConfig, UnsupportedModelError
 from loramux.model.loader import build_model

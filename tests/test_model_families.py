@@ -11,7 +11,7 @@ from conftest import drafts_expected, run_to_completion
 from loramux.engine.config import EngineConfig
 from loramux.engine.engine import LLMEngine
 from loramux.engine.model_runner import ModelRunner
-from loramux.engine.sampling_params import SamplingParams
+from loramux.engine.sampling.params import SamplingParams
 from loramux.model.loader import build_model, end_of_turn_ids
 from loramux.testing import save_tiny_hf_model
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from loramux.adapters.store import (
+from loramux.adapters.storage.store import (
     BlobNotFoundError,
     FileStore,
     ObjectStore,

@@ -13,7 +13,7 @@ import pytest
 from conftest import adapter_files, make_engine, make_services, new_tenant_key
 from loramux.model.loader import read_model_config
 from loramux.server.app import create_app
-from loramux.tenancy import TierInfo
+from loramux.tenancy.tenants import TierInfo
 from loramux.testing import LiveServer, write_peft_adapter
 from polling import wait_until
 
@@ -378,7 +378,7 @@ def test_a_request_whose_stream_never_starts_is_still_cleaned_up(small):
     clean up; RunningStreamingResponse does (engine request aborted, rate-limit slot and ledger done)."""
     from starlette.requests import ClientDisconnect
 
-    from loramux.engine.sampling_params import SamplingParams
+    from loramux.engine.sampling.params import SamplingParams
     from loramux.server.routes.responses import RunningStreamingResponse
 
     server, keys = small

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from conftest import make_engine, run_to_completion
-from loramux.adapters.peft_format import load_adapter_dir
-from loramux.engine.block_manager import BlockManager
-from loramux.engine.sampling_params import SamplingParams
+from loramux.adapters.formats.peft import load_adapter_dir
+from loramux.engine.sampling.params import SamplingParams
+from loramux.engine.scheduling.block_manager import BlockManager
 from loramux.engine.sequence import Sequence
 from loramux.model.loader import read_model_config
 from loramux.testing import save_tiny_hf_model, write_peft_adapter

@@ -15,12 +15,12 @@ import torch
 from pydantic import ValidationError
 
 from loramux.cli import main
-from loramux.engine.block_manager import BlockManager
 from loramux.engine.config import EngineConfig
 from loramux.engine.engine import LLMEngine
 from loramux.engine.model_runner import ModelRunner
-from loramux.engine.sampling_params import SamplingParams
-from loramux.engine.scheduler import Scheduler
+from loramux.engine.sampling.params import SamplingParams
+from loramux.engine.scheduling.block_manager import BlockManager
+from loramux.engine.scheduling.scheduler import Scheduler
 from loramux.engine.sequence import Sequence
 from loramux.model import quantization
 from loramux.model.config import ModelConfig

@@ -1,4 +1,4 @@
-"""Per-tenant rate limits and concurrency caps (loramux.rate_limits): fake clock, no sleeps."""
+"""Per-tenant rate limits and concurrency caps (loramux.tenancy.rate_limits): fake clock, no sleeps."""
 from __future__ import annotations
 
 import sys
@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from loramux.rate_limits import Admission, RateLimited, RateLimiter, RequestTooLarge, TierLimits
+from loramux.tenancy.rate_limits import Admission, RateLimited, RateLimiter, RequestTooLarge, TierLimits
 
 
 class FakeClock:
@@ -458,7 +458,7 @@ def test_threads_shared_admissions_released_from_other_threads():
 
 def test_a_fan_out_takes_one_request_per_part_and_is_refused_whole_when_its_parts_do_not_fit(clock):
     """A free tier with max_fanout 2 got twice its requests-per-minute rate when a fan-out took one."""
-    from loramux.rate_limits import TooManyParts
+    from loramux.tenancy.rate_limits import TooManyParts
 
     lim = limiter_with(clock)
     limits = TierLimits(requests_per_min=4)

@@ -11,7 +11,7 @@ from test_model import run_chunks
 
 from loramux.engine.config import EngineConfig
 from loramux.engine.engine import LLMEngine
-from loramux.engine.sampling_params import SamplingParams
+from loramux.engine.sampling.params import SamplingParams
 from loramux.model.loader import build_model, end_of_turn_ids
 
 pytestmark = pytest.mark.real_model

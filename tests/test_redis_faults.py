@@ -13,8 +13,8 @@ from fastapi.testclient import TestClient
 pytest.importorskip("limits", reason="the ray extra is not installed")
 
 from conftest import make_engine, make_services, new_tenant_key  # noqa: E402
-from loramux.cluster.shared_ratelimit import SharedRateLimiter  # noqa: E402
 from loramux.server.app import create_app  # noqa: E402
+from loramux.tenancy.shared_rate_limits import SharedRateLimiter  # noqa: E402
 from loramux.testing import start_redis_server  # noqa: E402
 
 DELAY_S = 3.0

@@ -11,13 +11,13 @@ from sqlalchemy import event, func, select, text, update
 
 from conftest import ADAPTER_FILES as FILES
 from conftest import adapter_files as files_of
-from loramux.adapters.blob import unpack
-from loramux.adapters.registry import AdapterNotFoundError, AdapterRegistry, InvalidNameError, collect_garbage
-from loramux.adapters.store import FileStore, blob_key
-from loramux.adapters.validation import AdapterValidationError
+from loramux.adapters.formats.validation import AdapterValidationError
+from loramux.adapters.storage.blob import unpack
+from loramux.adapters.storage.registry import AdapterNotFoundError, AdapterRegistry, InvalidNameError, collect_garbage
+from loramux.adapters.storage.store import FileStore, blob_key
 from loramux.db import Adapter, AdapterVersion
 from loramux.db.models import AdapterBlob, utcnow
-from loramux.tenancy import Tenancy, TenantExistsError
+from loramux.tenancy.tenants import Tenancy, TenantExistsError
 from loramux.testing import write_peft_adapter
 from polling import wait_until
 
@@ -419,7 +419,7 @@ def test_a_tier_caps_the_trained_heads_its_tenants_upload(registry, base_cfg, tm
     import torch
     from safetensors.torch import load_file, save_file
 
-    from loramux.tenancy import TierInfo
+    from loramux.tenancy.tenants import TierInfo
 
     path = write_peft_adapter(tmp_path / "headed", base_cfg, 4, ["q_proj"], seed=3)
     tensors = load_file(path / "adapter_model.safetensors")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from loramux.adapters.residency import ABSENT, LOADING, RESIDENT, AdapterResidency
+from loramux.adapters.residency.locations import ABSENT, LOADING, RESIDENT, AdapterResidency
 
 BYTES_PER_RANK = 10
 
@@ -104,7 +104,7 @@ def check_prefix(res: AdapterResidency, pool: FakePool) -> None:
 
 
 def test_module_is_torch_free():
-    code = "import sys, loramux.adapters.residency; assert 'torch' not in sys.modules"
+    code = "import sys, loramux.adapters.residency.locations; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -1,4 +1,4 @@
-"""Tests for loramux.engine.sampler: per-row filters, penalties, seeding, distribution, logprobs."""
+"""Tests for loramux.engine.sampling.sampler: per-row filters, penalties, seeding, distribution, logprobs."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from loramux.engine.sampler import Sampler, SamplerOutput, SamplingRow, apply_penalties
+from loramux.engine.sampling.sampler import Sampler, SamplerOutput, SamplingRow, apply_penalties
 
 
 @pytest.fixture

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from loramux.engine.block_manager import BlockManager, OutOfBlocksError
-from loramux.engine.sampling_params import SamplingParams
-from loramux.engine.scheduler import Scheduler
+from loramux.engine.sampling.params import SamplingParams
+from loramux.engine.scheduling.block_manager import BlockManager, OutOfBlocksError
+from loramux.engine.scheduling.scheduler import Scheduler
 from loramux.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -31,8 +31,8 @@ def advance(scheduler: Scheduler, batch) -> None:
 def test_scheduler_block_manager_sequence_and_residency_are_torch_free():
     import subprocess
 
-    modules = ["loramux.engine.scheduler", "loramux.engine.block_manager", "loramux.engine.sequence",
-               "loramux.adapters.residency"]
+    modules = ["loramux.engine.scheduling.scheduler", "loramux.engine.scheduling.block_manager",
+               "loramux.engine.sequence", "loramux.adapters.residency.locations"]
     code = f"import sys; import {', '.join(modules)}; assert 'torch' not in sys.modules, 'torch was imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 

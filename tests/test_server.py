@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 from conftest import make_engine, make_services, new_tenant_key, server_stats
 from loramux.engine.async_engine import AsyncEngine
 from loramux.engine.engine import RequestError
-from loramux.engine.sampling_params import SamplingParams
+from loramux.engine.sampling.params import SamplingParams
 from loramux.server.app import create_app
 
 

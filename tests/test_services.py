@@ -6,11 +6,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from conftest import make_engine, make_services
-from loramux.admin.keys import AdminKeyError, AdminKeys
 from loramux.server.app import create_app
 from loramux.services import admin_keys, tenants
 from loramux.services.adapters import UploadError, check_upload_fields
-from loramux.tenancy import KeyNotFoundError, Tenancy, TenancyError, TenantNotFoundError
+from loramux.tenancy.admin_keys import AdminKeyError, AdminKeys
+from loramux.tenancy.tenants import KeyNotFoundError, Tenancy, TenancyError, TenantNotFoundError
 
 ADMIN_KEY = "lmxa-test-services-key-0123456789abcdefghijk"
 

@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("limits", reason="the ray extra is not installed")
 
-from loramux.cluster.shared_ratelimit import SharedRateLimiter  # noqa: E402
-from loramux.rate_limits import RateLimited, RequestTooLarge, TierLimits  # noqa: E402
+from loramux.tenancy.rate_limits import RateLimited, RequestTooLarge, TierLimits  # noqa: E402
+from loramux.tenancy.shared_rate_limits import SharedRateLimiter  # noqa: E402
 
 
 @pytest.fixture
@@ -115,7 +115,7 @@ def test_a_refused_request_gives_its_concurrency_slot_back(pair):
 
 
 def test_redis_unreachable_admits_in_the_open_fail_mode_and_refuses_in_the_closed_one():
-    from loramux.cluster.shared_ratelimit import LimiterUnavailable
+    from loramux.tenancy.shared_rate_limits import LimiterUnavailable
 
     limits = TierLimits(requests_per_min=1, max_concurrent=1, tokens_per_min=100)
     opened = SharedRateLimiter("redis://127.0.0.1:1/0")  # nothing listens on port 1
@@ -171,7 +171,7 @@ def test_the_single_process_server_needs_no_ray():
 
 def test_a_fan_out_takes_one_request_per_part_across_replicas(pair):
     """As the in-memory limiter: a fan-out to N adapters is N requests' worth of requests_per_min."""
-    from loramux.rate_limits import TooManyParts
+    from loramux.tenancy.rate_limits import TooManyParts
 
     limits, who = TierLimits(requests_per_min=4), tenant()
     pair[0].admit(who, "free", limits, 0, slots=2, requests=2).release(0)

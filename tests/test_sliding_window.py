@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loramux.engine.block_manager import RELEASED, BlockManager
 from loramux.engine.config import EngineConfig
 from loramux.engine.engine import LLMEngine
-from loramux.engine.sampling_params import SamplingParams
+from loramux.engine.sampling.params import SamplingParams
+from loramux.engine.scheduling.block_manager import RELEASED, BlockManager
 from loramux.engine.sequence import Sequence
 from loramux.model.loader import build_model, end_of_turn_ids
 from loramux.testing import save_tiny_hf_model

@@ -1,4 +1,4 @@
-"""Tests for loramux.engine.spec_decode (prompt-lookup drafts, verification) and Sampler.probs."""
+"""Tests for loramux.engine.speculation.verification (prompt-lookup drafts, verification) and Sampler.probs."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from loramux.engine.sampler import Sampler, SamplingRow, apply_penalties
-from loramux.engine.spec_decode import (
+from loramux.engine.sampling.sampler import Sampler, SamplingRow, apply_penalties
+from loramux.engine.speculation.verification import (
     Verdict,
     build_verdict,
     propose_ngram,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from loramux.engine.spec_policy import AcceptanceStats, Candidate, SpecPolicy, expected_tokens
-from loramux.engine.speculation import parse_methods
-from loramux.engine.step_budget import StepWork
+from loramux.engine.scheduling.step_budget import StepWork
+from loramux.engine.speculation.policy import AcceptanceStats, Candidate, SpecPolicy, expected_tokens
+from loramux.engine.speculation.speculator import parse_methods
 
 
 def cpu_like(work: StepWork) -> float:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from conftest import make_engine, run_to_completion
-from loramux.adapters.peft_format import load_adapter_dir
-from loramux.engine.sampling_params import SamplingParams
+from loramux.adapters.formats.peft import load_adapter_dir
+from loramux.engine.sampling.params import SamplingParams
 from loramux.model.loader import read_model_config
 from loramux.testing import save_tiny_hf_model, write_peft_adapter
 

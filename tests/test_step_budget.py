@@ -7,11 +7,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from test_scheduler import advance  # the simulated engine's bookkeeping after a step
 
-from loramux.engine.block_manager import BlockManager
-from loramux.engine.sampling_params import SamplingParams
-from loramux.engine.scheduler import Scheduler
+from loramux.engine.sampling.params import SamplingParams
+from loramux.engine.scheduling.block_manager import BlockManager
+from loramux.engine.scheduling.scheduler import Scheduler
+from loramux.engine.scheduling.step_budget import StepBudget, StepCostModel, StepWork, attended_work
 from loramux.engine.sequence import Sequence
-from loramux.engine.step_budget import StepBudget, StepCostModel, StepWork, attended_work
 
 # A machine where a step costs 20 ms + 0.5 ms per sequence + 3 ms per prefill chunk + 2 ms per token + 1 ms per
 # 1024 attended.

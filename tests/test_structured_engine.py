@@ -13,11 +13,13 @@ import pytest
 import torch
 
 from conftest import make_engine, run_to_completion
-from loramux.adapters.peft_format import load_adapter_dir
+from loramux.adapters.formats.peft import load_adapter_dir
 from loramux.engine.async_engine import AsyncEngine
-from loramux.engine.constrained import Constraint
 from loramux.engine.engine import RequestError
-from loramux.engine.grammar import (
+from loramux.engine.sampling.params import SamplingParams, StructuredOutput
+from loramux.engine.sampling.sampler import Sampler
+from loramux.engine.structured.constraint import Constraint
+from loramux.engine.structured.grammar import (
     MAX_SPEC_BYTES,
     GrammarCache,
     StructuredOutputError,
@@ -25,8 +27,6 @@ from loramux.engine.grammar import (
     apply_mask_,
     pack_mask,
 )
-from loramux.engine.sampler import Sampler
-from loramux.engine.sampling_params import SamplingParams, StructuredOutput
 from loramux.testing import write_peft_adapter
 
 # Every string is bounded (maxLength, pattern or enum): a random model would otherwise rarely close one.

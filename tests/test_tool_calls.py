@@ -226,8 +226,8 @@ def test_a_template_that_takes_tools_renders_them_itself(tokenizer):
 def test_a_compile_that_takes_too_long_is_a_400_and_a_bad_spec_a_400_with_its_message():
     import asyncio
 
-    from loramux.engine.grammar import StructuredOutputTooComplex
-    from loramux.engine.sampling_params import StructuredOutput
+    from loramux.engine.sampling.params import StructuredOutput
+    from loramux.engine.structured.grammar import StructuredOutputTooComplex
     from loramux.server.http.errors import ApiError
     from loramux.server.intake.response_format import compile_structured
 

@@ -8,8 +8,8 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from pydantic import ConfigDict, Field
 
-from loramux.adapters.merge import MergeBusy
-from loramux.adapters.registry import AdapterVersionInfo
+from loramux.adapters.composition.merge import MergeBusy
+from loramux.adapters.storage.registry import AdapterVersionInfo
 from loramux.admin.routes.schemas import (
     AdapterDetail,
     AdapterList,

@@ -5,11 +5,11 @@ from fastapi import APIRouter
 from pydantic import Field
 
 from loramux.admin.deps import AdminDep
-from loramux.admin.keys import AdminKeyInfo
 from loramux.admin.routes.schemas import AdminKeyList, NewKey, RevokedAdminKey
 from loramux.server.deps import ServicesDep
 from loramux.server.http.bodies import RequestBody
 from loramux.services import admin_keys as ops
+from loramux.tenancy.admin_keys import AdminKeyInfo
 
 router = APIRouter(prefix="/keys")
 

@@ -6,8 +6,8 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query
 from fastapi.responses import StreamingResponse
 
-from loramux.admin.billing import FORMATS, content_type
 from loramux.admin.routes.schemas import BillingSummary
+from loramux.billing.reports import FORMATS, content_type
 from loramux.server.deps import ServicesDep
 from loramux.server.http.downloads import download_response
 from loramux.services import billing as ops

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 
-from loramux.adapters.medusa_registry import MedusaHeadsInfo
+from loramux.adapters.storage.medusa_registry import MedusaHeadsInfo
 from loramux.admin.routes.schemas import MedusaHeads, MedusaHeadsList
 from loramux.admin.uploads import MEDUSA_FIELD_NAMES, MEDUSA_HINT, receive_upload
 from loramux.server.deps import ServicesDep

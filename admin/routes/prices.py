@@ -7,8 +7,8 @@ from decimal import Decimal
 from fastapi import APIRouter
 from pydantic import Field
 
-from loramux.admin.pricing import PriceInfo
 from loramux.admin.routes.schemas import Price, PriceList
+from loramux.billing.pricing import PriceInfo
 from loramux.server.deps import ServerDep, ServicesDep
 from loramux.server.http.bodies import RequestBody
 from loramux.services import prices as ops

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PlainSerializer
 
-from loramux.tenancy import TierInfo
+from loramux.tenancy.tenants import TierInfo
 
 # Times are `datetime.isoformat()` strings and prices plain decimal strings, never floats.
 IsoDatetime = Annotated[datetime, PlainSerializer(datetime.isoformat, return_type=str)]
@@ -251,7 +251,7 @@ class Period(Out):
 
 
 class BillingSummary(Out):
-    """Ledger totals over a period (see `loramux.admin.billing.summary`)."""
+    """Ledger totals over a period (see `loramux.billing.reports.summary`)."""
 
     period: Period
     tenant_id: str | None

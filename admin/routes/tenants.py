@@ -10,7 +10,7 @@ from loramux.admin.routes.schemas import Key, KeyList, NewKey, RotatedKey, Tenan
 from loramux.server.deps import ServicesDep
 from loramux.server.http.bodies import RequestBody
 from loramux.services import tenants as ops
-from loramux.tenancy import KeyInfo, TenantInfo
+from loramux.tenancy.tenants import KeyInfo, TenantInfo
 
 router = APIRouter(prefix="/tenants")
 

@@ -8,7 +8,7 @@ from loramux.admin.routes.schemas import Tier, TierList
 from loramux.server.deps import ServicesDep
 from loramux.server.http.bodies import RequestBody
 from loramux.services import tenants as ops
-from loramux.tenancy import TierInfo
+from loramux.tenancy.tenants import TierInfo
 
 router = APIRouter(prefix="/tiers")
 

@@ -71,8 +71,8 @@ def _ingress_deployment(settings: Settings):
 
     def build_asgi():
         from loramux.cluster.ingress_services import ingress_services
-        from loramux.cluster.shared_ratelimit import SharedRateLimiter
         from loramux.server.app import create_app
+        from loramux.tenancy.shared_rate_limits import SharedRateLimiter
 
         handle = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=APP_NAME)
         own = replica_settings(public)
@@ -104,8 +104,8 @@ def run(settings: Settings, blocking: bool = True) -> None:
     """Migrate once, start (or join) Ray and Serve, deploy, and serve HTTP on settings.host:port."""
     import ray
 
-    from loramux.admin.keys import check_admin_key_format
     from loramux.db import Database
+    from loramux.tenancy.admin_keys import check_admin_key_format
 
     if settings.admin_key:
         check_admin_key_format(settings.admin_key)  # here, in one line, not in a replica's failing start

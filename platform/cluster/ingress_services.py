@@ -9,21 +9,21 @@ import logging
 import threading
 from pathlib import Path
 
-from loramux.adapters.cache_levels import Acquired
-from loramux.adapters.medusa_registry import MedusaRegistry
-from loramux.adapters.registry import AdapterRegistry, AdapterVersionInfo
-from loramux.adapters.validation import UploadLimits
-from loramux.admin.keys import AdminKeys
-from loramux.admin.ledger import LedgerWriter
-from loramux.admin.ledger_wal import LEGACY_WAL_NAMES, WAL_NAME, LogInUseError
-from loramux.admin.pricing import PriceBook
+from loramux.adapters.formats.validation import UploadLimits
+from loramux.adapters.residency.cache_levels import Acquired
+from loramux.adapters.storage.medusa_registry import MedusaRegistry
+from loramux.adapters.storage.registry import AdapterRegistry, AdapterVersionInfo
+from loramux.billing.ledger import LedgerWriter
+from loramux.billing.ledger_wal import LEGACY_WAL_NAMES, WAL_NAME, LogInUseError
+from loramux.billing.pricing import PriceBook
 from loramux.cluster.remote_engine import RemoteAdapter, RemoteEngine
 from loramux.cluster.shared_state import ReplicaDirectory
 from loramux.db import Database
 from loramux.names import base_model_id
 from loramux.services.container import LOCAL_TENANT, Services, store_from_settings
 from loramux.settings import Settings
-from loramux.tenancy import Tenancy
+from loramux.tenancy.admin_keys import AdminKeys
+from loramux.tenancy.tenants import Tenancy
 
 log = logging.getLogger(__name__)
 

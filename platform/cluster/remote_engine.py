@@ -1,7 +1,7 @@
 """The `EngineClient` interface (`loramux.engine.client`), served by engine replicas behind a Ray Serve
 deployment handle.
 
-The ingress's routes, limits and ledger run unchanged on top of it (see `loramux.server.serving.server`): what
+The ingress's routes, limits and ledger run unchanged on top of it (see `loramux.server.serving.pipeline`): what
 differs is where tokens come from. Tokenizing happens here, with the model's own tokenizer (no weights are
 loaded on the ingress); generation is a streaming call to a replica chosen by Ray Serve's model
 multiplexing, keyed by the adapter version's digest; engine-wide state (stats, residency, queue wait) comes
@@ -19,15 +19,15 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from loramux.adapters.medusa_format import MedusaHeadsWeights
-from loramux.adapters.registry import AdapterVersionInfo
+from loramux.adapters.formats.medusa import MedusaHeadsWeights
+from loramux.adapters.storage.registry import AdapterVersionInfo
 from loramux.cluster.shared_state import ReplicaDirectory
 from loramux.cluster.wire import Reassembler
 from loramux.engine.async_engine import EngineDeadError
-from loramux.engine.compile_pool import CompileLimits
 from loramux.engine.engine import RequestError, RequestOutput
-from loramux.engine.sampling_params import SamplingParams, StructuredOutput
-from loramux.engine.spec_checks import check_spec
+from loramux.engine.sampling.params import SamplingParams, StructuredOutput
+from loramux.engine.structured.compile_pool import CompileLimits
+from loramux.engine.structured.prechecks import check_spec
 from loramux.engine.tokens import TokenizerMethods
 
 log = logging.getLogger(__name__)

@@ -12,8 +12,8 @@ import os
 import time
 from pathlib import Path
 
-from loramux.adapters.cache_levels import AdapterCache, DiskCache, HostCache
-from loramux.adapters.registry import AdapterVersionInfo
+from loramux.adapters.residency.cache_levels import AdapterCache, DiskCache, HostCache
+from loramux.adapters.storage.registry import AdapterVersionInfo
 from loramux.cluster.shared_state import ReplicaDirectory
 from loramux.cluster.wire import to_wire
 from loramux.settings import Settings
@@ -28,8 +28,8 @@ class EngineReplica:
         import torch
 
         from loramux.engine.async_engine import AsyncEngine
-        from loramux.engine.compile_pool import CompileLimits
         from loramux.engine.engine import LLMEngine
+        from loramux.engine.structured.compile_pool import CompileLimits
         from loramux.services.container import store_from_settings
 
         if settings.cluster_threads_per_replica:

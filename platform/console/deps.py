@@ -8,7 +8,6 @@ from fastapi import Depends, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.templating import Jinja2Templates
 
-from loramux.admin.keys import AdminKeyInfo
 from loramux.console.revocations import SessionRevocations
 from loramux.console.session import (
     COOKIE,
@@ -21,6 +20,7 @@ from loramux.console.session import (
 )
 from loramux.server.deps import ServicesDep
 from loramux.server.http.forwarded import request_scheme
+from loramux.tenancy.admin_keys import AdminKeyInfo
 
 TEMPLATES = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
 

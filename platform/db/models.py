@@ -55,7 +55,7 @@ class UTCDateTime(TypeDecorator):
 
 class Money(TypeDecorator):
     """Exact money as `Decimal`: SQL NUMERIC(30, 12) on PostgreSQL; canonical decimal text on SQLite, whose
-    NUMERIC would silently round through a float. Sum it with `loramux.db.money.sum_money`."""
+    NUMERIC would silently round through a float. Sum it with `loramux.billing.money.sum_money`."""
 
     impl = Numeric(30, 12)
     cache_ok = True
@@ -170,7 +170,7 @@ class AdapterVersion(Base):
     claimed_base_model: Mapped[str | None] = mapped_column(String(500), nullable=True, default=None)
     # The base model's family (HF model_type) the weights were validated against; NULL before 0009.
     base_family: Mapped[str | None] = mapped_column(String(32), nullable=True, default=None)
-    # What the adapter changes, as validation found it (adapters/summary.py); NULL before 0010.
+    # What the adapter changes, as validation found it (adapters/formats/summary.py); NULL before 0010.
     summary: Mapped[dict | None] = mapped_column(JSON, nullable=True, default=None)
     # A version made by a merge: {"method", "parameters", "components": [{"adapter_id", "version", "digest",
     # "weight"}]}; NULL for an upload (and before 0013).
@@ -187,7 +187,7 @@ class AdapterBlob(Base):
     An upload adds itself to `pending` (committed) before it writes the blob and removes itself in the
     transaction that inserts its version; deleting the blob happens only with this row locked, when no ready
     version uses the digest and no upload is pending (a reservation older than the GC grace period counts as
-    an abandoned upload). See `loramux.adapters.registry`."""
+    an abandoned upload). See `loramux.adapters.storage.registry`."""
 
     __tablename__ = "adapter_blobs"
 
@@ -204,7 +204,7 @@ class MedusaHeads(Base):
     it writes the blob and makes it `ready` afterwards, retiring the target's previous heads in the same
     transaction (`deleted_at` + `replaced_by`); rows are never removed but for a failed or abandoned upload,
     so the history stays. At most one ready, live row per (kind, target): the two partial unique indexes.
-    See `loramux.adapters.medusa_registry`."""
+    See `loramux.adapters.storage.medusa_registry`."""
 
     __tablename__ = "medusa_heads"
     __table_args__ = (

@@ -30,13 +30,13 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from loramux.adapters.medusa_format import MedusaHeadsWeights
-from loramux.adapters.peft_format import LoRAAdapter
-from loramux.engine.compile_pool import CompileBusy, CompileLimits
+from loramux.adapters.formats.medusa import MedusaHeadsWeights
+from loramux.adapters.formats.peft import LoRAAdapter
 from loramux.engine.engine import LLMEngine, RequestError, RequestOutput
-from loramux.engine.grammar import StructuredOutputError
-from loramux.engine.medusa_heads import MedusaHeads
-from loramux.engine.sampling_params import SamplingParams, StructuredOutput
+from loramux.engine.sampling.params import SamplingParams, StructuredOutput
+from loramux.engine.speculation.medusa_heads import MedusaHeads
+from loramux.engine.structured.compile_pool import CompileBusy, CompileLimits
+from loramux.engine.structured.grammar import StructuredOutputError
 from loramux.engine.tokens import TokenizerMethods
 
 log = logging.getLogger(__name__)

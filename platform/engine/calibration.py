@@ -1,6 +1,6 @@
 """Seed the step-cost model before serving: a few steps of synthetic work on the real model, measured.
 
-Without this the first steps of a server are planned with a rough prior (loramux.engine.step_budget); with
+Without this the first steps of a server are planned with a rough prior (loramux.engine.scheduling.step_budget); with
 it the fitted model already knows this machine, model and dtype. The work mixes what serving sees: a
 batch of short prompts that then decode, and a long prompt whose chunks share steps with those decodes.
 The first round pays one-time costs (allocations, kernel selection) and is forgotten; the engine's own
@@ -12,7 +12,7 @@ import dataclasses
 import random
 import time
 
-from loramux.engine.sampling_params import SamplingParams
+from loramux.engine.sampling.params import SamplingParams
 
 
 def calibrate_step_cost(engine, rounds: int = 2, seed: int = 0) -> float:

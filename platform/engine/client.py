@@ -10,10 +10,10 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from loramux.engine.outputs import RequestOutput
-from loramux.engine.sampling_params import SamplingParams, StructuredOutput
+from loramux.engine.sampling.params import SamplingParams, StructuredOutput
 
 if TYPE_CHECKING:  # it imports torch
-    from loramux.adapters.medusa_format import MedusaHeadsWeights
+    from loramux.adapters.formats.medusa import MedusaHeadsWeights
 
 __all__ = ["EngineClient"]
 

@@ -18,7 +18,7 @@ class EngineConfig:
     kv_cache_bytes: int = 512 * 1024**2
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512  # token cap of one step
-    # Time target of a step that carries prefill work while streams decode (see loramux.engine.step_budget):
+    # Time target of a step that carries prefill work while streams decode (see loramux.engine.scheduling.step_budget):
     # 0 = auto (twice the decodes' own cost), None = no time target, the token cap alone (tests that count).
     step_target_ms: float | None = 0.0
     max_model_len: int = 4096
@@ -31,7 +31,8 @@ class EngineConfig:
     lora_impl: str = "auto"  # LoRA kernels: auto (Triton on CUDA, torch on CPU), triton or torch
     cuda_graphs: bool = True  # plain decode steps replay CUDA graphs (CUDA only; loramux.engine.cuda_graphs)
     priority_aging_s: float = 10.0  # waiting this long is worth one priority level
-    # Fair share within a priority level (loramux.engine.fair_share): counter weight of a prompt / output token.
+    # Fair share within a priority level (loramux.engine.scheduling.fair_share): counter weight of a prompt / output
+    # token.
     fair_share_input_weight: float = 1.0
     fair_share_output_weight: float = 2.0
     prefix_caching: bool = True  # reuse the KV of shared prompt prefixes (per adapter version)
@@ -39,11 +40,12 @@ class EngineConfig:
     # test) decodes one token a step; Settings turns it on by default (LORAMUX_SPECULATIVE_TOKENS).
     speculative_tokens: int = 0
     speculative_max_batch: int = 4  # speculate only while at most this many sequences decode
-    # Proposers, in the order that breaks ties (loramux.engine.speculation): those available are used, each row
+    # Proposers, in the order that breaks ties (loramux.engine.speculation.speculator): those available are used,
+    # each row
     # with the one expected to pay most; whether a step speculates at all is the cost model's decision.
     speculative_methods: str = "ngram,medusa,draft"
     # Speculate only while it pays, judged from measured acceptance and the fitted step cost model
-    # (loramux.engine.spec_policy). Off for an engine built in code, whose tests count drafts deterministically;
+    # (loramux.engine.speculation.policy). Off for an engine built in code, whose tests count drafts deterministically;
     # Settings turns it on (LORAMUX_SPECULATIVE_ADAPTIVE).
     speculative_adaptive: bool = False
     # Device memory for requests' own Medusa head sets (by digest, LRU over unused ones; loramux.engine.

@@ -14,7 +14,7 @@ are dropped. LoRA goes through `StaticLoRA` (per-token slot indices, BGMV kernel
 so one graph per (bs, nb) serves every mix of adapters.
 
 A graph bakes in the addresses of the rank buckets' weight buffers. The device pool replaces a bucket's
-buffers when it resizes it (a new `_Bucket`, loramux.adapters.device_pool) and adds or drops buckets as
+buffers when it resizes it (a new `_Bucket`, loramux.adapters.residency.device_pool) and adds or drops buckets as
 the mix of ranks changes; `LoRABuckets` notices both (an identity check on one probe per bucket, each
 step) and bumps a generation, which drops every graph: they are captured again, lazily, on next use.
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loramux.engine.block_manager import RELEASED
+from loramux.engine.scheduling.block_manager import RELEASED
 from loramux.kernels.bgmv import StaticLoRA
 from loramux.model.attention import AttentionMetadata
 

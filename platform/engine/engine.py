@@ -6,29 +6,29 @@ from dataclasses import dataclass
 
 import torch
 
-from loramux.adapters.medusa_format import MedusaHeadsWeights
-from loramux.adapters.peft_format import LoRAAdapter
-from loramux.adapters.residency import LOADING, RESIDENT, AdapterResidency
-from loramux.engine.block_manager import BlockManager
+from loramux.adapters.formats.medusa import MedusaHeadsWeights
+from loramux.adapters.formats.peft import LoRAAdapter
+from loramux.adapters.residency.locations import LOADING, RESIDENT, AdapterResidency
 from loramux.engine.config import EngineConfig
-from loramux.engine.constrained import Constraint, batch_masker
-from loramux.engine.detokenizer import IncrementalDetokenizer
-from loramux.engine.fair_share import FairShare
-from loramux.engine.grammar import GrammarCache, StructuredOutputError
-from loramux.engine.medusa_device_cache import MedusaDeviceCache, device_bytes
-from loramux.engine.medusa_heads import MedusaHeads
 from loramux.engine.model_runner import ModelRunner, StepLogits
 from loramux.engine.outputs import RequestError, RequestOutput, SoFar
 from loramux.engine.request_checks import check_prompt, check_servable, resolve_adapter
-from loramux.engine.sampler import Sampler, SamplingRow
-from loramux.engine.sampling_params import SamplingParams, StructuredOutput
-from loramux.engine.scheduler import ScheduledBatch, Scheduler
+from loramux.engine.sampling.detokenizer import IncrementalDetokenizer
+from loramux.engine.sampling.params import SamplingParams, StructuredOutput
+from loramux.engine.sampling.sampler import Sampler, SamplingRow
+from loramux.engine.scheduling.block_manager import BlockManager
+from loramux.engine.scheduling.fair_share import FairShare
+from loramux.engine.scheduling.scheduler import ScheduledBatch, Scheduler
+from loramux.engine.scheduling.step_budget import step_budget_for
 from loramux.engine.sequence import FinishReason, Sequence
-from loramux.engine.spec_decode import verify_draft
-from loramux.engine.spec_policy import SpecPolicy
-from loramux.engine.speculation import Speculator
+from loramux.engine.speculation.medusa_device_cache import MedusaDeviceCache, device_bytes
+from loramux.engine.speculation.medusa_heads import MedusaHeads
+from loramux.engine.speculation.policy import SpecPolicy
+from loramux.engine.speculation.speculator import Speculator
+from loramux.engine.speculation.verification import verify_draft
 from loramux.engine.stats import EngineCounters, engine_stats
-from loramux.engine.step_budget import step_budget_for
+from loramux.engine.structured.constraint import Constraint, batch_masker
+from loramux.engine.structured.grammar import GrammarCache, StructuredOutputError
 from loramux.engine.tokens import chat_template_ids
 from loramux.histogram import DurationHistogram
 from loramux.names import base_model_id
@@ -78,7 +78,7 @@ class LLMEngine:
         self.load_histogram = DurationHistogram()  # host RAM -> device copies
         self.pool = self.adapters = None  # the device adapter pool and the one owner of what is in it
         if config.max_lora_rank > 0:
-            from loramux.adapters.device_pool import DevicePool
+            from loramux.adapters.residency.device_pool import DevicePool
 
             self.pool = DevicePool(model, config.adapter_pool_bytes or config.kv_cache_bytes, dtype, device,
                                    config.lora_impl, config.async_adapter_loads)
@@ -169,7 +169,7 @@ class LLMEngine:
     def load_adapter_dir(self, path, name: str | None = None, *, allow_base_mismatch: bool = False) -> LoRAAdapter:
         """Load, validate (the same rules as an upload, the base model's name included when the engine
         knows it) and register a PEFT adapter directory."""
-        from loramux.adapters.peft_format import load_adapter_dir
+        from loramux.adapters.formats.peft import load_adapter_dir
 
         base = base_model_id(self.model_name) if self.model_name else None
         adapter = load_adapter_dir(path, self.model.config, name, self.config.max_lora_rank, base_model_id=base,
@@ -326,7 +326,7 @@ class LLMEngine:
                 logits[i, ids] = float("-inf")  # too early to stop
         return logits
 
-    # -- speculative decoding by prompt lookup (loramux.engine.spec_decode) -----------------------
+    # -- speculative decoding by prompt lookup (loramux.engine.speculation.verification) -----------------------
     def _propose_drafts(self) -> None:
         """Drafts for the decoding sequences, when speculation is on (LORAMUX_SPECULATIVE_TOKENS)."""
         if self.config.speculative_tokens > 0:

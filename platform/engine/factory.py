@@ -7,7 +7,7 @@ import torch
 
 from loramux.engine.calibration import calibrate_step_cost
 from loramux.engine.config import EngineConfig
-from loramux.engine.draft_runner import draft_from_settings
+from loramux.engine.speculation.draft_runner import draft_from_settings
 
 
 def engine_from_settings(cls, settings, load_adapters: bool = True):
@@ -31,7 +31,7 @@ def engine_from_settings(cls, settings, load_adapters: bool = True):
         engine.set_draft_model(draft)
     heads = medusa_heads_dir(settings)
     if heads is not None and settings.speculative_tokens > 0:
-        from loramux.adapters.medusa_format import load_medusa_dir
+        from loramux.adapters.formats.medusa import load_medusa_dir
 
         engine.set_medusa_heads(load_medusa_dir(heads, mcfg.hidden_size))
     calibrate_step_cost(engine)

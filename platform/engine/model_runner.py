@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loramux.engine.decode_groups import plan_decode_groups
-from loramux.engine.medusa_heads import MedusaHeads
-from loramux.engine.scheduler import ScheduledBatch
+from loramux.engine.scheduling.decode_groups import plan_decode_groups
+from loramux.engine.scheduling.scheduler import ScheduledBatch
 from loramux.engine.sequence import Sequence
+from loramux.engine.speculation.medusa_heads import MedusaHeads
 from loramux.model.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillChunk
 from loramux.model.llama import LlamaModel
 
@@ -171,7 +171,7 @@ class ModelRunner:
 
     def _decode_attention_inputs(self, tables: list[list[int]], context_lens: list[int]):
         """(tables, mask, None) for one attention call over every decode row, or (None, None, groups) when rows
-        of very different context lengths attend in groups (loramux.engine.decode_groups)."""
+        of very different context lengths attend in groups (loramux.engine.scheduling.decode_groups)."""
         groups = plan_decode_groups([len(t) for t in tables])
         if len(groups) == 1:
             return (*self._padded_tables_and_mask(tables, context_lens), None)

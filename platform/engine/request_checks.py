@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from loramux.adapters.peft_format import LoRAAdapter
+from loramux.adapters.formats.peft import LoRAAdapter
 from loramux.engine.outputs import RequestError
-from loramux.engine.sampling_params import SamplingParams
+from loramux.engine.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
-    from loramux.adapters.residency import AdapterResidency
-    from loramux.engine.block_manager import BlockManager
+    from loramux.adapters.residency.locations import AdapterResidency
+    from loramux.engine.scheduling.block_manager import BlockManager
 
 __all__ = ["check_prompt", "check_servable", "resolve_adapter"]
 

@@ -6,7 +6,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from loramux.engine.sampling_params import SamplingParams
+from loramux.engine.sampling.params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -62,7 +62,7 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0  # higher runs first
-    tenant: str = ""  # whose request: fair share within a priority level (loramux.engine.fair_share)
+    tenant: str = ""  # whose request: fair share within a priority level (loramux.engine.scheduling.fair_share)
     share_weight: float = 1.0  # the tenant's weight in that share (its tier's); tokens count 1/weight
     adapter: str | None = None  # adapter key (its content digest), None = base model only
     adapter_pinned: bool = False  # running on its adapter (which stays on the device until it ends)
@@ -81,7 +81,7 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # content hashes of the full blocks so far
     draft_token_ids: list[int] = field(default_factory=list)  # speculative tokens to verify this step
     spec_misses: int = 0  # consecutive proposals rejected outright (speculation pauses after a few)
-    spec_method: str | None = None  # the proposer of this step's draft (loramux.engine.speculation)
+    spec_method: str | None = None  # the proposer of this step's draft (loramux.engine.speculation.speculator)
     spec_counts: dict[str, list[int]] = field(default_factory=dict)  # method -> [proposed, accepted] so far
     medusa_next: list[int] = field(default_factory=list)  # Medusa's proposals for the next step
     medusa_wanted: bool = False  # this step computes medusa_next

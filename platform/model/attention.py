@@ -39,7 +39,7 @@ class PrefillChunk:
 
 @dataclass
 class DecodeGroup:
-    """Decode rows attended together (similar context lengths; see loramux.engine.decode_groups)."""
+    """Decode rows attended together (similar context lengths; see loramux.engine.scheduling.decode_groups)."""
 
     rows: torch.Tensor  # [Dg] long: indices among the step's decode rows
     block_tables: torch.Tensor  # [Dg, max_blocks_g] long, padded

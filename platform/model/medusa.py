@@ -1,5 +1,5 @@
 """Where the Medusa heads made for the embedded model ship: a small file in the package, so the default server
-speculates with Medusa out of the box (`loramux medusa train --ship` makes it; loramux.engine.medusa_heads
+speculates with Medusa out of the box (`loramux medusa train --ship` makes it; loramux.engine.speculation.medusa_heads
 runs heads)."""
 from __future__ import annotations
 

@@ -20,7 +20,6 @@ from loramux.console.revocations import SessionRevocations
 from loramux.console.routes import install_console
 from loramux.console.session import SessionSigner
 from loramux.names import base_model_id
-from loramux.rate_limits import RateLimiter
 from loramux.server.deps import ServicesDep
 from loramux.server.error_handlers import install_error_handlers
 from loramux.server.http.auth_failures import AuthFailureLimiter
@@ -30,7 +29,8 @@ from loramux.server.http.ingress import OPEN_PATHS, Ingress
 from loramux.server.http.metrics_auth import scrape_allowed
 from loramux.server.routes import native, openai_api
 from loramux.server.serving.metrics import ServerMetrics
-from loramux.server.serving.server import Server
+from loramux.server.serving.pipeline import Server
+from loramux.tenancy.rate_limits import RateLimiter
 
 
 def create_app(services_factory, ledger_hooks: list | None = None, limiter_factory=RateLimiter) -> FastAPI:

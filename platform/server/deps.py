@@ -7,9 +7,9 @@ from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from loramux.server.http.ingress import Refusal, resolve_tenant
-from loramux.server.serving.server import Server
+from loramux.server.serving.pipeline import Server
 from loramux.services.container import Services
-from loramux.tenancy import TenantContext
+from loramux.tenancy.tenants import TenantContext
 
 _bearer = HTTPBearer(auto_error=False, description="A tenant API key: `Authorization: Bearer lmx-...`")
 

@@ -8,18 +8,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from loramux.adapters.cache_levels import AdapterLoadError
-from loramux.adapters.medusa_registry import MedusaNotFoundError
-from loramux.adapters.registry import AdapterNotFoundError, RegistryError
-from loramux.adapters.validation import AdapterFormatError
-from loramux.admin.billing import BillingQueryError
-from loramux.admin.keys import AdminKeyError
-from loramux.admin.pricing import PriceError
+from loramux.adapters.formats.validation import AdapterFormatError
+from loramux.adapters.residency.cache_levels import AdapterLoadError
+from loramux.adapters.storage.medusa_registry import MedusaNotFoundError
+from loramux.adapters.storage.registry import AdapterNotFoundError, RegistryError
+from loramux.billing.pricing import PriceError
+from loramux.billing.reports import BillingQueryError
 from loramux.names import InvalidNameError
 from loramux.server.http.errors import ApiError, error_response
 from loramux.services.adapters import AdapterUnavailableError, UploadError
 from loramux.services.admin_keys import SelfRevocationError
-from loramux.tenancy import KeyNotFoundError, TenancyError, TenantExistsError, TenantNotFoundError
+from loramux.tenancy.admin_keys import AdminKeyError
+from loramux.tenancy.tenants import KeyNotFoundError, TenancyError, TenantExistsError, TenantNotFoundError
 
 # Request fields whose malformed values are a 400, as OpenAI answers them (clients and SDKs handle a bad tool,
 # response_format or logit_bias as a 400); other malformed fields are a 422.

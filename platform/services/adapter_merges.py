@@ -1,4 +1,5 @@
-"""Stored merges of adapters: several versions merged by PEFT's add_weighted_adapter (adapters/merge.py) into a
+"""Stored merges of adapters: several versions merged by PEFT's add_weighted_adapter (adapters/composition/merge.py)
+into a
 new adapter, or a new version of an existing name, stored through the upload path (validation, blob, rows: a
 failure leaves neither rows nor a blob) with its provenance. The admin API, the console and the CLI call
 `merge_adapters`, so all three accept and refuse alike."""
@@ -7,8 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from loramux.adapters.blob import unpack
-from loramux.adapters.merge import (
+from loramux.adapters.composition.merge import (
     MergeComponent,
     MergeLimits,
     MergeTooLarge,
@@ -16,7 +16,8 @@ from loramux.adapters.merge import (
     check_request,
     merge,
 )
-from loramux.adapters.registry import AdapterNotFoundError, AdapterVersionInfo
+from loramux.adapters.storage.blob import unpack
+from loramux.adapters.storage.registry import AdapterNotFoundError, AdapterVersionInfo
 from loramux.names import check_name
 from loramux.services.container import Services
 
@@ -34,7 +35,7 @@ class ComponentRef:
 def parse_components(text: str) -> list[ComponentRef]:
     """Components written one a line (or comma-separated) as `ADAPTER[@VERSION][=WEIGHT]`, as the console's form
     and the CLI take them (MergeError naming the line)."""
-    from loramux.adapters.merge import MergeError
+    from loramux.adapters.composition.merge import MergeError
 
     out = []
     for item in (part.strip() for line in text.splitlines() for part in line.split(",")):
@@ -58,7 +59,8 @@ def merge_adapters(services: Services, tenant_ref: str, name: str, components: S
 
     Bounded by LORAMUX_MERGE_* (`MergeLimits`): components whose stored size could not be held in memory are
     refused before they are loaded, a merge whose estimated peak is above the memory bound before it starts
-    (MergeTooLarge, a 413 naming the bound); ties, dare_* and svd run in a worker process (adapters/merge.py)
+    (MergeTooLarge, a 413 naming the bound); ties, dare_* and svd run in a worker process
+    (adapters/composition/merge.py)
     killed past the time limit, so a refused, stopped or failed merge stores nothing."""
     import peft
     import torch

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loramux.adapters.cache_levels import Acquired
-from loramux.adapters.registry import AdapterVersionInfo
+from loramux.adapters.residency.cache_levels import Acquired
+from loramux.adapters.storage.registry import AdapterVersionInfo
 from loramux.services.billing import usage_last_hour
 from loramux.services.container import Services
 from loramux.text import reject_lone_surrogates
@@ -76,7 +76,7 @@ def register_upload(services: Services, fields: dict, files: dict[str, Path]) ->
     import torch
 
     # With one intra-op thread, so no second OpenMP team is left to contend with the engine's for the cores
-    # (see loramux.adapters.device_pool).
+    # (see loramux.adapters.residency.device_pool).
     torch.set_num_threads(1)
     check_upload_fields(fields)
     tenant = services.tenancy.tenant(fields["tenant_id"])  # an id or a name

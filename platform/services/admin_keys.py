@@ -1,8 +1,8 @@
 """Operators' admin keys (`lmxa-...`): what `/admin/keys` and `loramux admin create-key` do."""
 from __future__ import annotations
 
-from loramux.admin.keys import AdminKeyInfo, AdminKeys
 from loramux.services.tenants import IssuedKey
+from loramux.tenancy.admin_keys import AdminKeyInfo, AdminKeys
 
 
 class SelfRevocationError(ValueError):

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
-from loramux.admin.billing import Period, content_type, export, parse_period, summary
+from loramux.billing.reports import Period, content_type, export, parse_period, summary
 from loramux.db.models import utcnow
 from loramux.services.container import Services
 

@@ -10,21 +10,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from loramux.adapters.cache_levels import AdapterCache, DiskCache, HostCache
-from loramux.adapters.medusa_cache import MedusaCache
-from loramux.adapters.medusa_registry import MedusaRegistry
-from loramux.adapters.registry import AdapterRegistry
-from loramux.adapters.store import ObjectStore, open_store
-from loramux.adapters.validation import UploadLimits
-from loramux.admin.keys import AdminKeys
-from loramux.admin.ledger import LedgerWriter
-from loramux.admin.ledger_wal import WAL_NAME
-from loramux.admin.pricing import PriceBook
+from loramux.adapters.formats.validation import UploadLimits
+from loramux.adapters.residency.cache_levels import AdapterCache, DiskCache, HostCache
+from loramux.adapters.residency.medusa_cache import MedusaCache
+from loramux.adapters.storage.medusa_registry import MedusaRegistry
+from loramux.adapters.storage.registry import AdapterRegistry
+from loramux.adapters.storage.store import ObjectStore, open_store
+from loramux.billing.ledger import LedgerWriter
+from loramux.billing.ledger_wal import WAL_NAME
+from loramux.billing.pricing import PriceBook
 from loramux.db import Database
 from loramux.names import base_model_id
 from loramux.request_rates import RequestRates
 from loramux.settings import Settings
-from loramux.tenancy import Tenancy
+from loramux.tenancy.admin_keys import AdminKeys
+from loramux.tenancy.tenants import Tenancy
 
 if TYPE_CHECKING:  # importing the engine imports torch: only for type checkers
     from loramux.engine.client import EngineClient
@@ -63,8 +63,8 @@ class Services:
     def from_settings(cls, settings: Settings, engine=None, migrate: bool = True) -> Services:
         """Everything the server needs. `engine`: an LLMEngine to use instead of building one."""
         from loramux.engine.async_engine import AsyncEngine
-        from loramux.engine.compile_pool import CompileLimits
         from loramux.engine.engine import LLMEngine
+        from loramux.engine.structured.compile_pool import CompileLimits
 
         db = Database(settings.resolved_database_url())
         if migrate:

@@ -1,5 +1,5 @@
 """Medusa speculative-decoding heads, as operators manage them and as requests use them: upload for the base
-model or for an adapter version (validated against the served model by `loramux.adapters.medusa_registry`),
+model or for an adapter version (validated against the served model by `loramux.adapters.storage.medusa_registry`),
 list, delete; and `heads_for_request`, which the serving path calls for every request it starts."""
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import asyncio
 import logging
 from pathlib import Path
 
-from loramux.adapters.medusa_cache import MedusaLoadError
-from loramux.adapters.medusa_format import MedusaHeadsWeights
-from loramux.adapters.medusa_registry import MedusaHeadsInfo, MedusaRegistry
-from loramux.adapters.registry import AdapterNotFoundError, AdapterVersionInfo, RegistryError
+from loramux.adapters.formats.medusa import MedusaHeadsWeights
+from loramux.adapters.residency.medusa_cache import MedusaLoadError
+from loramux.adapters.storage.medusa_registry import MedusaHeadsInfo, MedusaRegistry
+from loramux.adapters.storage.registry import AdapterNotFoundError, AdapterVersionInfo, RegistryError
 from loramux.services.adapters import UploadError
 from loramux.services.container import Services
 from loramux.text import reject_lone_surrogates

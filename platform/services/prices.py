@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from loramux.admin.pricing import PriceInfo
+from loramux.billing.pricing import PriceInfo
 from loramux.db.models import utcnow
 from loramux.services.container import Services
 

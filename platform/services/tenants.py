@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loramux.tenancy import KeyInfo, Tenancy, TenancyError, TenantInfo, TierInfo
+from loramux.tenancy.tenants import KeyInfo, Tenancy, TenancyError, TenantInfo, TierInfo
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ def write_peft_adapter(path: Path, model_cfg, rank: int, targets: list[str], see
     import torch
     from safetensors.torch import save_file
 
-    from loramux.adapters.validation import checkpoint_shapes, projection_shapes
+    from loramux.adapters.formats.validation import checkpoint_shapes, projection_shapes
 
     shapes = {**projection_shapes(model_cfg), **checkpoint_shapes(model_cfg)}
     g, weight_dtype, tensors = torch.Generator().manual_seed(seed), getattr(torch, dtype), {}

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from loramux.adapters.medusa_format import save_medusa_dir
+from loramux.adapters.formats.medusa import save_medusa_dir
 from loramux.training.self_distill import Conversation
 
 __all__ = ["MedusaTrainingResult", "hidden_features", "train_heads"]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from loramux.engine.sampling_params import SamplingParams
+from loramux.engine.sampling.params import SamplingParams
 
 __all__ = ["Conversation", "self_distilled"]
 

@@ -12,8 +12,8 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, RedirectResponse
 
-from loramux.adapters.registry import AdapterNotFoundError, RegistryError
-from loramux.adapters.validation_common import AdapterFormatError
+from loramux.adapters.formats.validation_common import AdapterFormatError
+from loramux.adapters.storage.registry import AdapterNotFoundError, RegistryError
 from loramux.admin.uploads import receive_upload
 from loramux.console.deps import CheckedForm, CsrfRejected, Operator, render
 from loramux.console.session import CSRF_FIELD, csrf_matches
@@ -23,7 +23,7 @@ from loramux.server.http.errors import ApiError
 from loramux.services import adapter_merges as merges
 from loramux.services import adapters as ops
 from loramux.services import tenants
-from loramux.tenancy import TenancyError, TenantNotFoundError
+from loramux.tenancy.tenants import TenancyError, TenantNotFoundError
 
 router = APIRouter(prefix="/adapters")
 

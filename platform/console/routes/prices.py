@@ -7,13 +7,13 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import RedirectResponse
 
-from loramux.adapters.registry import RegistryError
-from loramux.admin.pricing import PriceError
+from loramux.adapters.storage.registry import RegistryError
+from loramux.billing.pricing import PriceError
 from loramux.console.deps import CheckedForm, Operator, render
 from loramux.server.deps import ServerDep, ServicesDep
 from loramux.services import adapters, tenants
 from loramux.services import prices as ops
-from loramux.tenancy import TenancyError
+from loramux.tenancy.tenants import TenancyError
 
 router = APIRouter(prefix="/prices")
 

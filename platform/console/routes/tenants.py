@@ -12,7 +12,7 @@ from fastapi.responses import RedirectResponse
 from loramux.console.deps import CheckedForm, Operator, render
 from loramux.server.deps import ServicesDep
 from loramux.services import tenants as ops
-from loramux.tenancy import TenancyError
+from loramux.tenancy.tenants import TenancyError
 
 router = APIRouter(prefix="/tenants")
 

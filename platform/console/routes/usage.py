@@ -7,7 +7,7 @@ from datetime import timedelta
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 
-from loramux.admin.billing import FORMATS, BillingQueryError
+from loramux.billing.reports import FORMATS, BillingQueryError
 from loramux.console.deps import Operator, render
 from loramux.db.models import utcnow
 from loramux.server.deps import ServicesDep

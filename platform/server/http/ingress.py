@@ -39,11 +39,11 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.security.utils import get_authorization_scheme_param
 from starlette.datastructures import Headers
 
-from loramux.admin.keys import ADMIN_KEY_PREFIX, AdminKeyInfo
 from loramux.server.http.auth_failures import AuthFailureLimiter
 from loramux.server.http.errors import error_response
 from loramux.server.http.forwarded import client_address
-from loramux.tenancy import KEY_PREFIX, TenantContext
+from loramux.tenancy.admin_keys import ADMIN_KEY_PREFIX, AdminKeyInfo
+from loramux.tenancy.tenants import KEY_PREFIX, TenantContext
 
 MAX_JSON_DEPTH = 64  # arrays and objects nested in each other; OpenAI's request shapes need fewer than 8
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})

@@ -1,5 +1,5 @@
 """A request's `adapters` extension: several adapters combined with weights (see
-`loramux.adapters.composition`), parsed here into 400s that name what to fix, before anything is admitted.
+`loramux.adapters.composition.weighted`), parsed here into 400s that name what to fix, before anything is admitted.
 
     "model": "<the base model id>" (or "base"),
     "adapters": [{"model": "tone", "weight": 0.7}, {"model": "legal", "weight": 0.3}]
@@ -20,7 +20,7 @@ from loramux.server.http.errors import ApiError
 from loramux.server.intake.params import has_control_chars
 
 # A sanity bound on |w|. It cannot by itself keep w * scale * A finite in a float16 pool (that depends on the
-# component's scale and A): `loramux.adapters.dtype_range.check_fits` checks the built composite against the
+# component's scale and A): `loramux.adapters.formats.dtype_range.check_fits` checks the built composite against the
 # pool's dtype.
 MAX_WEIGHT = 1000.0
 MAX_REFERENCE_CHARS = 256

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from loramux.engine.sampling_params import LOGIT_BIAS_LIMIT, SamplingParams
+from loramux.engine.sampling.params import LOGIT_BIAS_LIMIT, SamplingParams
 from loramux.server.http.bodies import RequestBody
 from loramux.server.http.errors import ApiError
 

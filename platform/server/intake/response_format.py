@@ -4,7 +4,7 @@ request reaches the engine.
 
 Compiling a grammar costs time in proportion to the schema (and can blow up on a pathological one), so it
 runs after the rate limiter admitted the request, in one of the engine's compile worker processes, which
-is killed past `LORAMUX_STRUCTURED_COMPILE_TIMEOUT_S` or its memory limit (`loramux.engine.compile_pool`);
+is killed past `LORAMUX_STRUCTURED_COMPILE_TIMEOUT_S` or its memory limit (`loramux.engine.structured.compile_pool`);
 the engine caches compiled grammars by their canonical spec, so a schema that many requests share compiles
 once. `compile_structured` returns only when the compile has really stopped, so the request's admission
 (its concurrency slot, its tokens) is held for the whole compile.
@@ -17,9 +17,9 @@ from typing import Any
 from fastapi.concurrency import run_in_threadpool
 from pydantic import ConfigDict, Field
 
-from loramux.engine.compile_pool import CompileBusy
-from loramux.engine.grammar import StructuredOutputTooComplex
-from loramux.engine.sampling_params import StructuredOutput
+from loramux.engine.sampling.params import StructuredOutput
+from loramux.engine.structured.compile_pool import CompileBusy
+from loramux.engine.structured.grammar import StructuredOutputTooComplex
 from loramux.server.http.bodies import RequestBody
 from loramux.server.http.errors import ApiError
 

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from loramux.engine.sampling_params import StructuredOutput
+from loramux.engine.sampling.params import StructuredOutput
 from loramux.server.http.bodies import RequestBody
 from loramux.server.intake.params import ChatMessage, MessageToolCall
 from loramux.server.intake.response_format import schema_output

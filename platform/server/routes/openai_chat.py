@@ -41,7 +41,7 @@ from loramux.server.routes.openai_common import (
     usage,
 )
 from loramux.server.routes.responses import respond
-from loramux.tenancy import TierInfo
+from loramux.tenancy.tenants import TierInfo
 
 router = APIRouter(route_class=PrecheckedRoute)
 

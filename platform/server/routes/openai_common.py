@@ -13,7 +13,7 @@ from loramux.server.http.bodies import RequestBody
 from loramux.server.http.errors import ApiError
 from loramux.server.intake.params import GenerationParams
 from loramux.server.serving.running import Running
-from loramux.tenancy import TierInfo
+from loramux.tenancy.tenants import TierInfo
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
 

@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse
 from pydantic import Field
 
 from loramux.engine.engine import RequestOutput
-from loramux.engine.sampling_params import MAX_TOP_LOGPROBS
+from loramux.engine.sampling.params import MAX_TOP_LOGPROBS
 from loramux.server.deps import ServerDep, ServicesDep, TenantDep
 from loramux.server.http.errors import ApiError
 from loramux.server.http.sse import DONE, STREAMED, sse_event

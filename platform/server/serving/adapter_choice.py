@@ -7,10 +7,15 @@ import logging
 
 from fastapi.concurrency import run_in_threadpool
 
-from loramux.adapters.cache_levels import Acquired, AdapterCache, AdapterLoadError
-from loramux.adapters.registry import BASE_MODEL_ALIAS, AdapterNotFoundError, AdapterRegistry, AdapterVersionInfo
+from loramux.adapters.residency.cache_levels import Acquired, AdapterCache, AdapterLoadError
+from loramux.adapters.storage.registry import (
+    BASE_MODEL_ALIAS,
+    AdapterNotFoundError,
+    AdapterRegistry,
+    AdapterVersionInfo,
+)
 from loramux.server.http.errors import ApiError
-from loramux.tenancy import TenantContext
+from loramux.tenancy.tenants import TenantContext
 
 log = logging.getLogger(__name__)
 

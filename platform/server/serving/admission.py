@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 
 from fastapi.concurrency import run_in_threadpool
 
-from loramux.rate_limits import Admission, RateLimited, RateLimiter, RequestTooLarge, TierLimits
 from loramux.server.http.errors import ApiError
-from loramux.tenancy import TenantContext
+from loramux.tenancy.rate_limits import Admission, RateLimited, RateLimiter, RequestTooLarge, TierLimits
+from loramux.tenancy.tenants import TenantContext
 
 if TYPE_CHECKING:
     from loramux.engine.client import EngineClient

@@ -17,15 +17,15 @@ from dataclasses import dataclass
 import torch
 from fastapi.concurrency import run_in_threadpool
 
-from loramux.adapters.cache_levels import Acquired, AdapterLoadError
-from loramux.adapters.composition import CompositionError, compose, composition_digest, refusal_reason
-from loramux.adapters.composition_cache import CompositionCache, CompositionCapacityError, CompositionTooLargeError
-from loramux.adapters.dtype_range import check_fits
-from loramux.adapters.peft_format import LoRAAdapter
-from loramux.adapters.registry import AdapterNotFoundError, AdapterRegistry, AdapterVersionInfo
+from loramux.adapters.composition.cache import CompositionCache, CompositionCapacityError, CompositionTooLargeError
+from loramux.adapters.composition.weighted import CompositionError, compose, composition_digest, refusal_reason
+from loramux.adapters.formats.dtype_range import check_fits
+from loramux.adapters.formats.peft import LoRAAdapter
+from loramux.adapters.residency.cache_levels import Acquired, AdapterLoadError
+from loramux.adapters.storage.registry import AdapterNotFoundError, AdapterRegistry, AdapterVersionInfo
 from loramux.server.http.errors import ApiError
 from loramux.server.intake.composition import Component
-from loramux.tenancy import TenantContext
+from loramux.tenancy.tenants import TenantContext
 
 
 @dataclass(frozen=True)

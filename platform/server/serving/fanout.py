@@ -23,11 +23,11 @@ from dataclasses import dataclass
 
 from fastapi.concurrency import run_in_threadpool
 
-from loramux.adapters.cache_levels import Acquired, AdapterCache
-from loramux.adapters.registry import AdapterRegistry, AdapterVersionInfo
+from loramux.adapters.residency.cache_levels import Acquired, AdapterCache
+from loramux.adapters.storage.registry import AdapterRegistry, AdapterVersionInfo
 from loramux.server.http.errors import ApiError
 from loramux.server.serving.adapter_choice import load_adapter, resolve_adapter
-from loramux.tenancy import TenantContext, TierInfo
+from loramux.tenancy.tenants import TenantContext, TierInfo
 
 MAX_REFERENCE_CHARS = 300  # as `model`
 

@@ -36,7 +36,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from loramux.engine.spec_policy import METHODS
+from loramux.engine.speculation.policy import METHODS
 
 log = logging.getLogger(__name__)
 

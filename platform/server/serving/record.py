@@ -10,12 +10,12 @@ from concurrent.futures import Future
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
-from loramux.adapters.cache_levels import AdapterCache
-from loramux.adapters.registry import AdapterVersionInfo
+from loramux.adapters.residency.cache_levels import AdapterCache
+from loramux.adapters.storage.registry import AdapterVersionInfo
+from loramux.billing.usage import RequestRecord
 from loramux.db.models import utcnow
-from loramux.rate_limits import Admission
 from loramux.server.serving.running import LOST, Running, combined_outcome
-from loramux.usage import RequestRecord
+from loramux.tenancy.rate_limits import Admission
 
 if TYPE_CHECKING:
     from loramux.server.serving.metrics import ServerMetrics

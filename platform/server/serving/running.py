@@ -10,15 +10,15 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from loramux.adapters.cache_levels import Acquired
-from loramux.adapters.registry import AdapterVersionInfo
-from loramux.admin.ledger import durable
+from loramux.adapters.residency.cache_levels import Acquired
+from loramux.adapters.storage.registry import AdapterVersionInfo
+from loramux.billing.ledger import durable
 from loramux.engine.async_engine import EngineDeadError
 from loramux.engine.engine import RequestOutput
 from loramux.server.http.errors import ApiError
 from loramux.server.serving.composition_choice import Composition
 from loramux.server.serving.fanout import Part
-from loramux.tenancy import TenantContext
+from loramux.tenancy.tenants import TenantContext
 
 log = logging.getLogger(__name__)
 

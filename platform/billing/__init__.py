@@ -1,0 +1,1 @@
+"""Billing: the cost ledger (rows, write-ahead log, recovery), prices, usage records, money arithmetic and reports."""
