@@ -45,7 +45,7 @@ import torch
 
 from loramux.adapters.formats.dora import dora_scale, unservable_reason
 from loramux.adapters.formats.peft import LoRAAdapter
-from loramux.adapters.residency.locations import head_slots, pool_layout
+from loramux.adapters.residency import head_slots, pool_layout
 from loramux.kernels.wrapper import LoRALayerWeights, LoRAWrapper
 from loramux.model.llama import LORA_MODULES, PROJECTION_SLICES, LlamaModel
 
