@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.loramux-installed
 PYTHON ?= python3
 
-.PHONY: install lint typecheck serve test bench clean browser FORCE
+.PHONY: install lint typecheck serve test test-fast bench clean browser FORCE
 
 install: $(STAMP)
 
@@ -55,6 +55,13 @@ typecheck: install
 
 test: lint typecheck browser
 	cd $(ROOT) && $(PY) -m pytest -q
+
+# The inner loop (docs/development.md, "Test lanes"): no real model, Ray, browser, subprocess or slow test;
+# it fails when it takes longer than FAST_BUDGET seconds (tests/lanes.py), so the lane stays fast.
+FAST_LANE   := not slow and not ray and not browser and not subprocess and not real_model
+FAST_BUDGET ?= 180
+test-fast: install
+	cd $(ROOT) && $(PY) -m pytest -q -m "$(FAST_LANE)" --lane-budget $(FAST_BUDGET)
 
 # `make bench`: the bench scripts, one line each (bench/README.md says more); `make bench BENCH=structured
 # ARGS=--tiny` runs bench/structured.py --tiny.

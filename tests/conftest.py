@@ -10,6 +10,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run on CPU tensors (set before import)
 
+from lanes import (  # noqa: F401  (the test lanes' hooks: markers at collection, --lane-budget)
+    pytest_addoption,
+    pytest_collection_modifyitems,
+    pytest_configure,
+    pytest_sessionfinish,
+    pytest_terminal_summary,
+)
 from loramux.engine.config import EngineConfig
 from loramux.engine.engine import LLMEngine
 from loramux.model.loader import build_model, end_of_turn_ids, resolve_model_dir
