@@ -10,8 +10,10 @@
     domain     engine (and its remote client), adapters, tenancy, rate limits, ledger and billing
     base       db, model, kernels, settings and small leaf modules
 
-A module may import its own layer and any layer below it. Every `import` counts, lazy ones inside
-functions and TYPE_CHECKING ones too: each is a dependency a reader has to follow. The route groups may
+A module may import its own layer and any layer below it. The HTTP side (routes, deps, serving, intake, http) never
+imports `loramux.engine.engine` (it pulls in torch and the whole engine): what the engine gives is in
+`loramux.engine.outputs`, and the route groups import nothing else of the engine. Every `import` counts, lazy ones
+inside functions and TYPE_CHECKING ones too: each is a dependency a reader has to follow. The route groups may
 not import one another (the console reaches admin operations through the service layer).
 """
 from __future__ import annotations
@@ -44,6 +46,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [  # top to bottom; a module is in t
 ]
 BASE_PACKAGES = ("loramux.db", "loramux.model", "loramux.kernels", "loramux.migrations")
 ROUTE_GROUPS = ("loramux.server.routes", "loramux.admin.routes", "loramux.console")
+HTTP_SIDE = ("routes", "deps", "serving", "intake", "http")
+ENGINE, ENGINE_MODULE, ENGINE_TYPES = "loramux.engine", "loramux.engine.engine", "loramux.engine.outputs"
 
 
 def layer_of(module: str) -> int:
@@ -96,6 +100,13 @@ def violations(root: Path) -> list[str]:
             for line, imported in imports_of(path, module):
                 theirs, other = layer_of(imported), route_group(imported)
                 where = f"{path.relative_to(root)}:{line}"
+                in_engine = imported == ENGINE or imported.startswith(ENGINE + ".")
+                if LAYERS[mine][0] in HTTP_SIDE and imported == ENGINE_MODULE:
+                    problems.append(f"{where}: {module} ({LAYERS[mine][0]}) imports {ENGINE_MODULE}: take the "
+                                    f"engine's types from {ENGINE_TYPES}")
+                elif group and in_engine and imported != ENGINE_TYPES:
+                    problems.append(f"{where}: route {module} imports {imported}: routes take the engine's types "
+                                    f"from {ENGINE_TYPES} only")
                 if theirs < mine:
                     problems.append(f"{where}: {module} ({LAYERS[mine][0]}) imports {imported} "
                                     f"({LAYERS[theirs][0]}, a layer above it)")
@@ -125,6 +136,12 @@ def test_every_module_has_a_layer_and_the_layers_name_real_modules():
     ("platform/console/routes/wrong.py", "from loramux.admin.routes import adapters",
      "route group loramux.console imports route group loramux.admin.routes: share the operation through "
      "loramux.services"),
+    ("platform/server/serving/wrong.py", "from loramux.engine.engine import RequestOutput",
+     "loramux.server.serving.wrong (serving) imports loramux.engine.engine: take the engine's types from "
+     "loramux.engine.outputs"),
+    ("platform/server/routes/wrong.py", "from loramux.engine.tokens import template_takes_tools",
+     "route loramux.server.routes.wrong imports loramux.engine.tokens: routes take the engine's types from "
+     "loramux.engine.outputs only"),
     ("admin/ledger_wrong.py", "from ..server.serving.running import Running",
      "loramux.admin.ledger_wrong (domain) imports loramux.server.serving.running (serving, a layer above it)"),
 ])
@@ -142,5 +159,6 @@ def test_imports_down_the_stack_pass(tmp_path):
         (tmp_path / folder).mkdir()
     (tmp_path / "platform/server/routes").mkdir(parents=True)
     (tmp_path / "platform/server/routes/ok.py").write_text(
-        "from loramux.services import tenants\nfrom loramux.server.http.errors import ApiError\nimport loramux.db\n")
+        "from loramux.services import tenants\nfrom loramux.server.http.errors import ApiError\nimport loramux.db\n"
+        "from loramux.engine.outputs import RequestOutput\n")
     assert violations(tmp_path) == []

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from loramux.engine.sampling.params import LOGIT_BIAS_LIMIT, SamplingParams
+from loramux.engine.sampling.params import MAX_TOP_LOGPROBS as MAX_TOP_LOGPROBS  # for the routes' schemas
 from loramux.server.http.bodies import RequestBody
 from loramux.server.http.errors import ApiError
 

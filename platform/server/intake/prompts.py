@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from fastapi.concurrency import run_in_threadpool
 
 from loramux.engine.client import EngineClient
-from loramux.engine.tokens import template_tokens_per_message
+from loramux.engine.tokens import template_takes_tools, template_tokens_per_message
 from loramux.server.http.errors import ApiError
 
 
@@ -89,3 +89,8 @@ async def tokens_per_message(engine: EngineClient) -> int:
 def decode(engine: EngineClient, ids: list[int]) -> str:
     """The text of token ids (e.g. a prompt given as ids, echoed back)."""
     return engine.tokenizer.decode(ids)
+
+
+def renders_tools(engine: EngineClient) -> bool:
+    """Whether the engine's chat template renders `tools` itself; if not, the tool prompt goes into the messages."""
+    return template_takes_tools(engine.tokenizer)

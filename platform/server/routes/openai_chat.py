@@ -9,14 +9,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import Field
 
-from loramux.engine.engine import RequestOutput
-from loramux.engine.tokens import template_takes_tools
+from loramux.engine.outputs import RequestOutput
 from loramux.server.deps import ServerDep, ServicesDep, TenantDep
 from loramux.server.http.errors import ApiError
 from loramux.server.http.sse import DONE, STREAMED, sse_event
 from loramux.server.intake.body_prechecks import PrecheckedRoute
 from loramux.server.intake.params import ChatMessage
-from loramux.server.intake.prompts import Prompt
+from loramux.server.intake.prompts import Prompt, renders_tools
 from loramux.server.intake.response_format import ResponseFormat, from_response_format
 from loramux.server.intake.tool_calls import (
     MAX_TOOLS,
@@ -85,7 +84,7 @@ def _check(body: ChatCompletionRequest, tier: TierInfo, max_n: int) -> None:
 
 def _prompt(body: ChatCompletionRequest, plan: ToolPlan | None, engine) -> Prompt:
     """The messages (and tools) as the chat template takes them; tokenized once admitted."""
-    native = plan is not None and template_takes_tools(engine.tokenizer)
+    native = plan is not None and renders_tools(engine)
     messages = template_messages(body.messages, native)
     if plan is None:
         return Prompt(messages=messages)

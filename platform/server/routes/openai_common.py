@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from fastapi.responses import JSONResponse
 from pydantic import Field
 
-from loramux.engine.engine import RequestOutput
+from loramux.engine.outputs import RequestOutput
 from loramux.server.http.bodies import RequestBody
 from loramux.server.http.errors import ApiError
 from loramux.server.intake.params import GenerationParams

@@ -8,12 +8,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import Field
 
-from loramux.engine.engine import RequestOutput
-from loramux.engine.sampling.params import MAX_TOP_LOGPROBS
+from loramux.engine.outputs import RequestOutput
 from loramux.server.deps import ServerDep, ServicesDep, TenantDep
 from loramux.server.http.errors import ApiError
 from loramux.server.http.sse import DONE, STREAMED, sse_event
 from loramux.server.intake.body_prechecks import PrecheckedRoute
+from loramux.server.intake.params import MAX_TOP_LOGPROBS
 from loramux.server.intake.prompts import Prompt, decode
 from loramux.server.intake.response_format import ResponseFormat, from_response_format
 from loramux.server.routes.openai_common import (

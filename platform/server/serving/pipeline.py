@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 from loramux.adapters.composition.cache import CompositionCache
 from loramux.adapters.storage.registry import BASE_MODEL_ALIAS
 from loramux.billing.usage import RequestRecord
-from loramux.engine.engine import RequestError, RequestOutput
 from loramux.engine.factory import device_and_dtype
+from loramux.engine.outputs import RequestError, RequestOutput
 from loramux.engine.sampling.params import SamplingParams, StructuredOutput
 from loramux.server.http.errors import ApiError
 from loramux.server.http.logs import request_id_var

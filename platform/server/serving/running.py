@@ -14,7 +14,7 @@ from loramux.adapters.residency.cache_levels import Acquired
 from loramux.adapters.storage.registry import AdapterVersionInfo
 from loramux.billing.ledger import durable
 from loramux.engine.async_engine import EngineDeadError
-from loramux.engine.engine import RequestOutput
+from loramux.engine.outputs import RequestOutput
 from loramux.server.http.errors import ApiError
 from loramux.server.serving.composition_choice import Composition
 from loramux.server.serving.fanout import Part
