@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -26,6 +27,8 @@ from loramux.kernels.head_rows import StepHeads
 from loramux.kernels.ops import LoRABatch, LoRACost, lora_shrink_expand, resolve_lora_impl
 
 Location = tuple[object, int]  # (bucket key, slot in it): see loramux.adapters.residency.device_pool
+# The bucket key as the pool's lookups take it: its own type (BucketKey), which the wrapper only hands back.
+BucketKeyArg = Any
 
 
 @dataclass
@@ -84,7 +87,8 @@ class _BucketRows:
 
 class LoRAWrapper:
     def __init__(self, impl: str = "auto", device: torch.device | str = "cpu",
-                 weights_of: Callable[[object, tuple[int, str]], LoRALayerWeights | None] | None = None) -> None:
+                 weights_of: Callable[[BucketKeyArg, tuple[int, str]], LoRALayerWeights | None] | None = None
+                 ) -> None:
         """`impl`: "auto" (Triton on CUDA, torch on CPU), "triton" or "torch"; resolved once, here.
         `weights_of(rank, key)`: the bucket buffers of projection `key` (the device pool provides it)."""
         self.impl = resolve_lora_impl(impl, device)
@@ -94,7 +98,7 @@ class LoRAWrapper:
         self.cost = LoRACost()  # what the LoRA path touched since the last reset (tests)
         # Embedding LoRA and trained heads: `extras_of(bucket)` gives a bucket's extra buffers (the device
         # pool sets it); `heads` holds this step's rows of such buckets, None when the step has none.
-        self.extras_of: Callable[[object], dict] = lambda bucket: {}
+        self.extras_of: Callable[[BucketKeyArg], dict[str, torch.Tensor]] = lambda bucket: {}
         self.heads: StepHeads | None = None
 
     def set_batch(self, locations: Sequence[Location | None] | None, logit_rows: Sequence[int] | None = None) -> None:

@@ -131,6 +131,7 @@ class _Bucket:
             for b, other_b in zip(weights.b, other.b):
                 b[dst_slot].copy_(other_b[src_slot])
             if weights.dora_g is not None:
+                assert other.dora_g is not None  # src has the same key, so DoRA scales too
                 weights.dora_g[dst_slot].copy_(other.dora_g[src_slot])
             weights.set_targeted(dst_slot, other.targeted[src_slot])
         for scale, other in zip(self.scales, src.scales):
@@ -185,7 +186,7 @@ class DevicePool:
     def _check_dora(self, adapter: LoRAAdapter) -> None:
         """ValueError (the message says what to do) where this model cannot serve DoRA exactly."""
         for layer, target in adapter.magnitudes:
-            reason = unservable_reason(self.model.layers[layer].get_submodule(PROJECTION_SLICES[target][0]))
+            reason = unservable_reason(self.model.projection(layer, PROJECTION_SLICES[target][0]))
             if reason:
                 raise ValueError(f"DoRA adapter {adapter.name!r} cannot be served exactly: {reason}")
 
@@ -237,6 +238,7 @@ class DevicePool:
             if capacity > 0:
                 new = _Bucket(self.model, key, capacity, self.dtype, self.device)
                 for dst, src in enumerate(keep):
+                    assert old is not None  # slots to keep: the bucket had a capacity
                     new.copy_slot(old, src, dst)
                 self.buckets[key] = new
             then()
@@ -305,10 +307,11 @@ class DevicePool:
             if weights.scale.dim() == 2:  # patterned: each module its own scale
                 weights.scale[index, slot] = adapter.scale_of((layer, target))
             if (layer, target) in adapter.magnitudes:
-                module = self.model.layers[layer].get_submodule(path)
+                module = self.model.projection(layer, path)
                 g = dora_scale(module, slice_name, a, b, adapter.scale_of((layer, target)),
                                adapter.magnitudes[(layer, target)])
                 lo, hi = module.slice_range(slice_name)
+                assert weights.dora_g is not None  # a DoRA module puts its adapter in a DoRA bucket
                 weights.dora_g[slot, lo:hi].copy_(g)
         if bucket.scale is not None:
             bucket.scale[slot] = adapter.scale

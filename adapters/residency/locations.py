@@ -33,19 +33,21 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
 ABSENT, LOADING, RESIDENT = "absent", "loading", "resident"
+# The pool's bucket key (device_pool.BucketKey): opaque here, so this module stays torch-free.
+Bucket = Hashable
 
 
 @dataclass(eq=False)
 class _Entry:
     digest: str
     name: str
-    bucket: object  # the pool's bucket key (its bucket and projections): slots there fit this adapter exactly
+    bucket: Bucket  # the pool's bucket key (its bucket and projections): slots there fit this adapter exactly
     adapter: object | None  # the host copy (LoRAAdapter); dropped when nothing refers to the version
     state: str = ABSENT
     slot: int = -1
@@ -55,7 +57,13 @@ class _Entry:
     loaded_at: float = 0.0
     last_used: float = 0.0
     retired: bool = False  # replaced or deleted: freed once no request uses it
-    future: concurrent.futures.Future | None = None
+    future: concurrent.futures.Future[float] | None = None  # the device copy, while LOADING
+
+
+def _copy(entry: _Entry) -> concurrent.futures.Future[float]:
+    """The device copy of an entry in `_loading` (it has one until `poll` takes it in)."""
+    assert entry.future is not None
+    return entry.future
 
 
 class AdapterResidency:
@@ -69,8 +77,8 @@ class AdapterResidency:
         self.on_load = on_load
         self.entries: dict[str, _Entry] = {}
         self.by_name: dict[str, str] = {}
-        self.slots: dict[int, list[_Entry | None]] = {}  # bucket -> what each slot of its bucket holds
-        self.num_active: dict[int, int] = {}  # bucket -> adapters with running requests in that bucket
+        self.slots: dict[Bucket, list[_Entry | None]] = {}  # bucket -> what each slot of its bucket holds
+        self.num_active: dict[Bucket, int] = {}  # bucket -> adapters with running requests in that bucket
         self._drain: tuple[str, str] | None = None  # (draining victim, the digest it makes room for)
         self._loading: list[_Entry] = []  # copies in flight
         self.loads = self.evictions = self.load_failures = 0
@@ -139,7 +147,7 @@ class AdapterResidency:
         entry = self.entries[digest]
         urgent = waited_s >= self.drain_after_s
         if entry.state == ABSENT and self._inflight() < self.max_inflight_loads and self._place(entry, urgent):
-            if entry.future.done():  # an inline copy (no helper thread): usable at once
+            if _copy(entry).done():  # an inline copy (no helper thread): usable at once
                 self.poll()
             return self.ready(digest)
         if urgent and self._drain is None and entry.state != LOADING:
@@ -174,7 +182,7 @@ class AdapterResidency:
         entry.waiting -= 1
         self._forget_if_unused(entry)
 
-    def location(self, digest: str) -> tuple[int, int]:
+    def location(self, digest: str) -> tuple[Bucket, int]:
         """(bucket, slot) of a resident adapter, for the kernels."""
         entry = self.entries[digest]
         return entry.bucket, entry.slot
@@ -186,9 +194,9 @@ class AdapterResidency:
     # -- loads ---------------------------------------------------------------------------------------
     def poll(self) -> None:
         """Take in finished device copies (call once per engine step)."""
-        for entry in [e for e in self._loading if e.future.done()]:
+        for entry in [e for e in self._loading if _copy(e).done()]:
             self._loading.remove(entry)
-            future, entry.future = entry.future, None
+            future, entry.future = _copy(entry), None
             error = future.exception()
             if error is not None:
                 log.error("copying adapter %s to the device failed: %r; it will be retried", entry.name, error)
@@ -205,7 +213,7 @@ class AdapterResidency:
         """Block until a device copy finishes (or `timeout`): the engine has nothing else to run. With no
         copy in flight (the waiting requests wait for room: a young adapter's minimum residency), back
         off for `timeout` rather than spin."""
-        futures = [e.future for e in self._loading]
+        futures = [_copy(e) for e in self._loading]
         if futures:
             concurrent.futures.wait(futures, timeout, return_when=concurrent.futures.FIRST_COMPLETED)
         else:
@@ -236,14 +244,14 @@ class AdapterResidency:
         self._loading.append(entry)
         return True
 
-    def _free_slot(self, bucket: int) -> int | None:
+    def _free_slot(self, bucket: Bucket) -> int | None:
         slots = self.slots.get(bucket, [])
         return next((i for i in range(len(slots) - 1, -1, -1) if slots[i] is None), None)
 
-    def _affordable(self, bucket: int) -> bool:
+    def _affordable(self, bucket: Bucket) -> bool:
         return self.pool.nbytes + self.pool.slot_bytes(bucket) <= self.pool.budget
 
-    def _grow(self, bucket: int) -> int:
+    def _grow(self, bucket: Bucket) -> int:
         """Add slots to the `bucket` bucket (doubling, within the budget); returns the first new slot."""
         old = len(self.slots.get(bucket, []))
         room = (self.pool.budget - self.pool.nbytes) // self.pool.slot_bytes(bucket)
@@ -263,13 +271,13 @@ class AdapterResidency:
             return True
         return now - entry.loaded_at >= self.min_residency_s and (urgent or not entry.waiting)
 
-    def _victims(self, bucket: int, urgent: bool) -> list[_Entry]:
+    def _victims(self, bucket: Bucket, urgent: bool) -> list[_Entry]:
         """Evictable adapters of a bucket, best victim first: no waiters before waiters, then LRU."""
         now = self.clock()
-        found = [e for e in self.slots.get(bucket, []) if self._evictable(e, now, urgent)]
+        found = [e for e in self.slots.get(bucket, []) if e is not None and self._evictable(e, now, urgent)]
         return sorted(found, key=lambda e: (not e.retired, e.waiting > 0, e.last_used))
 
-    def _evict_in(self, bucket: int, urgent: bool) -> int | None:
+    def _evict_in(self, bucket: Bucket, urgent: bool) -> int | None:
         victims = self._victims(bucket, urgent)
         if not victims:
             return None
@@ -279,7 +287,7 @@ class AdapterResidency:
         self._forget_if_unused(victims[0])
         return slot
 
-    def _shrink_others(self, bucket: int, urgent: bool) -> bool:
+    def _shrink_others(self, bucket: Bucket, urgent: bool) -> bool:
         """Free budget for one more `bucket` slot by shrinking other buckets (their free slots first, then
         evictions, larger slots first); False, and nothing changed, if they cannot give enough."""
         need = self.pool.slot_bytes(bucket) - (self.pool.budget - self.pool.nbytes)
@@ -305,7 +313,7 @@ class AdapterResidency:
             need -= (free + take) * size
         return True
 
-    def _compact(self, bucket: int, need_free: int) -> None:
+    def _compact(self, bucket: Bucket, need_free: int) -> None:
         """Drop a bucket's empty slots (occupied ones keep their order, so an active prefix stays one)."""
         kept = [e for e in self.slots[bucket] if e is not None]
 
@@ -337,14 +345,15 @@ class AdapterResidency:
         if self.pool.needs_active_prefix and entry.slot != k:
             self._swap(entry.bucket, entry.slot, k)
 
-    def _swap(self, bucket: int, i: int, j: int) -> None:
+    def _swap(self, bucket: Bucket, i: int, j: int) -> None:
         slots = self.slots[bucket]
 
         def renumber() -> None:
             slots[i], slots[j] = slots[j], slots[i]
             for slot in (i, j):
-                if slots[slot] is not None:
-                    slots[slot].slot = slot
+                entry = slots[slot]
+                if entry is not None:
+                    entry.slot = slot
 
         self.pool.swap(bucket, i, j, then=renumber)
 

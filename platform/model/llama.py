@@ -10,6 +10,9 @@ loading (and LoRA) can address q, k, v, gate and up separately.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,6 +21,9 @@ from loramux.model import cpu_linear, quantization
 from loramux.model.attention import AttentionMetadata, KVCache, paged_attention
 from loramux.model.config import ModelConfig
 from loramux.model.rope import RotaryEmbedding, apply_rope
+
+if TYPE_CHECKING:
+    from loramux.kernels.wrapper import LoRAWrapper
 
 # HF / PEFT projection name -> (merged module path inside a decoder layer, slice name): the one map from
 # checkpoint and adapter names to this model's merged q/k/v and gate/up projections.
@@ -29,6 +35,13 @@ PROJECTION_SLICES: dict[str, tuple[str, str]] = {
 }
 # The merged projections of a decoder layer that LoRA adapters can target, in forward order.
 LORA_MODULES: tuple[str, ...] = tuple(dict.fromkeys(path for path, _ in PROJECTION_SLICES.values()))
+
+
+class ProjectionLoRA(Protocol):
+    """What a projection calls after its matmul to add the step's adapter deltas into y: the LoRA wrapper,
+    or the static one a captured decode graph swaps in (loramux.kernels.bgmv.StaticLoRA)."""
+
+    def apply(self, y: torch.Tensor, x: torch.Tensor, key: tuple[int, str] | None) -> torch.Tensor: ...
 
 
 class MergedLinear(nn.Module):
@@ -53,7 +66,7 @@ class MergedLinear(nn.Module):
         self.column_norms: torch.Tensor | None = None
         # Set by the device adapter pool: the shared LoRA wrapper and this projection's key for it.
         self.lora_key: tuple[int, str] | None = None
-        self.lora_wrapper = None
+        self.lora_wrapper: ProjectionLoRA | None = None
 
     def slice_range(self, name: str) -> tuple[int, int]:
         """Columns [start, end) of W (and entries of b) that belong to slice `name`."""
@@ -223,13 +236,19 @@ class LlamaModel(nn.Module):
         self.embed_scale = cfg.embed_scale
         self.final_softcap = cfg.final_softcap
         # Set by the device adapter pool: the LoRA wrapper, for adapters that change the embedding or the head.
-        self.lora_wrapper = None
+        self.lora_wrapper: LoRAWrapper | None = None
 
-    def lora_modules(self):
+    def projection(self, layer: int, path: str) -> MergedLinear:
+        """The merged projection at `path` (one of LORA_MODULES) of decoder layer `layer`."""
+        module = self.layers[layer].get_submodule(path)
+        assert isinstance(module, MergedLinear), path
+        return module
+
+    def lora_modules(self) -> Iterator[tuple[int, str, MergedLinear]]:
         """(layer index, module path, MergedLinear) of every projection an adapter can target."""
-        for index, layer in enumerate(self.layers):
+        for index in range(len(self.layers)):
             for path in LORA_MODULES:
-                yield index, path, layer.get_submodule(path)
+                yield index, path, self.projection(index, path)
 
     def untie_embedding(self) -> None:
         """Give a tied embedding its own float rows, so the LM head's W may change layout or be dropped."""
