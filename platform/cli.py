@@ -251,7 +251,7 @@ def _collect_garbage(db, settings: Settings) -> int:
     that no live heads reference (retiring the heads of deleted adapter versions first)."""
     from loramux.adapters.storage.medusa_registry import collect_medusa_garbage
     from loramux.adapters.storage.registry import collect_garbage
-    from loramux.services.container import store_from_settings
+    from loramux.services.builder import store_from_settings
 
     store = store_from_settings(settings)
     removed = collect_garbage(db, store) + collect_medusa_garbage(db, store)

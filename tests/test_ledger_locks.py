@@ -14,7 +14,7 @@ from test_ledger import record
 from loramux.billing import ledger_wal
 from loramux.billing.ledger import LedgerBacklogError, LedgerWriter
 from loramux.billing.ledger_wal import WAL_NAME, LogInUseError
-from loramux.cluster.ingress_services import adopt_orphans, claim_ledger
+from loramux.billing.recovery import adopt_orphans, claim_ledger
 from loramux.db import LedgerEntry
 from polling import wait_until
 

@@ -12,7 +12,6 @@ import os
 import time
 from pathlib import Path
 
-from loramux.adapters.residency.cache_levels import AdapterCache, DiskCache, HostCache
 from loramux.adapters.storage.registry import AdapterVersionInfo
 from loramux.cluster.shared_state import ReplicaDirectory
 from loramux.cluster.wire import to_wire
@@ -27,20 +26,14 @@ class EngineReplica:
     def __init__(self, settings: Settings, replica_id: str):
         import torch
 
-        from loramux.engine.async_engine import AsyncEngine
-        from loramux.engine.engine import LLMEngine
-        from loramux.engine.structured.compile_pool import CompileLimits
-        from loramux.services.container import store_from_settings
+        from loramux.services.builder import build_engine_side, store_from_settings
 
         if settings.cluster_threads_per_replica:
             torch.set_num_threads(settings.cluster_threads_per_replica)
         self.settings, self.replica_id = settings, replica_id
-        llm = LLMEngine.from_settings(settings, load_adapters=False)
-        self.engine = AsyncEngine(llm, stalled_reader_timeout_s=settings.stalled_reader_timeout_s,
-                                  compile_limits=CompileLimits.from_settings(settings))
         disk_dir = Path(settings.data_dir) / "replicas" / replica_id / "adapter-cache"  # not shared between replicas
-        self.cache = AdapterCache(store_from_settings(settings), DiskCache(disk_dir, settings.disk_cache_bytes),
-                                  HostCache(settings.host_cache_bytes))
+        side = build_engine_side(settings, store_from_settings(settings), disk_dir)
+        self.engine, self.cache = side.engine, side.adapter_cache
         self._versions: dict[str, AdapterVersionInfo] = {}  # digest -> version, set before the multiplexed load
         self._sent: dict[str, int] = {}  # request id -> tokens this replica has sent for it so far, while it runs
         self.directory = ReplicaDirectory(settings.redis_url)

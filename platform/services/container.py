@@ -1,7 +1,5 @@
-"""Wiring: build the database, object store, registry, adapter cache levels and engine from Settings.
-
-One `Services` object is what the server (and scripts) hold; its parts stay independent of each other
-and of HTTP.
+"""`Services`: what the server (and scripts) hold; its parts stay independent of each other and of HTTP.
+`loramux.services.builder` wires them from Settings.
 """
 from __future__ import annotations
 
@@ -10,17 +8,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from loramux.adapters.formats.validation import UploadLimits
-from loramux.adapters.residency.cache_levels import AdapterCache, DiskCache, HostCache
+from loramux.adapters.residency.cache_levels import AdapterCache
 from loramux.adapters.residency.medusa_cache import MedusaCache
 from loramux.adapters.storage.medusa_registry import MedusaRegistry
 from loramux.adapters.storage.registry import AdapterRegistry
-from loramux.adapters.storage.store import ObjectStore, open_store
+from loramux.adapters.storage.store import ObjectStore
 from loramux.billing.ledger import LedgerWriter
-from loramux.billing.ledger_wal import WAL_NAME
 from loramux.billing.pricing import PriceBook
 from loramux.db import Database
-from loramux.names import base_model_id
 from loramux.request_rates import RequestRates
 from loramux.settings import Settings
 from loramux.tenancy.admin_keys import AdminKeys
@@ -61,41 +56,11 @@ class Services:
 
     @classmethod
     def from_settings(cls, settings: Settings, engine=None, migrate: bool = True) -> Services:
-        """Everything the server needs. `engine`: an LLMEngine to use instead of building one."""
-        from loramux.engine.async_engine import AsyncEngine
-        from loramux.engine.engine import LLMEngine
-        from loramux.engine.structured.compile_pool import CompileLimits
+        """Everything a single server needs, the engine in this process. `engine`: an LLMEngine to use instead
+        of building one."""
+        from loramux.services.builder import InProcess, build_services
 
-        db = Database(settings.resolved_database_url())
-        if migrate:
-            db.upgrade()
-        store = store_from_settings(settings)
-        llm = engine if engine is not None else LLMEngine.from_settings(settings, load_adapters=False)
-        limits = UploadLimits(max_total_bytes=settings.max_upload_bytes, max_rank=settings.max_lora_rank,
-                              max_head_bytes=settings.max_adapter_head_bytes)
-        tenancy = Tenancy(db)
-        registry = AdapterRegistry(db, store, llm.model.config, base_model_id(settings.model), limits,
-                                   shared_tenant=LOCAL_TENANT, tenancy=tenancy,
-                                   device_dtype_bytes=llm.pool.dtype.itemsize if llm.pool else 4)
-        disk = DiskCache(Path(settings.data_dir) / "adapter-cache", settings.disk_cache_bytes)
-        cache = AdapterCache(store, disk, HostCache(settings.host_cache_bytes))
-        hidden_size = llm.model.config.hidden_size
-        medusa = MedusaRegistry(db, store, hidden_size, base_model_id(settings.model), limits)
-        medusa_cache = MedusaCache(store, disk, hidden_size, settings.medusa_cache_bytes)
-        medusa.on_blob_deleted(medusa_cache.evict)
-        async_engine = AsyncEngine(llm, stalled_reader_timeout_s=settings.stalled_reader_timeout_s,
-                                   compile_limits=CompileLimits.from_settings(settings))
-        registry.on_blob_deleted(cache.evict)
-        registry.on_blob_deleted(async_engine.evict_adapter)
-        admin_keys = AdminKeys(db)
-        if settings.admin_key:
-            admin_keys.ensure(settings.admin_key)
-        ledger = LedgerWriter(db, Path(settings.data_dir) / WAL_NAME)
-        ledger.start()
-        services = cls(settings, db, store, registry, cache, async_engine, tenancy, admin_keys, PriceBook(db), ledger,
-                       medusa=medusa, medusa_cache=medusa_cache)
-        services.register_local_adapters()
-        return services
+        return build_services(settings, engine=InProcess(engine), migrate=migrate)
 
     def register_local_adapters(self) -> None:
         """Upload the adapter directories of LORAMUX_ADAPTERS into the registry (as tenant `local`)."""
@@ -120,9 +85,3 @@ class Services:
             self.medusa_cache.shutdown()
         self.db.dispose()
 
-
-def store_from_settings(settings: Settings) -> ObjectStore:
-    """The adapter object store that LORAMUX_STORE_URL and the LORAMUX_S3_* settings describe."""
-    return open_store(settings.resolved_store_url(), endpoint_url=settings.s3_endpoint_url, region=settings.s3_region,
-                      access_key_id=settings.s3_access_key_id, secret_access_key=settings.s3_secret_access_key,
-                      timeout_s=settings.s3_timeout_s, max_attempts=settings.s3_max_attempts)
