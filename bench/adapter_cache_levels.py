@@ -16,7 +16,8 @@ The ratio of the streams' p99 inter-token latency, cold / steady, isolates the c
 Ends with FIGURE cold_load_itl_p99_ratio and FIGURE cold_s3_ttft_ms.
 
 Default: 3 rounds (about 2 minutes on a quiet 2-vCPU machine; 5 rounds took 4.6 min under a load average of
-4-8); `--full`: 5 rounds, as in docs/performance.md. Each round prints its figures and the elapsed seconds.
+4-8); `--full`: 5 rounds, as in docs/performance.md; `--smoke`: one round of 12-token streams on a tiny random
+model (bench/smoke.py), what the tests run. Each round prints its figures and the elapsed seconds.
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from smoke import SMOKE_HELP, model_label, tiny_model
 
 from loramux.testing import LiveServer, describe_cpu, percentile, start_moto_process, write_peft_adapter
 
@@ -185,7 +188,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     args = ap.parse_args()
     if args.rounds is None:
+    ap.add_argument("--smoke", action="store_true", help=f"1 round, 12-token streams, the tiny model: {SMOKE_HELP}")
         args.rounds = 5 if args.full else 3
+    if args.smoke:
+        args.rounds, args.tokens = 1, 12
+        tiny_model()
 
     import torch
 
@@ -196,7 +203,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             bench = Bench(args, Path(tmp), endpoint)
             size = bench.new_adapter("size-probe").size_bytes
-            print(f"SmolLM2-135M fp32, {args.threads} threads, rank {args.rank} on 7 projections "
+            print(f"{model_label(args.smoke)} fp32, {args.threads} threads, rank {args.rank} on 7 projections "
                   f"({size / 2**20:.1f} MiB per adapter blob), {args.rounds} rounds, S3 = moto in a subprocess",
                   flush=True)
             ttfts = bench.tier_ttfts()

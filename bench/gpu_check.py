@@ -10,8 +10,9 @@ On a CUDA machine (real shapes, bf16):
   4. Decode of a random-weight Llama-7B-shaped model, batch 32: tokens/s with 1 vs 32 distinct adapters
      (r=16 on all 7 projections), and base-only, each eagerly and replayed as CUDA graphs
      (loramux.engine.cuda_graphs), with the graph step's logits checked against the eager step's.
-`--tiny` runs the same code at tiny shapes on CPU (Triton interpreter), so a test keeps it working; there the
-"cuda graphs" runs take the same fixed-shape path eagerly (capture and replay need CUDA).
+`--smoke` (or its older name `--tiny`) runs the same code at tiny shapes on CPU (Triton interpreter), so a test
+keeps it working; there the "cuda graphs" runs take the same fixed-shape path eagerly (capture and replay need
+CUDA).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import os
 import sys
 import time
 
-if "--tiny" in sys.argv:
+if "--smoke" in sys.argv or "--tiny" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
@@ -247,10 +248,11 @@ def greedy_decode_step(scheduler, runner):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tiny", action="store_true", help="tiny shapes on CPU (Triton interpreter)")
+    ap.add_argument("--smoke", "--tiny", dest="tiny", action="store_true",
+                    help="smoke run (what the tests run): tiny shapes on CPU (Triton interpreter)")
     args = ap.parse_args()
     if not args.tiny and not torch.cuda.is_available():
-        sys.exit("no CUDA device: run with --tiny for the CPU smoke version")
+        sys.exit("no CUDA device: run with --smoke for the CPU smoke version")
     device = torch.device("cuda" if not args.tiny else "cpu")
     dtype = torch.bfloat16 if not args.tiny else torch.float32
     cfg = LLAMA_7B if not args.tiny else TINY

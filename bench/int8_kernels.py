@@ -12,6 +12,7 @@ activations rounded to 8 bits: cheaper, and less accurate); fbgemm_per_tensor (f
 quantization, one grid for the whole batch); int8pack; dequant.
 
     .venv/bin/python bench/int8_kernels.py [--batches 8,32,128] [--rounds 7] [--threads 2] [--stat min]
+    .venv/bin/python bench/int8_kernels.py --smoke   # batch 2, 1 round, 1 layer, no slow kernels
 """
 from __future__ import annotations
 
@@ -106,7 +107,11 @@ def main() -> None:
                     help="per-call statistic over rounds (min resists other load on a shared machine)")
     ap.add_argument("--skip-slow", action="store_true", help="leave out int8pack and dequant")
     ap.add_argument("--layers", type=int, default=LAYERS, help="decoder layers of weights per candidate")
+    ap.add_argument("--smoke", action="store_true", help="smoke run (what the tests run): --batches 2 --rounds 1 "
+                    "--layers 1 --skip-slow, in seconds; its times mean nothing")
     args = ap.parse_args()
+    if args.smoke:
+        args.batches, args.rounds, args.layers, args.skip_slow = "2", 1, 1, True
     torch.set_num_threads(args.threads)
     stat = statistics.median if args.stat == "median" else min
     print(describe_cpu())  # the int8 kernels depend on VNNI / AMX

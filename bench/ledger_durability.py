@@ -149,7 +149,8 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=2.0, help="length of each open-loop phase")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=64, help="closed-loop submitters")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 1 round of 0.5 s phases")
+    parser.add_argument("--smoke", "--quick", dest="quick", action="store_true",
+                        help="smoke run (what the tests run): 1 round of 0.5 s phases")
     parser.add_argument("--full", action="store_true", help="the full run: the default already is (no change)")
     args = parser.parse_args()
     t_start = time.perf_counter()

@@ -31,7 +31,8 @@ Prints the machine (CPU model, SIMD flags, torch, threads), progress as it goes 
 warm-up and end, with the elapsed seconds), a table per scenario, writes `--json` and a plot (`--plot`: mixed set,
 tok/s and TTFT p99 against N) and ends with the FIGURE lines adapters_64_vs_base_tok_s,
 adapters_64_ttft_p50_ratio, adapters_1000_vs_8_tok_s, adapters_1000_ttft_p99_ms (`--quick`: the largest N it
-ran stands in for 64 and 1000, the smallest other N for 8; it says so).
+ran stands in for 64 and 1000, the smallest other N for 8; it says so; `--smoke`: --quick on a tiny random model,
+what the tests run).
 
 Default: only the four scenarios behind the FIGURE lines (base, table-uniform-64, mixed-zipf-8, mixed-zipf-1000),
 same load, warm-up and window as the full sweep, no plot unless `--plot` (about 4-5 minutes with the adapter
@@ -58,6 +59,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from many_adapters_plot import mixed_points, plot
+from smoke import SMOKE_HELP, tiny_model
 
 from loramux.testing import LiveServer, describe_cpu, percentile, write_peft_adapter
 
@@ -486,7 +488,8 @@ def main() -> None:
                     f"'base,table-*,mixed-zipf-*' (default: {FIGURE_SCENARIOS}; --full and --quick: '*')")
     ap.add_argument("--n", default=",".join(map(str, MIXED_NS)), help="adapter counts of the mixed sweep")
     ap.add_argument("--max-loras", type=int, help="set LORAMUX_MAX_LORAS (default: the engine's own default)")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 2 clients, 8 tokens, 4 s windows, N 1 and 8")
+    ap.add_argument("--quick", action="store_true", help="short run: 2 clients, 8 tokens, 4 s windows, N 1 and 8")
+    ap.add_argument("--smoke", action="store_true", help=f"--quick on the tiny model: {SMOKE_HELP}")
     ap.add_argument("--full", action="store_true", help="every scenario and the plot docs/many_adapters.png "
                     "(the long sweep of docs/performance.md)")
     ap.add_argument("--upload-concurrency", type=int, default=2, help="adapter uploads in flight at a time, before "
@@ -497,9 +500,12 @@ def main() -> None:
     ap.add_argument("--plot", type=Path, help="plot path (--full: docs/many_adapters.png by default; otherwise none)")
     args = ap.parse_args()
     mixed_ns, table_ns = [int(n) for n in args.n.split(",") if n], TABLE_NS
+    args.quick = args.quick or args.smoke
     if args.quick:
         args.duration, args.warmup, args.clients, args.max_tokens = 4.0, 1.0, 2, 8
         mixed_ns, table_ns = [n for n in mixed_ns if n <= 8], (1, 8)
+    if args.smoke:
+        tiny_model()
     elif args.plot is None and args.full:
         args.plot = Path(__file__).resolve().parents[1] / "docs" / "many_adapters.png"
     if args.scenarios is None:

@@ -16,7 +16,7 @@ then rounds alternate which engine goes first; the medians of tok/s are compared
 exactly --new-tokens tokens on both sides; the greedy outputs of the first round are compared as a check.
 
 Ends with `FIGURE qwen3_0p6b_mixed_vs_vllm <ratio>` and `FIGURE llama3_1b_mixed_vs_vllm <ratio>` (loramux tok/s
-/ vLLM tok/s; target >= 1.3). `--quick --loramux-only` is a smoke run on tiny shapes of the same families.
+/ vLLM tok/s; target >= 1.3). `--smoke` (= `--quick --loramux-only`) is a smoke run on tiny shapes of the same families.
 """
 from __future__ import annotations
 
@@ -111,8 +111,9 @@ def build_checkpoint(out: Path, model_type: str, config_kwargs: dict, tokenizer_
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="smoke run: tiny shapes, 4 new tokens, 1 round")
+    ap.add_argument("--quick", action="store_true", help="short run: tiny shapes, 4 new tokens, 1 round")
     ap.add_argument("--loramux-only", action="store_true", help="do not start vLLM")
+    ap.add_argument("--smoke", action="store_true", help="smoke run (what the tests run): --quick --loramux-only")
     ap.add_argument("--families", default=",".join(FAMILIES), help=f"comma-separated, of {', '.join(FAMILIES)}")
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds (default 3, --quick 1)")
     ap.add_argument("--new-tokens", type=int, default=None, help="tokens per request (default 64, --quick 4)")
@@ -123,6 +124,7 @@ def parse_args(argv=None):
     ap.add_argument("--kv-cache-gib", type=int, default=2, help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE)")
     ap.add_argument("--models-dir", type=Path, default=MODELS_DIR, help="where the random checkpoints are kept")
     args = ap.parse_args(argv)
+    args.quick, args.loramux_only = args.quick or args.smoke, args.loramux_only or args.smoke
     args.families = [f for f in args.families.split(",") if f]
     unknown = set(args.families) - set(FAMILIES)
     if unknown:

@@ -41,6 +41,7 @@ import statistics
 import time
 
 import torch
+from smoke import SMOKE_HELP, model_label, tiny_model
 
 from loramux.testing import describe_cpu
 
@@ -123,11 +124,15 @@ def main() -> None:
                     help="engine step token budget (default: Settings' max_num_batched_tokens)")
     ap.add_argument("--quick", action="store_true", help="smoke mode: 1 round of 3 prompts, one warm-up prompt")
     ap.add_argument("--full", action="store_true", help="the long run: 5 rounds")
+    ap.add_argument("--smoke", action="store_true", help=f"--quick on the tiny model: {SMOKE_HELP}")
     args = ap.parse_args()
     if args.rounds is None:
         args.rounds = 5 if args.full else 3
+    args.quick = args.quick or args.smoke
     if args.quick:
         args.rounds, args.prompts_per_round = 1, 3
+    if args.smoke:
+        tiny_model()
     torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
 
@@ -151,7 +156,7 @@ def main() -> None:
     suffixes = build_suffixes(tok, n_warm + n_prompts, args.seed)
     prompts = [prefix + s for s in suffixes]
     print(describe_cpu())
-    print(f"model SmolLM2-135M-Instruct float32, threads={args.threads}, prompt = {PREFIX_LEN}-token shared "
+    print(f"model {model_label(args.smoke)} float32, threads={args.threads}, prompt = {PREFIX_LEN}-token shared "
           f"prefix + {SUFFIX_LEN}-token suffix, batch 1, 1 greedy token; {args.rounds} rounds x "
           f"{args.prompts_per_round} prompts (every suffix used once), block_size {settings.block_size}, "
           f"max_num_batched_tokens {settings.max_num_batched_tokens}, {time.strftime('%Y-%m-%d')}")

@@ -14,6 +14,7 @@ speculative decoding off so that the outputs differ only by the weights.
 Ends with FIGURE int8_greedy_agreement and FIGURE int8_vs_fp32_b8 (int8 / fp32 decode tok/s).
 
     .venv/bin/python bench/quantization.py [--prompts 100] [--rounds 5] [--threads 1]
+    .venv/bin/python bench/quantization.py --smoke   # 3 prompts, 4 tokens, batch 2, 1 round, a tiny random model
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+from smoke import SMOKE_HELP, model_label, tiny_model
 
 from loramux.testing import describe_cpu, write_peft_adapter
 
@@ -133,12 +135,17 @@ def main() -> None:
                     help="torch threads (default 1: on a shared 2-vCPU VM, other jobs make 2-thread OpenMP "
                          "barriers wait for descheduled threads, 5-10x slower and noisy; 1 thread keeps the "
                          "ratio stable)")
+    ap.add_argument("--smoke", action="store_true",
+                    help=f"3 prompts, 4 tokens, batch 2, 1 round, the tiny model: {SMOKE_HELP}")
     args = ap.parse_args()
+    if args.smoke:
+        args.prompts, args.new_tokens, args.decode_tokens, args.rounds, args.batch = 3, 4, 4, 1, 2
+        tiny_model()
     torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
     print(describe_cpu())
-    print(f"torch {torch.__version__}, threads={torch.get_num_threads()}, {time.strftime('%Y-%m-%d %H:%M')}",
-          flush=True)
+    print(f"{model_label(args.smoke)}; torch {torch.__version__}, threads={torch.get_num_threads()}, "
+          f"{time.strftime('%Y-%m-%d %H:%M')}", flush=True)
     engines = {"fp32": make_engine("none", args.rank), "int8": make_engine("int8", args.rank)}
     layer = engines["int8"].model.lm_head.int8
     print(f"engines loaded; int8 kernel {layer.kernel!r}, activation passes of {layer.qmax.bit_length() + 1} bits "

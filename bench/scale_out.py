@@ -15,7 +15,7 @@ scales with more machines: each added replica there brings its own cores or GPU,
 (PostgreSQL, Redis, S3) is touched a few times per request, not per token. docs/capacity.md turns the
 per-replica numbers into a sizing model.
 
-    python bench/scale_out.py [--rounds 2] [--requests 48] [--clients 16] [--quick]
+    python bench/scale_out.py [--rounds 2] [--requests 48] [--clients 16] [--quick | --smoke]
 """
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from smoke import SMOKE_HELP, model_label, tiny_model
 
 from loramux.testing import describe_cpu, free_port, start_redis_server, write_peft_adapter
 
@@ -57,9 +59,12 @@ def main(argv=None) -> int:
     parser.add_argument("--requests", type=int, default=48, help="requests per timed round")
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--quick", action="store_true", help="smoke run: 1 round of 8 requests, 4 clients, 4 tokens")
+    parser.add_argument("--quick", action="store_true", help="short run: 1 round of 8 requests, 4 clients, 4 tokens")
+    parser.add_argument("--smoke", action="store_true", help=f"--quick on the tiny model: {SMOKE_HELP}")
     args = parser.parse_args(argv)
-    if args.quick:
+    if args.smoke:
+        tiny_model()
+    if args.quick or args.smoke:
         args.rounds, args.requests, args.clients, args.new_tokens = 1, 8, 4, 4
 
     import httpx
@@ -73,7 +78,7 @@ def main(argv=None) -> int:
     from loramux.settings import Settings
 
     cores = len(os.sched_getaffinity(0))
-    print(f"scale-out on Ray Serve: SmolLM2-135M-Instruct float32, {args.requests} requests per round "
+    print(f"scale-out on Ray Serve: {model_label(args.smoke)} float32, {args.requests} requests per round "
           f"({args.clients} closed-loop clients, {args.new_tokens} new tokens), 8 r={RANK} adapters + base; "
           f"{time.strftime('%Y-%m-%d %H:%M')}")
     print(describe_cpu())
@@ -83,7 +88,7 @@ def main(argv=None) -> int:
 
     tmp = Path(tempfile.mkdtemp(prefix="loramux-scale-out-"))
     redis_url, redis_proc = start_redis()
-    model_dir = resolve_model_dir("SmolLM2-135M-Instruct", Path(Settings().cache_dir))
+    model_dir = resolve_model_dir(Settings().model, Path(Settings().cache_dir))
     model_cfg, _ = read_model_config(model_dir)
     adapter_dirs = [write_peft_adapter(tmp / f"ad{i}", model_cfg, RANK, ALL, seed=i, b_std=0.02) for i in range(8)]
     ray.init(num_cpus=max(4, cores + 2), include_dashboard=False, log_to_driver=False)

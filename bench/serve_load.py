@@ -34,6 +34,7 @@ Default run (about 5 minutes with both engines): rates 1, 2, 4 req/s, 15 s windo
 asked. `--full`: the sweep docs/performance.md records (0.25-5 req/s, 25 s windows, 2 rounds; about 22 minutes),
 written to docs/serve_load.json and docs/serve_load.png unless --out / --plot say otherwise.
 `--quick`: loramux only, one rate (1 req/s for 5 s: 4 requests at seed 1), no closed loop, no files unless asked.
+`--smoke`: --quick on a tiny random model (bench/smoke.py), what the tests run.
 """
 from __future__ import annotations
 
@@ -76,6 +77,7 @@ from load_workload import (
 )
 from serve_load_plot import plot
 from serve_stack import LoramuxServer
+from smoke import SMOKE_HELP, tiny_model
 
 from loramux.testing import cpu_info, describe_cpu, free_port, write_peft_adapter
 
@@ -363,8 +365,10 @@ def parse_args(argv=None):
                          "(default: <tmp>/serve_load-logs)")
     ap.add_argument("--dump", type=Path, help="one JSON line per request (engine, load, plan, timings) here")
     ap.add_argument("--quick", action="store_true",
-                    help="smoke run: loramux only, 1 req/s for 5 s (4 requests at seed 1), no closed loop")
+                    help="short run: loramux only, 1 req/s for 5 s (4 requests at seed 1), no closed loop")
+    ap.add_argument("--smoke", action="store_true", help=f"--quick on the tiny model: {SMOKE_HELP}")
     args = ap.parse_args(argv)
+    args.quick = args.quick or args.smoke
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     unknown = {e for e in args.engines if e not in ENGINES and not re.fullmatch(r"vllm@[1-9][0-9]*", e)}
     if unknown or not args.engines:
@@ -435,6 +439,8 @@ def run_rounds(args, slo: SLO, work: Path, model_dir: Path, adapters: dict[str, 
 
 def main() -> None:
     args = parse_args()
+    if args.smoke:
+        tiny_model()  # the server process (serve_stack.py) loads it too: LORAMUX_MODEL
     slo = SLO(args.slo_ttft_ms / 1000, args.slo_itl_ms / 1000)
     machine = machine_info(args.threads)
     print_setup(args)

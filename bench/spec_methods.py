@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+from smoke import SMOKE_HELP, model_label, tiny_medusa_heads, tiny_model
 
 CHAT = [
     "How do I make a good cup of tea?",
@@ -70,10 +71,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--full", action="store_true", help="all 8 prompts, 3 rounds, and the batch sweep with its plot")
     ap.add_argument("--no-draft", action="store_true", help="leave the draft model out")
     ap.add_argument("--no-adapter", action="store_true", help="leave the adapter's heads out")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 1 prompt, 8 tokens, 1 round, Medusa only")
+    ap.add_argument("--quick", action="store_true", help="short run: 1 prompt, 8 tokens, 1 round, Medusa only")
+    ap.add_argument("--smoke", action="store_true", help=f"--quick on the tiny model and random heads: {SMOKE_HELP}")
     args = ap.parse_args(argv)
     if args.full:
         args.prompts, args.rounds = len(CHAT), 3
+    args.quick = args.quick or args.smoke
+    if args.smoke:
+        tiny_model()
+        tiny_medusa_heads()
     if args.quick:
         args.prompts, args.rounds, args.new_tokens, args.no_draft, args.no_adapter = 1, 1, 8, True, True
     torch.set_num_threads(args.threads)
@@ -109,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         configs["adapter medusa"] = {"adapter": "bench-adapter", "methods": "medusa", "heads": adapter_heads}
     prompts = [engine.encode_chat([{"role": "user", "content": p}]) for p in CHAT[:args.prompts]]
     print(describe_cpu())
-    print(f"SmolLM2-135M-Instruct float32, threads={args.threads}, greedy, until end-of-turn or {args.new_tokens} "
+    print(f"{model_label(args.smoke)} float32, threads={args.threads}, greedy, until end-of-turn or {args.new_tokens} "
           f"tokens, {len(prompts)} chat prompts at batch 1, rounds={args.rounds}, {time.strftime('%Y-%m-%d')}; "
           f"draft length {engine.config.speculative_tokens}, adaptive speculation on", flush=True)
 

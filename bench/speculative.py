@@ -48,6 +48,7 @@ import sys
 import time
 
 import torch
+from smoke import SMOKE_HELP, model_label, tiny_model
 
 from loramux.testing import describe_cpu
 
@@ -214,17 +215,23 @@ def main() -> None:
                     help="warm up with every configuration over every prompt (default: over the first prompt)")
     ap.add_argument("--full", action="store_true",
                     help="the long sweep: K in 2,3,4,5,8, the HF rows, the full warm-up pass (about 20 minutes)")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 2 prompts, 16 tokens, K=4, HF, 1 round")
+    ap.add_argument("--quick", action="store_true", help="short run: 2 prompts, 16 tokens, K=4, HF, 1 round")
+    ap.add_argument("--smoke", action="store_true",
+                    help=f"--quick on the tiny model (spec_methods: with random heads): {SMOKE_HELP}")
     ap.add_argument("--lookup-only", action="store_true",
                     help="only prompt lookup (else bench/spec_methods.py's Medusa / draft comparison runs first)")
     args, rest = ap.parse_known_args()
     if not args.lookup_only:
         import spec_methods
 
-        spec_methods.main(rest + (["--quick"] if args.quick else []) + (["--full"] if args.full else []))
+        spec_methods.main(rest + (["--smoke"] if args.smoke else ["--quick"] if args.quick else [])
+                          + (["--full"] if args.full else []))
         print(flush=True)
     elif rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.quick = args.quick or args.smoke
+    if args.smoke:
+        tiny_model()
     if args.quick:
         args.ks, args.new_tokens, args.rounds, args.prompts, args.hf = "4", 16, 1, 2, True
     if args.full:
@@ -256,7 +263,7 @@ def main() -> None:
         hf = AutoModelForCausalLM.from_pretrained(tok.name_or_path, dtype=torch.float32).eval()
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else eos_ids[0]
     print(describe_cpu())
-    print(f"model SmolLM2-135M-Instruct float32, threads={args.threads}, batch 1, greedy, until end-of-turn or "
+    print(f"model {model_label(args.smoke)} float32, threads={args.threads}, batch 1, greedy, until end-of-turn or "
           f"{args.new_tokens} new tokens, {len(prompts)} summarisation/extraction prompts of "
           f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens, rounds={args.rounds} (median), "
           f"{time.strftime('%Y-%m-%d')}, load {time.perf_counter() - t_start:.1f} s", flush=True)

@@ -23,7 +23,8 @@ Configurations (U = distinct adapters in the batch, rows spread round-robin):
   default (~5 min on 2 cores): b8 base-only, b8 U=8, b32 base-only, b32 U=8 (2-3 rounds),
                                plus loramux int8 b8 U=8 when Settings has `quantization`
   --full:                      b8 and b32 x base-only, U=1, U=8, U=B (5 rounds, no budget), plus the int8 one
-  --loramux-only --quick:      a smoke run without vLLM (b8 base-only, U=8 and int8 U=8, 4 new tokens, 1 round)
+  --loramux-only --quick:      a short run without vLLM (b8 base-only, U=8 and int8 U=8, 4 new tokens, 1 round)
+  --smoke:                     --quick on a tiny random model (bench/smoke.py), what the tests run
 Ends with FIGURE lines: vs_vllm_base_b8 and vs_vllm_mixed_b8 (loramux / vLLM tok/s, base-only and U=8),
 mixed_vs_base_b8 (loramux U=8 / loramux base-only), the same three for b32 (mixed: U=8), and int8_vs_fp32_b8
 (loramux int8 / fp32, U=8 b8). Figures against vLLM are left out when vLLM is unavailable (the reason is
@@ -46,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import vllm_peer
+from smoke import SMOKE_HELP, model_label, tiny_model
 
 from loramux.testing import describe_cpu, write_peft_adapter
 
@@ -244,7 +246,8 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> str:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--full", action="store_true", help="the long sweep: U=1/8/B at b8 and b32, 5 rounds")
-    ap.add_argument("--quick", action="store_true", help="smoke run: b8 only, 4 new tokens (2 in the warm-up), 1 round")
+    ap.add_argument("--quick", action="store_true", help="short run: b8 only, 4 new tokens (2 in the warm-up), 1 round")
+    ap.add_argument("--smoke", action="store_true", help=f"--quick on the tiny model: {SMOKE_HELP}")
     ap.add_argument("--loramux-only", action="store_true", help="do not start vLLM")
     ap.add_argument("--batches", default=None, help="comma-separated batch sizes (default 8,32; --quick: 8)")
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds (default 3, --full 5, --quick 1)")
@@ -258,6 +261,7 @@ def parse_args(argv=None):
                     help="threads (and cores) per engine (default: all allowed cores)")
     ap.add_argument("--kv-cache-gib", type=int, default=2, help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE)")
     args = ap.parse_args(argv)
+    args.quick = args.quick or args.smoke
     args.batches = [int(b) for b in (args.batches or ("8" if args.quick else "8,32")).split(",")]
     args.rounds = args.rounds or (1 if args.quick else 5 if args.full else 3)
     args.new_tokens = args.new_tokens or (4 if args.quick else 64)
@@ -284,8 +288,10 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     has_quant = "quantization" in Settings.model_fields
     configs = plan(args, has_quant)
-    mode = "quick" if args.quick else "full" if args.full else "default"
-    print(f"loramux vs vLLM ({mode}): SmolLM2-135M-Instruct float32, greedy, {args.new_tokens} new tokens per "
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full" if args.full else "default"
+    if args.smoke:
+        tiny_model()
+    print(f"loramux vs vLLM ({mode}): {model_label(args.smoke)} float32, greedy, {args.new_tokens} new tokens per "
           f"request (EOS ignored), r={RANK} on all 7 projections; one warm-up per configuration and engine "
           f"({args.warmup_tokens} tokens per request), then up to {args.rounds} round(s) (median), alternating which "
           f"engine goes first" + (f", none started that would end past {args.budget_s:g} s" if args.budget_s else "")
@@ -295,7 +301,7 @@ def main(argv=None) -> int:
     if not has_quant:
         print("int8: skipped (loramux Settings has no `quantization` field)")
 
-    model_dir = resolve_model_dir("SmolLM2-135M-Instruct", Path(Settings().cache_dir))
+    model_dir = resolve_model_dir(Settings().model, Path(Settings().cache_dir))
     model_cfg, _ = read_model_config(model_dir)
     num_adapters = max((c.u or 0) for c in configs)
     names = [f"ad{i}" for i in range(num_adapters)]

@@ -1,5 +1,5 @@
-"""Benchmark scripts stay runnable: their smoke modes (gpu_check --tiny on the Triton interpreter, structured --tiny,
-one-round or --quick runs of the others)."""
+"""Benchmark scripts stay runnable: their `--smoke` runs (bench/smoke.py: the smallest sizes, on a tiny random Llama
+with SmolLM2's tokenizer where a script loads a model; gpu_check's on the Triton interpreter)."""
 from __future__ import annotations
 
 import json
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_gpu_check_tiny_runs_and_passes():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--tiny"], capture_output=True,
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--smoke"], capture_output=True,
                           text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
@@ -27,8 +27,9 @@ def test_gpu_check_tiny_runs_and_passes():
 
 @pytest.mark.real_model
 def test_adapter_cache_levels_bench_runs_end_to_end():
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "adapter_cache_levels.py"), "--rounds", "1",
-                           "--tokens", "12"], capture_output=True, text=True, timeout=600,
+    """Smoke mode: one round, 12-token streams, the tiny model; moto S3 in a subprocess."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "adapter_cache_levels.py"), "--smoke"],
+                          capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "FIGURE cold_load_itl_p99_ratio" in proc.stdout and "FIGURE cold_s3_ttft_ms" in proc.stdout
@@ -36,9 +37,9 @@ def test_adapter_cache_levels_bench_runs_end_to_end():
 
 @pytest.mark.real_model
 def test_serve_load_bench_quick_run_reports_figures():
-    """Smoke mode: loramux alone, its server in its own process, 5 s of open-loop Poisson arrivals at 1 request/s
-    over HTTP (4 requests at the default seed), no closed loop, no files written."""
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "serve_load.py"), "--quick"], capture_output=True,
+    """Smoke mode: loramux alone on the tiny model, its server in its own process, 5 s of open-loop Poisson arrivals
+    at 1 request/s over HTTP (4 requests at the default seed), no closed loop, no files written."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "serve_load.py"), "--smoke"], capture_output=True,
                           text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
@@ -56,9 +57,9 @@ def test_serve_load_bench_quick_run_reports_figures():
 
 @pytest.mark.real_model
 def test_prefix_cache_bench_quick_run_reports_ratio():
-    """Smoke mode: one round of 3 prompts (512-token shared prefix + 32-token suffix), loramux and HF. One torch
-    thread: on a 2-vCPU machine shared with other jobs, two threads oversubscribe and ran 4x slower (~130 s)."""
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "prefix_cache.py"), "--quick", "--threads", "1"],
+    """Smoke mode: one round of 3 prompts (512-token shared prefix + 32-token suffix), loramux and HF, on the tiny
+    model. One torch thread: on a 2-vCPU machine shared with other jobs, two threads oversubscribe."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "prefix_cache.py"), "--smoke", "--threads", "1"],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
@@ -71,9 +72,9 @@ def test_prefix_cache_bench_quick_run_reports_ratio():
 
 @pytest.mark.real_model
 def test_speculative_bench_quick_run_reports_figure():
-    """Smoke mode: Medusa on one chat prompt and 16 adaptive streams, then 2 summarisation prompts, 16 tokens,
-    K=4, one round, loramux and HF prompt lookup."""
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "speculative.py"), "--quick"], capture_output=True,
+    """Smoke mode, on the tiny model with random Medusa heads: Medusa on one chat prompt and 16 adaptive streams,
+    then 2 summarisation prompts, 16 tokens, K=4, one round, loramux and HF prompt lookup."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "speculative.py"), "--smoke"], capture_output=True,
                           text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
@@ -87,7 +88,7 @@ def test_speculative_bench_quick_run_reports_figure():
 
 def test_ledger_durability_bench_quick_run_reports_figure():
     """Smoke mode: one round of 0.5 s phases on SQLite; every submitted record reaches SQL exactly once."""
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "ledger_durability.py"), "--quick"],
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "ledger_durability.py"), "--smoke"],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
@@ -101,9 +102,10 @@ def test_ledger_durability_bench_quick_run_reports_figure():
 @pytest.mark.real_model
 def test_many_adapters_bench_quick_run_reports_figures(tmp_path):
     """Smoke mode: the base model, the table set (1 and uniform over 8) and the mixed set at N 1 and 8, 2 clients,
-    8 tokens, 4 s windows, over HTTP with adapters uploaded through the admin API; JSON and plot written."""
+    8 tokens, 4 s windows, over HTTP with adapters uploaded through the admin API, on the tiny model; JSON and plot
+    written."""
     out_json, out_png = tmp_path / "many_adapters.json", tmp_path / "many_adapters.png"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "many_adapters.py"), "--quick", "--json",
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "many_adapters.py"), "--smoke", "--json",
                            str(out_json), "--plot", str(out_png)], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -128,9 +130,9 @@ def test_many_adapters_bench_quick_run_reports_figures(tmp_path):
 
 @pytest.mark.real_model
 def test_scale_out_bench_quick_run_reports_figure():
-    """Smoke mode: 1 and 2 engine replicas on a local Ray cluster, one short round each."""
+    """Smoke mode: 1 and 2 engine replicas of the tiny model on a local Ray cluster, one short round each."""
     pytest.importorskip("ray", reason="the ray extra is not installed")
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "scale_out.py"), "--quick"],
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "scale_out.py"), "--smoke"],
                           capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
@@ -143,8 +145,8 @@ def test_scale_out_bench_quick_run_reports_figure():
 def test_structured_bench_tiny_run_reports_the_step_overhead():
     """Smoke mode: the tiny random model (SmolLM2's tokenizer), one round of 8 rows x 8 tokens with 0, 1 and 8
     rows under the JSON schema; every row decodes to its max_tokens."""
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "structured.py"), "--tiny", "--rounds", "1",
-                           "--tokens", "8", "--threads", "1"], capture_output=True, text=True, timeout=300,
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "structured.py"), "--smoke", "--threads", "1"],
+                          capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
@@ -159,7 +161,7 @@ def test_structured_bench_tiny_run_reports_the_step_overhead():
 def test_model_families_bench_quick_run_measures_both_families(tmp_path):
     """Smoke mode without vLLM: tiny shapes of Qwen3 and Llama 3 built into --models-dir, 8 adapters, each family
     decodes exactly its tokens; no FIGURE lines without the peer."""
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "model_families.py"), "--quick", "--loramux-only",
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "model_families.py"), "--smoke",
                            "--models-dir", str(tmp_path), "--threads", "1"], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -325,14 +325,13 @@ def run_bench(*args: str) -> str:
 
 
 def test_int8_kernel_bench_runs():
-    out = run_bench("int8_kernels.py", "--batches", "2", "--rounds", "1", "--layers", "1", "--skip-slow")
+    out = run_bench("int8_kernels.py", "--smoke")  # batch 2, 1 round, 1 layer, no slow kernels
     assert "machine: " in out and "| onednn |" in out and "| fbgemm |" in out, out  # describe_cpu() first
 
 
 @pytest.mark.real_model
 def test_quantization_bench_quick_run_reports_figures():
-    out = run_bench("quantization.py", "--prompts", "3", "--new-tokens", "4", "--decode-tokens", "4", "--rounds", "1",
-                    "--batch", "2")
+    out = run_bench("quantization.py", "--smoke")  # 3 prompts, 4 tokens, batch 2, 1 round, the tiny model
     lines = out.strip().splitlines()
     assert lines[-2].startswith("FIGURE int8_greedy_agreement ") and lines[-1].startswith("FIGURE int8_vs_fp32_b2 ")
     assert 0 <= float(lines[-2].split()[2]) <= 1 and float(lines[-1].split()[2]) > 0

@@ -1,4 +1,4 @@
-"""bench/vs_vllm.py stays runnable without vLLM: its `--loramux-only --quick` smoke mode."""
+"""bench/vs_vllm.py stays runnable without vLLM: its `--loramux-only --smoke` run (the tiny model)."""
 from __future__ import annotations
 
 import os
@@ -14,10 +14,10 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.real_model
 def test_vs_vllm_bench_loramux_only_quick_reports_figures():
     """b8 base-only and U=8 (plus int8 U=8 when Settings has `quantization`), 4 tokens per request, one round,
-    loramux alone. One thread: two oversubscribe a 2-vCPU machine shared with other jobs."""
+    loramux alone, on the tiny model. One thread: two oversubscribe a 2-vCPU machine shared with other jobs."""
     from loramux.settings import Settings
 
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "vs_vllm.py"), "--loramux-only", "--quick",
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "vs_vllm.py"), "--loramux-only", "--smoke",
                            "--threads", "1"], capture_output=True, text=True, timeout=900,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
