@@ -82,7 +82,9 @@ class BlockManager:
             block = self.free_blocks.popleft()
         else:
             block, _ = self.evictable.popitem(last=False)  # least recently used cached block
-            del self.cached[self.block_hash[block]]
+            digest = self.block_hash[block]
+            assert digest is not None  # evictable blocks are cached ones, which have a hash
+            del self.cached[digest]
             self.block_hash[block] = None
         self.ref_counts[block] = 1
         return block

@@ -37,6 +37,9 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+T = TypeVar("T", bound=Hashable)  # a tenant, as the heap's caller names it
 
 
 @dataclass
@@ -137,7 +140,7 @@ class FairShare:
                          "output_tokens": s.output_tokens} for tenant, s in tenants.items()}
 
 
-class TenantHeap:
+class TenantHeap(Generic[T]):
     """The tenant of smallest key among a changing set, without scanning them: a heap with lazy updates.
 
     `key(tenant)` is the caller's (e.g. (counter, rank of its oldest request)). The caller `push`es a tenant
@@ -147,16 +150,16 @@ class TenantHeap:
     Each tenant has one live entry (`_live`); superseded ones are dropped when they surface, and the heap is
     rebuilt when they outnumber the live ones."""
 
-    def __init__(self, key: Callable[[Hashable], object]):
+    def __init__(self, key: Callable[[T], object]):
         self.key = key
-        self._heap: list[tuple[object, int, Hashable]] = []
-        self._live: dict[Hashable, tuple[object, int]] = {}  # tenant -> (key, tie) of its live entry
+        self._heap: list[tuple[object, int, T]] = []
+        self._live: dict[T, tuple[object, int]] = {}  # tenant -> (key, tie) of its live entry
         self._tie = 0  # insertion counter: tenants themselves are never compared
 
     def __len__(self) -> int:
         return len(self._live)
 
-    def push(self, tenant: Hashable) -> None:
+    def push(self, tenant: T) -> None:
         key = self.key(tenant)
         live = self._live.get(tenant)
         if live is not None and live[0] == key:
@@ -168,10 +171,10 @@ class TenantHeap:
             self._heap = [(k, tie, t) for t, (k, tie) in self._live.items()]
             heapq.heapify(self._heap)
 
-    def discard(self, tenant: Hashable) -> None:
+    def discard(self, tenant: T) -> None:
         self._live.pop(tenant, None)
 
-    def first(self, accept: Callable[[Hashable], bool], tries: int) -> Hashable | None:
+    def first(self, accept: Callable[[T], bool], tries: int) -> T | None:
         """The tenant of smallest key that `accept`s, trying at most `tries` of them in key order (None if
         none of those does)."""
         refused = []
@@ -185,7 +188,7 @@ class TenantHeap:
             for entry in refused:
                 heapq.heappush(self._heap, entry)
 
-    def top(self) -> Hashable | None:
+    def top(self) -> T | None:
         """The tenant of smallest key (None when empty)."""
         heap = self._heap
         while heap:

@@ -33,11 +33,29 @@ import heapq
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from loramux.engine.scheduling.block_manager import BlockManager
 from loramux.engine.scheduling.fair_share import FairShare, TenantHeap
 from loramux.engine.scheduling.step_budget import StepBudget, StepPlan
 from loramux.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+class AdapterDemand(Protocol):
+    """What the scheduler asks of the adapter residency (loramux.adapters.residency.locations.AdapterResidency),
+    by adapter digest; a Protocol, so this module imports no torch."""
+
+    def ready(self, digest: str) -> bool: ...
+
+    def want(self, digest: str, waited_s: float = 0.0) -> bool: ...
+
+    def pin(self, digest: str) -> None: ...
+
+    def unpin(self, digest: str) -> None: ...
+
+    def requeue(self, digest: str) -> None: ...
+
+    def drop_waiting(self, digest: str) -> None: ...
 
 
 @dataclass
@@ -77,8 +95,8 @@ class _Level:
     def __init__(self, priority: int, fair: FairShare):
         self.priority = priority
         self.tenants: dict[str, list[tuple[tuple, Sequence]]] = {}
-        self.by_claim = TenantHeap(lambda t: self.tenants[t][0][0])
-        self.by_share = TenantHeap(lambda t: (fair.counter(t), self.tenants[t][0][0]))
+        self.by_claim: TenantHeap[str] = TenantHeap(lambda t: self.tenants[t][0][0])
+        self.by_share: TenantHeap[str] = TenantHeap(lambda t: (fair.counter(t), self.tenants[t][0][0]))
 
     def push(self, tenant: str) -> None:
         self.by_claim.push(tenant)
@@ -91,7 +109,7 @@ class _Level:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 adapters=None, aging_s: float = 10.0, step_budget: StepBudget | None = None,
+                 adapters: AdapterDemand | None = None, aging_s: float = 10.0, step_budget: StepBudget | None = None,
                  long_rope_after: int | None = None, fair_share: FairShare | None = None):
         """`long_rope_after`: a LongRoPE model's original context (Phi-3). A sequence that outgrows it while
         computed with the short factors is recomputed whole with the long ones, as HF's Phi-3 generation
@@ -102,7 +120,7 @@ class Scheduler:
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.adapters = adapters  # AdapterResidency (duck-typed: this module imports no torch); None = no LoRA
+        self.adapters = adapters  # AdapterResidency; None = no LoRA
         if aging_s <= 0:
             raise ValueError("aging_s must be > 0")
         self.aging_s = aging_s
@@ -181,7 +199,9 @@ class Scheduler:
         """The level with the best claim: its longest-waiting request's aged priority."""
         best: tuple[tuple, _Level] | None = None
         for level in self._levels.values():  # a few tiers
-            claim = level.tenants[level.by_claim.top()][0][0]
+            tenant = level.by_claim.top()
+            assert tenant is not None  # empty levels are removed
+            claim = level.tenants[tenant][0][0]
             if best is None or claim < best[0]:
                 best = (claim, level)
         assert best is not None, "no waiting sequence"
@@ -191,7 +211,9 @@ class Scheduler:
         """The waiting sequence to admit next: in the best level, the oldest request of the tenant with the
         smallest counter."""
         level = self._best_level()
-        return level.tenants[level.by_share.top()][0][1]
+        tenant = level.by_share.top()
+        assert tenant is not None  # empty levels are removed
+        return level.tenants[tenant][0][1]
 
     def _share_slot(self, admitted: list[Sequence]) -> tuple[Sequence, Sequence] | None:
         """With every slot taken: (waiting sequence, running sequence whose slot it takes), or None. The
@@ -262,7 +284,7 @@ class Scheduler:
             if taken is None:
                 return set(), None
             seq = taken[0]
-        if seq.adapter is not None and not self.adapters.ready(seq.adapter):
+        if seq.adapter is not None and not self._residency().ready(seq.adapter):
             return set(), None  # passed over this step
         slots, weights = self._slots(seq.priority)
         whole = sum(weights.values()) + (0.0 if seq.tenant in weights else seq.share_weight)
@@ -290,7 +312,7 @@ class Scheduler:
         else:
             self._take(seq, leave=True)
             if seq.adapter is not None:
-                self.adapters.drop_waiting(seq.adapter)
+                self._residency().drop_waiting(seq.adapter)
         self.blocks.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
@@ -370,7 +392,7 @@ class Scheduler:
                 seq, victim = taken
             if seq is not newcomer and (seq.priority, seq.tenant) in held:
                 break  # a held tenant's prompt waits for the next step, as its decodes do
-            if seq.adapter is not None and not self.adapters.want(seq.adapter, now - seq.arrival):
+            if seq.adapter is not None and not self._residency().want(seq.adapter, now - seq.arrival):
                 self._take(seq, leave=False)  # its adapter is on its way
                 passed_over.append(seq)
                 continue
@@ -389,7 +411,7 @@ class Scheduler:
                 break
             self._take(seq, leave=True)
             if seq.adapter is not None:
-                self.adapters.pin(seq.adapter)
+                self._residency().pin(seq.adapter)
                 seq.adapter_pinned = True
             self.blocks.admit(seq, hits, remaining)  # the whole prompt, not just this chunk
             if seq.num_preemptions == 0:
@@ -422,6 +444,7 @@ class Scheduler:
         `accepted[seq]` drafts kept), and its full blocks go to the prefix cache."""
         accepted = accepted or {}
         if batch.plan is not None:
+            assert self.step_budget is not None  # only the step budget makes plans
             self.step_budget.observe(batch.plan, time.monotonic() - batch.started)
         for seq, n in batch.prefills:
             self._charge_outputs(seq)
@@ -449,9 +472,15 @@ class Scheduler:
         if batch.plan is not None:
             batch.plan.add_prefill(n, seq.num_computed_tokens)
 
+    def _residency(self) -> AdapterDemand:
+        """The adapter residency, for a sequence with an adapter (the engine gives one whenever it serves any)."""
+        assert self.adapters is not None, "a sequence has an adapter but the scheduler has no residency"
+        return self.adapters
+
     def _unpin(self, seq: Sequence) -> None:
         if seq.adapter_pinned:
-            self.adapters.unpin(seq.adapter)
+            assert seq.adapter is not None  # only a sequence with an adapter pins one
+            self._residency().unpin(seq.adapter)
             seq.adapter_pinned = False
 
     def _make_room(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
@@ -471,7 +500,7 @@ class Scheduler:
         batch.prefills = [(s, n) for s, n in batch.prefills if s is not seq]
         self.blocks.free(seq)
         if seq.adapter is not None:
-            self.adapters.requeue(seq.adapter)  # before unpinning, so its adapter is still wanted
+            self._residency().requeue(seq.adapter)  # before unpinning, so its adapter is still wanted
         self._unpin(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
