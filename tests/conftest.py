@@ -271,3 +271,18 @@ def redis_url():
     yield server.url
     server.process.terminate()
     server.process.wait(timeout=10)
+
+
+# --- Ray: one local cluster for the session ---------------------------------------------------------
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray cluster, started once for the session (Ray takes 10-20 s to start on 2 cores) and shut down
+    at its end; yields the `ray` module. Each test module shuts down the Serve applications it started."""
+    ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'loramux[ray]')")
+    # Replicas import loramux from this checkout; keep their torch threads to one each (2 cores here).
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}})
+    try:
+        yield ray
+    finally:
+        ray.shutdown()

@@ -2,9 +2,9 @@
 the registry and ledger, moto S3 for adapter blobs, a private Redis for limits and replica state. Clients
 are the official `openai` package over HTTP, as a tenant's would be.
 
-One module-wide cluster (Ray and Serve take ~20 s to start on 2 cores); the tests run in file order: the
-mixed load, then the replica kill, then the single-process comparison (after the cluster is gone, so it
-does not compete for the cores).
+The session's Ray cluster (conftest's ray_cluster) and one module-wide Serve application; the tests run in
+file order: the mixed load, then the replica kill, then the single-process comparison (after the Serve
+application is gone, so its replicas do not compete for the cores).
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ RESULTS: dict = {}  # what one test hands the next (file order): the load's answ
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, tokenizer, tiny_cfg, moto_server, postgres_server_url, redis_url):
+def stack(ray_cluster, tmp_path_factory, tokenizer, tiny_cfg, moto_server, postgres_server_url, redis_url):
     tmp = tmp_path_factory.mktemp("ray-stack")
     model_dir = tmp / "model"
     save_tiny_hf_model(model_dir, vocab_size=len(tokenizer))
@@ -75,9 +75,6 @@ def stack(tmp_path_factory, tokenizer, tiny_cfg, moto_server, postgres_server_ur
 
     from loramux.cluster import app as cluster_app
 
-    # Replicas import loramux from this checkout; keep their torch threads to one each (2 cores here).
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}})
     try:
         cluster_app.run(settings, blocking=False)
         url = f"http://127.0.0.1:{settings.port}"
@@ -85,8 +82,7 @@ def stack(tmp_path_factory, tokenizer, tiny_cfg, moto_server, postgres_server_ur
         setup = _set_up_tenants_and_adapters(admin, adapter_dirs)
         yield {"url": url, "admin": admin, "db": db, "settings": settings, **setup}
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        serve.shutdown()  # the session's Ray cluster (ray_cluster) stays up for other modules
         db.dispose()
 
 
