@@ -8,14 +8,21 @@ from __future__ import annotations
 import re
 import secrets
 from contextlib import contextmanager
+from datetime import datetime, timezone
+from types import SimpleNamespace
 
 import pytest
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import make_engine, make_services, new_tenant_key
+from loramux.admin.deps import AdminDep
 from loramux.model.loader import read_model_config
 from loramux.server.app import create_app
+from loramux.server.deps import TenantDep
+from loramux.tenancy.admin_keys import AdminKeyInfo
+from loramux.tenancy.tenants import TenantContext, TierInfo
 from loramux.testing import write_peft_adapter
 
 ADMIN_KEY = "lmxa-test-auth-hardening-key-0123456789abcdefgh"
@@ -197,3 +204,44 @@ def test_console_secure_cookies_always(client):
     finally:
         settings.console_secure_cookies = "auto"
     assert "secure" in response.headers["set-cookie"].lower()
+
+
+def test_without_the_ingress_the_route_dependencies_refuse_the_same_keys():
+    """An app assembled without `Ingress`: get_tenant and get_admin run the same checks themselves."""
+    tier = TierInfo("free", 0, 0, 0, 0, 60.0, 60.0)
+    tenants = {"lmx-good": TenantContext("t1", "acme", "active", "k1", "lmx-goo", tier, "none"),
+               "lmx-paused": TenantContext("t2", "idle-co", "suspended", "k2", "lmx-pau", tier, "none")}
+    admins = {"lmxa-good": AdminKeyInfo("a1", "ops", "lmxa-go", datetime.now(timezone.utc), None)}
+    app = FastAPI()
+    app.state.services = SimpleNamespace(tenancy=SimpleNamespace(authenticate=tenants.get),
+                                         admin_keys=SimpleNamespace(authenticate=admins.get))
+
+    @app.get("/tenant")
+    def tenant_route(tenant: TenantDep) -> dict:
+        return {"tenant": tenant.tenant_name}
+
+    @app.get("/admin")
+    def admin_route(admin: AdminDep) -> dict:
+        return {"admin": admin.name}
+
+    def call(path: str, key: str | None):
+        response = client.get(path, headers={"Authorization": f"Bearer {key}"} if key else {})
+        return response.status_code, response.json(), response.headers.get("www-authenticate")
+
+    with TestClient(app) as client:
+        assert call("/tenant", "lmx-good") == (200, {"tenant": "acme"}, None)
+        assert call("/admin", "lmxa-good") == (200, {"admin": "ops"}, None)
+        assert call("/tenant", None) == (401, {"detail": "missing API key: send `Authorization: Bearer <your key>`"},
+                                         "Bearer")
+        assert call("/tenant", "lmx-unknown") == (401, {"detail": "invalid or revoked API key"}, "Bearer")
+        assert call("/tenant", "lmxa-good")[:2] == (403, {"detail": "admin keys are not accepted on tenant routes: "
+                                                                    "use a tenant API key"})
+        assert call("/tenant", "lmx-paused")[:2] == (403, {"detail": "tenant 'idle-co' is suspended; contact your "
+                                                                     "administrator"})
+        assert call("/admin", None)[:2] == (401, {"detail": "missing admin key: send `Authorization: Bearer "
+                                                            "<admin key>`"})
+        assert call("/admin", "lmxa-unknown") == (401, {"detail": "invalid or revoked admin key"}, "Bearer")
+        assert call("/admin", "lmx-good")[:2] == (403, {"detail": "tenant API keys are not accepted on admin "
+                                                                  "routes: use an admin key"})
+        schemes = client.get("/openapi.json").json()["components"]["securitySchemes"]
+    assert set(schemes) == {"HTTPBearer", "AdminKey"}

@@ -6,10 +6,10 @@
    /metrics, the docs) none, the console (/console) its own session cookie, every other path a tenant
    key (`lmx-...`): unknown paths too, so an
    anonymous client learns nothing about the route table. The caller is resolved in the threadpool
-   (`resolve_tenant` / `resolve_admin`, answers cached by the key cache) and stored in
-   `scope["state"]` ("tenant" / "admin"), where `loramux.server.deps:get_tenant` and
-   `loramux.admin.deps:get_admin` find it instead of authenticating twice. Refusals (401, 403) are
-   answered at once in OpenAI's error shape, the body unread. A client address (see
+   (`TENANT_KEYS` / `ADMIN_KEYS`, answers cached by the key cache) and stored in `scope["state"]`
+   ("tenant" / "admin"), where `loramux.server.deps:get_tenant` and `loramux.admin.deps:get_admin` (both
+   made by `loramux.server.http.caller_deps:caller_dependency`) find it instead of authenticating twice.
+   Refusals (401, 403) are answered at once in OpenAI's error shape, the body unread. A client address (see
    `loramux.server.http.forwarded`) past `Settings.auth_failures_per_min` unknown keys gets 429 with
    Retry-After before its key is looked up (`loramux.server.http.auth_failures`).
 2. **The size.** Bodies are capped at `Settings.max_request_bytes` (413): a declared Content-Length
@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import Any, Generic, TypeVar
 
 from fastapi.concurrency import run_in_threadpool
 from fastapi.security.utils import get_authorization_scheme_param
@@ -53,6 +54,8 @@ OWN_AUTH_PREFIXES = ("/console",)
 UPLOAD_ROUTES = frozenset({("POST", "/admin/adapters"), ("POST", "/admin/medusa"),
                            ("POST", "/console/adapters/upload")})
 _SCAN_IN_THREAD_BYTES = 64 * 1024  # encoding + depth scans of a larger body run in the threadpool, off the loop
+
+C = TypeVar("C")  # who a kind of key authenticates: a TenantContext or an AdminKeyInfo
 
 
 @dataclass(frozen=True)
@@ -98,28 +101,56 @@ def bearer_token(authorization: str | None) -> str | None:
     return credentials
 
 
+def _accept(caller) -> Refusal | None:
+    return None
+
+
+@dataclass(frozen=True)
+class BearerKeys(Generic[C]):
+    """One kind of bearer key (tenant or admin): how it is looked up and what refusing it says."""
+
+    state_key: str  # where the caller is left in scope["state"] for the routes' dependencies
+    missing: Refusal
+    other_prefix: str  # the other kind's keys: refused with `other`, never looked up
+    other: Refusal
+    invalid: Refusal
+    lookup: Callable[[Any], Callable[[str], C | None]]  # services -> its key lookup (answers cached by a KeyCache)
+    vet: Callable[[C], Refusal | None] = _accept  # a refusal for a valid key's caller (a suspended tenant)
+
+    async def resolve(self, services, raw: str | None) -> C | Refusal:
+        """The caller a raw key is, or why it is refused."""
+        if raw is None:
+            return self.missing
+        if raw.startswith(self.other_prefix):
+            return self.other
+        caller = await run_in_threadpool(self.lookup(services), raw)
+        if caller is None:
+            return self.invalid
+        return self.vet(caller) or caller
+
+
+def _suspended(tenant: TenantContext) -> Refusal | None:
+    if tenant.active:
+        return None
+    return Refusal(403, f"tenant {tenant.tenant_name!r} is suspended; contact your administrator")
+
+
+TENANT_KEYS: BearerKeys[TenantContext] = BearerKeys(
+    "tenant", MISSING_TENANT_KEY, ADMIN_KEY_PREFIX, ADMIN_KEY_ON_TENANT_ROUTE, INVALID_TENANT_KEY,
+    lambda services: services.tenancy.authenticate, _suspended)
+ADMIN_KEYS: BearerKeys[AdminKeyInfo] = BearerKeys(
+    "admin", MISSING_ADMIN_KEY, KEY_PREFIX, TENANT_KEY_ON_ADMIN_ROUTE, INVALID_ADMIN_KEY,
+    lambda services: services.admin_keys.authenticate)
+
+
 async def resolve_tenant(services, raw: str | None) -> TenantContext | Refusal:
     """The active tenant a raw tenant key belongs to, or why it is refused."""
-    if raw is None:
-        return MISSING_TENANT_KEY
-    if raw.startswith(ADMIN_KEY_PREFIX):
-        return ADMIN_KEY_ON_TENANT_ROUTE
-    tenant = await run_in_threadpool(services.tenancy.authenticate, raw)
-    if tenant is None:
-        return INVALID_TENANT_KEY
-    if not tenant.active:
-        return Refusal(403, f"tenant {tenant.tenant_name!r} is suspended; contact your administrator")
-    return tenant
+    return await TENANT_KEYS.resolve(services, raw)
 
 
 async def resolve_admin(services, raw: str | None) -> AdminKeyInfo | Refusal:
     """The admin key a raw admin key is, or why it is refused."""
-    if raw is None:
-        return MISSING_ADMIN_KEY
-    if raw.startswith(KEY_PREFIX):
-        return TENANT_KEY_ON_ADMIN_ROUTE
-    admin = await run_in_threadpool(services.admin_keys.authenticate, raw)
-    return INVALID_ADMIN_KEY if admin is None else admin
+    return await ADMIN_KEYS.resolve(services, raw)
 
 
 # -- JSON nesting ----------------------------------------------------------------------------------
@@ -215,14 +246,15 @@ class Ingress:
                 await self._refuse(scope, receive, send, refusal.status, refusal.message, "too_many_auth_failures",
                                    retry_after_header(wait), close=body_coming)
                 return
-            caller = await (resolve_admin(services, raw) if admin_route else resolve_tenant(services, raw))
+            keys = ADMIN_KEYS if admin_route else TENANT_KEYS
+            caller = await keys.resolve(services, raw)
             if limiter is not None and isinstance(caller, Refusal) and caller in FAILED_KEYS:
                 limiter.record_failure(client)
             if isinstance(caller, Refusal):
                 await self._refuse(scope, receive, send, caller.status, caller.message, None, caller.headers,
                                    close=body_coming)
                 return
-            scope.setdefault("state", {})["admin" if admin_route else "tenant"] = caller
+            scope.setdefault("state", {})[keys.state_key] = caller
 
         if (scope["method"], path) in self.upload_routes:
             await self.app(scope, receive, send)
