@@ -40,6 +40,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from loramux.tenancy.tenants import TierInfo
 
 __all__ = ["Admission", "RateLimited", "RateLimiter", "RequestTooLarge", "TierLimits"]
 
@@ -66,6 +70,12 @@ class TierLimits:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0 (0 = unlimited), got {value!r}")
+
+    @classmethod
+    def of(cls, tier: TierInfo) -> TierLimits:
+        """The limits a tier sets."""
+        return cls(requests_per_min=tier.requests_per_min, tokens_per_min=tier.tokens_per_min,
+                   max_concurrent=tier.max_concurrent)
 
 
 def check_parts(requests: int, limits: TierLimits, tier: str) -> None:

@@ -53,7 +53,7 @@ async def admit(limiter: RateLimiter, metrics: ServerMetrics, engine: EngineClie
     another process (Redis) says so with `blocking = True` and is called in the threadpool, never on the event
     loop."""
     timeout = tier_timeout(tenant, timeout_s)
-    args = (tenant.tenant_id, tenant.tier.name, tenant_limits(tenant), estimated_tokens)
+    args = (tenant.tenant_id, tenant.tier.name, TierLimits.of(tenant.tier), estimated_tokens)
     try:
         if getattr(limiter, "blocking", False):
             admission = await run_in_threadpool(limiter.admit, *args, slots=slots, requests=requests)
@@ -80,9 +80,3 @@ async def admit(limiter: RateLimiter, metrics: ServerMetrics, engine: EngineClie
         admission.release(0)
         raise
     return Admitted(tenant, timeout, arrival, admission)
-
-
-def tenant_limits(tenant: TenantContext) -> TierLimits:
-    t = tenant.tier
-    return TierLimits(requests_per_min=t.requests_per_min, tokens_per_min=t.tokens_per_min,
-                      max_concurrent=t.max_concurrent)
