@@ -1,6 +1,6 @@
 """The service layer: one module per resource with the operations the admin API, the console and the CLI
-share (plain arguments in, domain records or small DTOs out, no HTTP types), over the wiring in
-`loramux.services.container` (the `Services` every layer above holds).
+share (plain arguments in, domain records or small DTOs out, no HTTP types), over the `Services` every layer
+above holds (`loramux.services.container`), which `loramux.services.builder` wires from Settings.
 
     tenants      tenants, their API keys, tenant tiers
     admin_keys   operators' admin keys
