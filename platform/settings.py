@@ -108,9 +108,10 @@ class Settings(BaseSettings):
     s3_timeout_s: float = 10.0  # connect and read timeout of one S3 call
     s3_max_attempts: int = 3  # tries per S3 call (1 = no retry)
     disk_cache_bytes: int = 4 * 1024**3  # local disk cache of adapter blobs
-    host_cache_bytes: int = 2 * 1024**3  # adapters held in host RAM (unpinned ones evicted LRU)
+    host_cache_bytes: int = 2 * 1024**3  # adapters, composites and Medusa heads in host RAM (unleased ones evicted LRU)
     max_upload_bytes: int = 512 * 1024**2  # largest adapter_model.safetensors accepted
-    # Medusa heads (POST /admin/medusa) in host RAM, LRU, parsed; their blobs share the disk cache above.
+    # Medusa heads (POST /admin/medusa) in host RAM, parsed: at most this much of host_cache_bytes, whose level
+    # they share with adapters (LRU); their blobs share the disk cache above.
     medusa_cache_bytes: int = Field(default=1024**3, ge=0)
     # Longest a request waits for its Medusa heads to load into host RAM (within its deadline); it runs
     # without them past it, and the load goes on for the next request. 0: only heads already in RAM.

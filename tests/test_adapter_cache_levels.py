@@ -120,7 +120,7 @@ def test_a_store_fault_fails_that_load_in_time_and_recovery_serves_again(setup, 
     registry, store, upload, make_cache = setup
     warm, cold = upload("warm"), upload("cold")
     cache = make_cache()
-    cache.acquire_blocking(warm)  # pinned in RAM, like an adapter with running requests
+    cache.acquire_blocking(warm)  # leased in RAM, like an adapter with running requests
     good_blob = store.get(cold.storage_key)
     if fault == "corrupt":
         store.put(cold.storage_key, good_blob[:-4] + b"\x00\x00\x80\x7f")  # same size, different bytes
@@ -178,7 +178,7 @@ def test_delete_drops_every_cached_copy(setup):
     lease = cache.acquire_blocking(version)  # an in-flight request holds it
     registry.delete(version.tenant_id, "bot")
     assert version.digest not in cache.disk and not store.exists(version.storage_key)
-    assert version.digest in cache.host  # still pinned: the running request finishes
+    assert version.digest in cache.host  # still leased: the running request finishes
     cache.release(lease.adapter.digest)
     assert version.digest not in cache.host
 
@@ -199,8 +199,6 @@ def test_over_http_a_hanging_store_fails_one_request_while_others_are_served(pro
     settings = dict(store_url=f"s3://{bucket}/adapters", s3_endpoint_url=proxy.url, s3_region=MOTO_REGION,
                     s3_access_key_id="testing", s3_secret_access_key="testing", s3_timeout_s=5.0, s3_max_attempts=1,
                     adapters=",".join(f"{n}={p}" for n, p in sources.items()))
-    app = create_app(lambda: make_services(tmp_path, make_engine(tiny_dir, tokenizer, max_loras=2, max_lora_rank=8),
-                                           **settings))
     body = {"prompt": "Once upon a time", "max_tokens": 6}
     with TestClient(app) as client:
         client.headers["Authorization"] = f"Bearer {new_tenant_key(app.state.services)}"
@@ -226,7 +224,7 @@ def test_over_http_a_hanging_store_fails_one_request_while_others_are_served(pro
         assert resp.status_code == 503 and "adapter cold@1 could not be loaded" in resp.json()["error"]["message"]
         assert resp.headers["retry-after"] and cold_result["elapsed"] < 3.0
         proxy.set_mode("pass")  # the store recovers (the hung connection drops): the next attempt succeeds
-        app.state.services.adapter_cache.drain(timeout=10)
+        client.app.state.services.adapter_cache.drain(timeout=10)
         recovered = client.post("/generate", json={**body, "adapter": "cold"})
         assert recovered.status_code == 200 and recovered.json()["adapter_tier"] == "store"
         stats = server_stats(client)
@@ -291,7 +289,7 @@ def test_stats_reads_the_caches_under_their_locks(base_cfg, tmp_path):
 
     cache = AdapterCache(FileStore(tmp_path / "blobs"), DiskCache(tmp_path / "disk", 1 << 30), HostCache(1 << 30))
     adapter = load_adapter_dir(write_peft_adapter(tmp_path / "a", base_cfg, 4, ["q_proj"], seed=1), base_cfg)
-    cache.host.insert_pinned(adapter)
+    cache.host.insert_leased(adapter)
     cache.disk.put("0" * 64, b"x" * 10)
 
     class Guarded(_GuardedDict, OrderedDict):

@@ -137,14 +137,14 @@ def test_adapter_upload_versions_visibility_warm_pin_delete(stack, admin):
     assert second["digest"] in server.services.adapter_cache.host
     assert admin.delete(f"/admin/adapters/{body['id']}/pin").json()["pinned"] is False
 
-    # Concurrent pin calls record one pin holding exactly one cache pin (unpin gives it back).
+    # Concurrent pin calls record one pin holding exactly one host-RAM lease (unpin gives it back).
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         pinned = list(pool.map(lambda _: admin.post(f"/admin/adapters/{body['id']}/pin"), range(8)))
     assert all(r.status_code == 200 for r in pinned)
     host = server.services.adapter_cache.host
-    assert host._entries[second["digest"]].pins == 1
+    assert host._entries[second["digest"]].leases == 1
     assert admin.delete(f"/admin/adapters/{body['id']}/pin").json()["pinned"] is False
-    assert host._entries[second["digest"]].pins == 0
+    assert host._entries[second["digest"]].leases == 0
 
     # The tenant uses it by name, then it is deleted: 404 afterwards, like any unknown model.
     headers = {"Authorization": f"Bearer {tenant_key}"}

@@ -42,10 +42,10 @@ COMPONENT_BYTES = sum(a.nbytes for a in COMPONENTS)
 
 
 def _cache(tmp_path, composites_that_fit: float) -> AdapterCache:
-    """An adapter cache holding both components (unpinned), with room for that many composites beside them."""
+    """An adapter cache holding both components (unleased), with room for that many composites beside them."""
     host = HostCache(COMPONENT_BYTES + int(composites_that_fit * COMPOSITE_BYTES))
     for adapter in COMPONENTS:
-        host.insert_pinned(adapter)
+        host.insert_leased(adapter)
         host.release(adapter.digest)
     return AdapterCache(store=None, disk=DiskCache(tmp_path / "disk", 1 << 20), host=host)  # type: ignore[arg-type]
 
@@ -64,9 +64,9 @@ def _build_for(weight: float, log: list | None = None, gate: threading.Event | N
     return build
 
 
-def _pins(cache: AdapterCache, digest: str) -> int:
+def _leases(cache: AdapterCache, digest: str) -> int:
     entry = cache.host._entries.get(digest)
-    return entry.pins if entry is not None else 0
+    return entry.leases if entry is not None else 0
 
 
 async def _acquire(compositions: CompositionCache, weight: float, tenant: str = "t1", timeout: float = 30.0,
@@ -103,7 +103,7 @@ def test_distinct_weights_never_take_host_ram_past_its_budget(tmp_path):
 
 
 def test_composites_in_use_are_counted_and_a_build_waits_for_their_room(tmp_path):
-    """Two running requests pin two composites that fill the budget: a third waits (nothing built, nothing
+    """Two running requests lease two composites that fill the budget: a third waits (nothing built, nothing
     reserved) and gets its room the moment one request ends; with no release it is a capacity error at its
     deadline, holding nothing."""
     cache = _cache(tmp_path, composites_that_fit=2.5)
@@ -115,7 +115,7 @@ def test_composites_in_use_are_counted_and_a_build_waits_for_their_room(tmp_path
         with pytest.raises(CompositionCapacityError, match="LORAMUX_HOST_CACHE_BYTES"):
             await _acquire(compositions, 0.3, timeout=0.2, log=log)
         await wait_until_async(lambda: not compositions.building, "the refused build to end")
-        assert log == [] and cache.host.reserved == 0 and all(_pins(cache, a.digest) == 0 for a in COMPONENTS)
+        assert log == [] and cache.host.reserved == 0 and all(_leases(cache, a.digest) == 0 for a in COMPONENTS)
         third = asyncio.ensure_future(_acquire(compositions, 0.3, log=log))
         await wait_until_async(lambda: compositions.building == 1, "the third build to start")
         assert log == [] and cache.host.reserved == 0  # it waits for room: nothing reserved, nothing built
@@ -136,7 +136,7 @@ def test_a_composite_larger_than_the_whole_budget_is_refused_before_building(tmp
     with pytest.raises(CompositionTooLargeError, match="LORAMUX_HOST_CACHE_BYTES") as refused:
         asyncio.run(_acquire(compositions, 0.5, log=log))
     assert refused.value.nbytes == COMPOSITE_BYTES + COMPONENT_BYTES and log == []
-    assert cache.host.reserved == 0 and all(_pins(cache, a.digest) == 0 for a in COMPONENTS)
+    assert cache.host.reserved == 0 and all(_leases(cache, a.digest) == 0 for a in COMPONENTS)
 
 
 def test_builds_run_on_their_own_threads_once_while_callers_await(tmp_path):
@@ -157,7 +157,7 @@ def test_builds_run_on_their_own_threads_once_while_callers_await(tmp_path):
 
     results = asyncio.run(scenario())
     assert compositions.builds == 1 and len(log) == 1 and log[0][1].startswith("loramux-composition")
-    assert len({id(r) for r in results}) == 1 and _pins(cache, results[0].digest) == 50
+    assert len({id(r) for r in results}) == 1 and _leases(cache, results[0].digest) == 50
 
 
 def test_one_tenant_has_at_most_its_builds_in_flight_and_others_are_not_held_up(tmp_path):
@@ -181,7 +181,7 @@ def test_one_tenant_has_at_most_its_builds_in_flight_and_others_are_not_held_up(
 
 def test_a_request_that_stops_waiting_leaves_the_leases_with_the_build(tmp_path):
     """A client disconnecting mid-build cancels its wait; the build thread still reads the components, so
-    they stay pinned until it ends, then everything is given back and the composite is cached."""
+    they stay leased until it ends, then everything is given back and the composite is cached."""
     cache = _cache(tmp_path, composites_that_fit=2)
     compositions = CompositionCache(cache)
     log: list = []
@@ -193,13 +193,13 @@ def test_a_request_that_stops_waiting_leaves_the_leases_with_the_build(tmp_path)
         waiter.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiter
-        assert all(_pins(cache, a.digest) == 1 for a in COMPONENTS)  # still the build's
+        assert all(_leases(cache, a.digest) == 1 for a in COMPONENTS)  # still the build's
         gate.set()
         await wait_until_async(lambda: not compositions.building, "the build to end")
 
     asyncio.run(scenario())
-    assert all(_pins(cache, a.digest) == 0 for a in COMPONENTS) and cache.host.reserved == 0
-    assert _digest(0.4) in cache.host and _pins(cache, _digest(0.4)) == 0
+    assert all(_leases(cache, a.digest) == 0 for a in COMPONENTS) and cache.host.reserved == 0
+    assert _digest(0.4) in cache.host and _leases(cache, _digest(0.4)) == 0
 
 
 def test_a_failed_build_gives_everything_back_and_is_not_remembered(tmp_path):
@@ -213,7 +213,7 @@ def test_a_failed_build_gives_everything_back_and_is_not_remembered(tmp_path):
         with pytest.raises(RuntimeError, match="boom"):
             await compositions.acquire(_digest(0.9), "t1", VERSIONS, lambda loaded: None, failing,
                                        time.monotonic() + 5)
-        assert cache.host.reserved == 0 and all(_pins(cache, a.digest) == 0 for a in COMPONENTS)
+        assert cache.host.reserved == 0 and all(_leases(cache, a.digest) == 0 for a in COMPONENTS)
         return await _acquire(compositions, 0.9)
 
     assert asyncio.run(scenario()).digest == _digest(0.9) and compositions.builds == 1

@@ -29,7 +29,7 @@ def peft_case(tmp_path_factory, tokenizer):
 
 
 def _no_leases(server) -> bool:
-    return all(entry.pins == 0 for entry in server.services.adapter_cache.host._entries.values())
+    return all(entry.leases == 0 for entry in server.services.adapter_cache.host._entries.values())
 
 
 @pytest.fixture(scope="module")

@@ -100,9 +100,9 @@ def post(stack, route: str, body: dict, who: str = "acme") -> httpx.Response:
 
 
 def leases_held(server) -> int:
-    """Host-RAM pins the adapter cache holds (each request's lease on its adapters)."""
+    """Host-RAM leases the adapter cache holds (each request's lease on its adapters)."""
     host = server.services.adapter_cache.host
-    return sum(entry.pins for entry in host._entries.values())
+    return sum(entry.leases for entry in host._entries.values())
 
 
 def engine_is_idle(server) -> bool:

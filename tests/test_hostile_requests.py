@@ -749,5 +749,5 @@ def test_a_flood_of_distinct_compositions_stays_in_the_host_budget_and_starves_n
     assert during <= 2 * plain_flood, (plain_flood, during)
     served = {request_id for status, request_id in answers if status == 200}
     assert served <= ledger_ids(services)
-    wait_until(lambda: all(e.pins == 0 for e in host._entries.values()) and host.reserved == 0,
+    wait_until(lambda: all(e.leases == 0 for e in host._entries.values()) and host.reserved == 0,
                "every lease and reservation to be given back")

@@ -167,10 +167,10 @@ def test_request_heads_are_held_while_used_and_checked(small_vocab, tokenizer, t
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     for i in range(2):
         engine.add_request(f"r{i}", prompts[i], params, medusa=engine.prepare_medusa(heads))
-    assert engine.medusa_device.users(heads.digest) == 2 and engine.medusa_device.stats()["builds"] == 1
+    assert engine.medusa_device.leases(heads.digest) == 2 and engine.medusa_device.stats()["builds"] == 1
     while engine.has_unfinished():
         engine.step()
-    assert engine.medusa_device.users(heads.digest) == 0  # given back, and still cached for the next request
+    assert engine.medusa_device.leases(heads.digest) == 0  # given back, and still cached for the next request
     assert engine.stats()["speculation"]["medusa"]["accepted"] > 0
     wrong = load_medusa_dir(save_medusa_dir(tmp_path / "h8", [(torch.zeros(8, 8), torch.zeros(8))]), 8)
     with pytest.raises(RequestError, match="hidden size 8"):

@@ -103,7 +103,7 @@ def test_a_released_set_stays_cached_and_is_not_rebuilt(tiny_dir, tokenizer, hid
     first = engine.prepare_medusa(weights)
     outs = run(engine, [("a", PROMPTS[0], first), ("b", PROMPTS[1], engine.prepare_medusa(weights))])
     assert engine.medusa_device.stats()["builds"] == 1  # two requests, one copy
-    assert engine.medusa_device.users(weights.digest) == 0 and engine.medusa_device.stats()["sets"] == 1
+    assert engine.medusa_device.leases(weights.digest) == 0 and engine.medusa_device.stats()["sets"] == 1
     # A later request with the same digest finds the copy, as prepared heads or as weights (cached: no build).
     again = run(engine, [("c", PROMPTS[0], engine.prepare_medusa(weights)), ("d", PROMPTS[1], weights)])
     assert engine.medusa_device.stats()["builds"] == 1 and engine.medusa_device.cached(weights.digest) is first
@@ -149,7 +149,7 @@ def test_the_copy_is_made_off_the_engine_thread_and_steps_go_on_meanwhile(tiny_d
         async_engine.shutdown()
     assert len(threads) == 1 and threads[0].startswith("loramux-medusa-device"), threads
     assert plain.token_ids == reference[1] and heads.token_ids == reference[0]
-    assert medusa_proposed(heads) > 0 and engine.medusa_device.users("digest-slow") == 0
+    assert medusa_proposed(heads) > 0 and engine.medusa_device.leases("digest-slow") == 0
 
 
 def test_a_caller_that_leaves_during_the_copy_gives_the_set_back(tiny_dir, tokenizer, hidden):

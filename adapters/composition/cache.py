@@ -4,8 +4,8 @@
   composition digest, so composites cached and in use count against LORAMUX_HOST_CACHE_BYTES with every
   other adapter, and unused ones are evicted least recently used like them. A build first reserves its exact
   size (`composite_nbytes`, known from the components before anything is allocated); a reservation never
-  takes the cache past its budget, so a build waits (within the request's deadline) while pinned entries
-  and other builds fill it. A composite that cannot fit the whole budget beside its components (pinned while
+  takes the cache past its budget, so a build waits (within the request's deadline) while leased entries
+  and other builds fill it. A composite that cannot fit the whole budget beside its components (leased while
   it is built) is refused at once.
 * **Its own threads.** Builds run on a dedicated executor of LORAMUX_COMPOSITION_BUILD_THREADS threads
   (one intra-op torch thread each); callers await, so no thread of the shared AnyIO pool ever blocks on one.
@@ -15,7 +15,7 @@
 * **Leases.** A build holds its components' host-RAM leases until its thread is done reading them, whatever
   becomes of the requests that asked for it (a client that disconnects mid-build included).
 
-`acquire` returns the composite pinned; the request gives it back with `AdapterCache.release(digest)` when it
+`acquire` returns the composite leased; the request gives it back with `AdapterCache.release(digest)` when it
 ends, like an adapter lease. Errors are domain errors (`CompositionCapacityError`, `CompositionTooLargeError`,
 `CompositionError`, `AdapterLoadError`, TimeoutError); the HTTP layer maps them.
 """
@@ -101,14 +101,14 @@ class CompositionCache:
     async def acquire(self, digest: str, tenant: str, versions: Sequence[AdapterVersionInfo],
                       check: Callable[[list[LoRAAdapter]], None],
                       build: Callable[[list[LoRAAdapter]], LoRAAdapter], deadline: float) -> LoRAAdapter:
-        """The composite `digest` pinned in host RAM: cached, or built once from `versions` (each brought into
+        """The composite `digest` leased in host RAM: cached, or built once from `versions` (each brought into
         host RAM and leased for the build), `check`ed on the event loop (raise to refuse them) and `build`
         on the executor. Waits at most until `deadline` (time.monotonic()): TimeoutError for a component that
         did not load in time, CompositionCapacityError for no room. A request that stops waiting leaves the
         build running for the others (it caches its result)."""
         self._loop = asyncio.get_running_loop()
         while True:
-            adapter = self.adapters.pin(digest)
+            adapter = self.adapters.lease(digest)
             if adapter is not None:
                 return adapter
             task = self._building.get(digest)
@@ -124,7 +124,7 @@ class CompositionCache:
                 if waiting_for is not None:  # the build is still waiting for room or for its tenant's turn
                     raise CompositionCapacityError(waiting_for) from None
                 raise TimeoutError("the combined adapters were not ready within the request's deadline") from None
-            # Built and cached: pin it on the next turn (built again, within the deadline, if it was evicted).
+            # Built and cached: lease it on the next turn (built again, within the deadline, if it was evicted).
 
     def _built(self, digest: str, task: asyncio.Task) -> None:
         if self._building.get(digest) is task:
@@ -137,7 +137,7 @@ class CompositionCache:
                      check: Callable[[list[LoRAAdapter]], None], build: Callable[[list[LoRAAdapter]], LoRAAdapter],
                      deadline: float) -> None:
         """Lease the components, check them, reserve the composite's bytes, build it on the executor and put
-        it into host RAM (unpinned). Everything taken is given back however it ends; the leases and the
+        it into host RAM (unleased). Everything taken is given back however it ends; the leases and the
         reservation only once the build thread is done with them."""
         await self._until(digest, lambda: self._tenant_builds[tenant] < self.builds_per_tenant, deadline,
                           f"this tenant already has {self.builds_per_tenant} combinations of adapters being built "

@@ -1,10 +1,12 @@
 """Adapter weights on their way to the engine: object store -> local disk cache -> host RAM cache.
 
-`AdapterCache.acquire(version)` returns the adapter in host RAM, pinned until `release`. Loads run on a
+`AdapterCache.acquire(version)` returns the adapter in host RAM, leased until `release`. Loads run on a
 small thread pool, never on the caller's event loop or the engine thread, and there is one load per
-version at a time however many requests wait for it ("single flight"). A failed load is not
+digest at a time however many requests wait for it ("single flight"). A failed load is not
 remembered: the next request tries again, so a store that recovers serves again at once. Every byte
-read from the store or the disk cache is checked against the version's digest before it is parsed.
+read from the store or the disk cache is checked against the digest before it is parsed.
+The same loader (`AdapterCache.load_blob`) brings Medusa heads into host RAM (`medusa_cache`), and composites
+live in its host RAM level too (`loramux.adapters.composition.cache`): one budget, LORAMUX_HOST_CACHE_BYTES.
 Device slots (the fourth level) belong to the engine.
 """
 from __future__ import annotations
@@ -15,12 +17,16 @@ import logging
 import os
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections import Counter, OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from loramux.adapters.formats.peft import LoRAAdapter
-from loramux.adapters.storage.blob import DigestMismatchError, sha256_hex, unpack
+from loramux.adapters.formats.validation_common import AdapterFormatError
+from loramux.adapters.residency.leases import LeaseTable
+from loramux.adapters.storage.blob import sha256_hex, unpack
 from loramux.adapters.storage.registry import AdapterVersionInfo
 from loramux.adapters.storage.store import BlobNotFoundError, ObjectStore, StoreError
 from loramux.histogram import DurationHistogram
@@ -125,105 +131,92 @@ class DiskCache:
         self._path(digest).unlink(missing_ok=True)
 
 
-@dataclass
-class _Entry:
-    adapter: LoRAAdapter
-    pins: int = 0
-    doomed: bool = False  # deleted while pinned: dropped at the last release
+ADAPTER, MEDUSA = "", "medusa"  # the kinds of host RAM entries: adapters and composites, Medusa heads
 
 
-class HostCache:
-    """Adapters in host RAM within a byte budget. Pinned entries (queued or running requests) are never
-    evicted, so the cache can exceed its budget only by what is pinned. `reserved` bytes (composites being
-    built, `reserve`) count as if present: loads make room for them too."""
-
-    def __init__(self, budget_bytes: int):
-        self.budget = budget_bytes
-        self.reserved = 0
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()
-
-    @property
-    def nbytes(self) -> int:
-        return sum(e.adapter.nbytes for e in self._entries.values())
-
-    def __contains__(self, digest: str) -> bool:
-        return digest in self._entries
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def pin(self, digest: str) -> LoRAAdapter | None:
-        entry = self._entries.get(digest)
-        if entry is None:
-            return None
-        entry.pins += 1
-        self._entries.move_to_end(digest)
-        return entry.adapter
-
-    def insert_pinned(self, adapter: LoRAAdapter) -> LoRAAdapter:
-        entry = self._entries.get(adapter.digest)
-        if entry is None:
-            self._make_room(adapter.nbytes)
-            entry = self._entries[adapter.digest] = _Entry(adapter)
-        entry.pins += 1
-        self._entries.move_to_end(adapter.digest)
-        return entry.adapter
-
-    def release(self, digest: str) -> None:
-        entry = self._entries.get(digest)
-        if entry is None or entry.pins <= 0:
-            raise RuntimeError(f"adapter {digest[:12]}… released more often than acquired")
-        entry.pins -= 1
-        if entry.pins == 0 and entry.doomed:
-            del self._entries[digest]
-        elif self.nbytes > self.budget:
-            self._make_room(0)
-
-    def discard(self, digest: str) -> None:
-        entry = self._entries.get(digest)
-        if entry is None:
-            return
-        if entry.pins:
-            entry.doomed = True
-        else:
-            del self._entries[digest]
-
-    def reserve(self, nbytes: int) -> bool:
-        """Reserve `nbytes` for an entry to come (`insert_reserved`), evicting unpinned entries (least recently
-        used first) as needed; False, with nothing reserved, when pinned entries and other reservations leave
-        too little room: unlike `insert_pinned`, a reservation never takes the cache past its budget."""
-        self._make_room(nbytes)
-        if self.nbytes + self.reserved + nbytes > self.budget:
-            return False
-        self.reserved += nbytes
-        return True
-
-    def unreserve(self, nbytes: int) -> None:
-        self.reserved -= nbytes
-
-    def insert_reserved(self, adapter: LoRAAdapter, reserved: int) -> None:
-        """Turn a reservation of `reserved` bytes into the unpinned entry `adapter` (the most recently used)."""
-        self.reserved -= reserved
-        if adapter.digest not in self._entries:
-            self._entries[adapter.digest] = _Entry(adapter)
-        self._entries.move_to_end(adapter.digest)
-
-    def _make_room(self, incoming: int) -> None:
-        for digest in [d for d, e in self._entries.items() if e.pins == 0]:
-            if self.nbytes + self.reserved + incoming <= self.budget:
-                return
-            del self._entries[digest]
+class HostCache(LeaseTable):
+    """Adapters, composites and Medusa heads in host RAM within one byte budget (LORAMUX_HOST_CACHE_BYTES).
+    Leased entries (queued or running requests, a composite's build) are never evicted, so the cache can exceed
+    its budget only by what is leased. `reserved` bytes (composites being built, `reserve`) count as if
+    present: loads make room for them too. Medusa heads (kind `MEDUSA`) also stay within their own cap
+    (LORAMUX_MEDUSA_CACHE_BYTES)."""
 
 
 @dataclass(frozen=True)
 class Acquired:
-    adapter: LoRAAdapter
+    adapter: LoRAAdapter  # what was brought into host RAM (Medusa heads too, for `load_blob`)
     level: str  # where it came from: "ram", "disk" or "store"
     load_ms: float
 
 
+class StoredBlob(ABC):
+    """One stored blob for the loader: where it is, what names it, what it becomes in host RAM. Read lazily: a
+    host RAM hit only reads `digest` (and `kind`)."""
+
+    kind: str = ADAPTER
+
+    @property
+    @abstractmethod
+    def digest(self) -> str: ...
+
+    @property
+    @abstractmethod
+    def storage_key(self) -> str: ...
+
+    @property
+    @abstractmethod
+    def label(self) -> str:
+        """What names it in messages and logs: "adapter bot@1", "Medusa heads md_..."."""
+
+    @abstractmethod
+    def parse(self, data: bytes) -> Any:
+        """The verified bytes -> the host RAM item (with `digest` and `nbytes`); AdapterFormatError if bad."""
+
+    @abstractmethod
+    def error(self, detail: str, retryable: bool) -> Exception:
+        """What the waiters get when the load fails."""
+
+
+class _AdapterBlob(StoredBlob):
+    def __init__(self, version: AdapterVersionInfo):
+        self.version = version
+
+    @property
+    def digest(self) -> str:
+        return self.version.digest
+
+    @property
+    def storage_key(self) -> str:
+        return self.version.storage_key
+
+    @property
+    def label(self) -> str:
+        return f"adapter {self.version.label}"
+
+    def parse(self, data: bytes) -> LoRAAdapter:
+        # The engine knows a version by its id, never by the tenant-chosen name: its stats feed the metrics
+        # (`vllm:lora_requests_info`), which anyone who reaches /metrics reads.
+        version = self.version
+        return unpack(data, f"{version.adapter_id}@{version.version}", version.digest)
+
+    def error(self, detail: str, retryable: bool) -> AdapterLoadError:
+        return AdapterLoadError(self.version, detail, retryable)
+
+
+@dataclass
+class LoadCounters:
+    """One kind's loads: hits by level (ram, disk, store), failures, downloads, seconds of successful loads."""
+
+    hits: Counter[str] = field(default_factory=Counter)
+    failures: int = 0
+    downloads: int = 0
+    load_seconds: dict[str, DurationHistogram] = field(
+        default_factory=lambda: {"disk": DurationHistogram(), "store": DurationHistogram()})
+
+
 class AdapterCache:
-    """The engine-facing side of the levels: acquire / prefetch / release adapter versions."""
+    """The engine-facing side of the levels: acquire / prefetch / release adapter versions; and the one loader of
+    stored blobs into host RAM, which Medusa heads (`medusa_cache.MedusaCache`) go through too."""
 
     def __init__(self, store: ObjectStore, disk: DiskCache, host: HostCache, max_workers: int = 4):
         self.store = store
@@ -235,133 +228,166 @@ class AdapterCache:
         # that contend with the engine's for the cores (see DevicePool).
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="loramux-adapter-load",
                                                            initializer=_one_intra_op_thread)
-        self.hits: Counter[str] = Counter()  # by level: ram, disk, store
+        self.counters: dict[str, LoadCounters] = {ADAPTER: LoadCounters(), MEDUSA: LoadCounters()}
         # Called (with no argument, in the releasing thread) after every release: room may have come free.
         self.release_listeners: list = []
-        self.failures = 0
-        self.downloads = 0
-        # Seconds each successful load into host RAM took, by where it came from (each has its own lock).
-        self.load_seconds: dict[str, DurationHistogram] = {"disk": DurationHistogram(), "store": DurationHistogram()}
+
+    # The adapters' counters (what the metrics show); Medusa heads count theirs apart.
+    @property
+    def hits(self) -> Counter[str]:
+        return self.counters[ADAPTER].hits
+
+    @property
+    def failures(self) -> int:
+        return self.counters[ADAPTER].failures
+
+    @property
+    def downloads(self) -> int:
+        return self.counters[ADAPTER].downloads
+
+    @property
+    def load_seconds(self) -> dict[str, DurationHistogram]:
+        return self.counters[ADAPTER].load_seconds
 
     # -- loading (worker threads) ----------------------------------------------------------------
-    def _load(self, version: AdapterVersionInfo) -> tuple[LoRAAdapter, str]:
+    def _load(self, blob: StoredBlob) -> tuple[Any, str]:
         level = "disk"
-        data = self.disk.get(version.digest)
+        data = self.disk.get(blob.digest)
         if data is None:
             level = "store"
             try:
                 with self._lock:
-                    self.downloads += 1
-                data = self.store.get(version.storage_key)
+                    self.counters[blob.kind].downloads += 1
+                data = self.store.get(blob.storage_key)
             except BlobNotFoundError as exc:
-                raise self._failed(version, f"its weights are missing from the object store ({exc})",
+                raise self._failed(blob, f"its blob is missing from the object store ({exc})",
                                    retryable=False) from None
             except StoreError as exc:
-                raise self._failed(version, f"the object store failed ({exc})") from None
+                raise self._failed(blob, f"the object store failed ({exc})") from None
         try:
-            # The engine knows a version by its id, never by the tenant-chosen name: its stats feed the
-            # metrics (`vllm:lora_requests_info`), which anyone who reaches /metrics reads.
-            adapter = unpack(data, f"{version.adapter_id}@{version.version}", version.digest)
-        except DigestMismatchError as exc:
-            raise self._failed(version, str(exc)) from None
+            item = blob.parse(data)
+        except AdapterFormatError as exc:  # a digest mismatch, or bytes that are not what was stored
+            if level == "disk":
+                self.disk.discard(blob.digest)
+            raise self._failed(blob, str(exc)) from None
         if level == "store":
             try:
-                self.disk.put(version.digest, data)
+                self.disk.put(blob.digest, data)
             except OSError as exc:  # a full disk slows later loads down but must not fail this one
-                log.warning("could not cache adapter %s on disk: %s", version.label, exc)
-        return adapter, level
+                log.warning("could not cache %s on disk: %s", blob.label, exc)
+        return item, level
 
     @staticmethod
-    def _failed(version: AdapterVersionInfo, detail: str, retryable: bool = True) -> AdapterLoadError:
+    def _failed(blob: StoredBlob, detail: str, retryable: bool = True) -> Exception:
         """The error for tenants (generic) with the detail for operators, logged here."""
-        log.warning("adapter %s (%s): load failed: %s", version.label, version.storage_key, detail)
-        return AdapterLoadError(version, detail, retryable)
+        log.warning("%s (%s): load failed: %s", blob.label, blob.storage_key, detail)
+        return blob.error(detail, retryable)
 
-    def _start(self, version: AdapterVersionInfo) -> tuple[concurrent.futures.Future, bool]:
-        """The in-flight load of `version`, starting one if none runs, and whether this call started it
+    def _start(self, blob: StoredBlob) -> tuple[concurrent.futures.Future, bool]:
+        """The in-flight load of `blob`, starting one if none runs, and whether this call started it
         (caller holds the lock, then passes both to `_watched` once it has let the lock go)."""
-        future = self._inflight.get(version.digest)
+        future = self._inflight.get(blob.digest)
         if future is not None:
             return future, False
-        future = self._inflight[version.digest] = self._pool.submit(self._timed_load, version)
+        future = self._inflight[blob.digest] = self._pool.submit(self._timed_load, blob)
         return future, True
 
-    def _watched(self, digest: str, future: concurrent.futures.Future, started: bool) -> concurrent.futures.Future:
+    def _watched(self, blob: StoredBlob, future: concurrent.futures.Future,
+                 started: bool) -> concurrent.futures.Future:
         """`future`, with `_done` to run when it ends if this caller started it. Added outside the lock: on a
         load that is already done, add_done_callback runs `_done` at once in this thread, and `_done` takes
         the lock (not reentrant), so a fast load added under the lock deadlocked its caller."""
         if started:
-            future.add_done_callback(lambda f: self._done(digest, f))
+            future.add_done_callback(lambda f: self._done(blob, f))
         return future
 
-    def _timed_load(self, version: AdapterVersionInfo):
+    def _timed_load(self, blob: StoredBlob):
         start = time.perf_counter()
-        adapter, level = self._load(version)
+        item, level = self._load(blob)
         seconds = time.perf_counter() - start
-        self.load_seconds[level].observe(seconds)
-        return adapter, level, seconds * 1000
+        self.counters[blob.kind].load_seconds[level].observe(seconds)
+        return item, level, seconds * 1000
 
-    def _done(self, digest: str, future: concurrent.futures.Future) -> None:
+    def _done(self, blob: StoredBlob, future: concurrent.futures.Future) -> None:
         with self._lock:
-            if self._inflight.get(digest) is future:
-                del self._inflight[digest]
+            if self._inflight.get(blob.digest) is future:
+                del self._inflight[blob.digest]
             if future.exception() is not None:
-                self.failures += 1
+                self.counters[blob.kind].failures += 1
                 return
-            adapter, _, _ = future.result()
-            # Keep it warm for the waiters (they pin it themselves); a prefetch with no waiter leaves it unpinned.
-            if adapter.digest not in self.host:
-                self.host.insert_pinned(adapter)
-                self.host.release(adapter.digest)
+            item, _, _ = future.result()
+            # Keep it warm for the waiters (they lease it themselves); a prefetch with no waiter leaves it unleased.
+            if item.digest not in self.host:
+                self.host.insert_leased(item, blob.kind)
+                self.host.release(item.digest)
 
-    # -- public API --------------------------------------------------------------------------------
-    def prefetch(self, version: AdapterVersionInfo) -> concurrent.futures.Future | None:
-        """Start bringing `version` into host RAM without pinning it; None if it is already there."""
+    def _lease_or_load(self, blob: StoredBlob, lease: bool) -> Acquired | concurrent.futures.Future:
+        """A RAM hit (leased when `lease`); or the (shared) load to wait for."""
         with self._lock:
-            if version.digest in self.host:
-                return None
-            future, started = self._start(version)
-        return self._watched(version.digest, future, started)
+            item = self.host.lease(blob.digest) if lease else self.host.touch(blob.digest)
+            if item is not None:
+                self.counters[blob.kind].hits["ram"] += 1
+                return Acquired(item, "ram", 0.0)
+            future, started = self._start(blob)
+        return self._watched(blob, future, started)
 
-    def _pin_or_load(self, version: AdapterVersionInfo) -> Acquired | concurrent.futures.Future:
-        """A RAM hit, pinned; or the (shared) load to wait for."""
+    def _loaded(self, blob: StoredBlob, result, lease: bool) -> Acquired:
+        item, level, load_ms = result
         with self._lock:
-            adapter = self.host.pin(version.digest)
-            if adapter is not None:
-                self.hits["ram"] += 1
-                return Acquired(adapter, "ram", 0.0)
-            future, started = self._start(version)
-        return self._watched(version.digest, future, started)
+            if lease:
+                item = self.host.insert_leased(item, blob.kind)  # re-inserted if evicted since the load ended
+            self.counters[blob.kind].hits[level] += 1
+        return Acquired(item, level, load_ms)
 
-    def _pin_loaded(self, result) -> Acquired:
-        adapter, level, load_ms = result
-        with self._lock:
-            adapter = self.host.insert_pinned(adapter)  # re-inserted if evicted since the load ended
-            self.hits[level] += 1
-        return Acquired(adapter, level, load_ms)
-
-    async def acquire(self, version: AdapterVersionInfo, timeout: float | None = None) -> Acquired:
-        """The adapter in host RAM, pinned; raise AdapterLoadError (or TimeoutError after `timeout`
-        seconds: the shared load goes on for the other waiters)."""
-        hit = self._pin_or_load(version)
+    async def load_blob(self, blob: StoredBlob, timeout: float | None = None, lease: bool = True) -> Acquired:
+        """`blob` in host RAM, leased when `lease` (give it back with `release`); raise `blob.error`'s error (or
+        TimeoutError after `timeout` seconds: the shared load goes on for the other waiters)."""
+        hit = self._lease_or_load(blob, lease)
         if isinstance(hit, Acquired):
             return hit
         try:
             result = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(hit)), timeout)
         except asyncio.TimeoutError:
-            raise TimeoutError(f"adapter {version.label} did not load within {timeout:.1f} s") from None
-        return self._pin_loaded(result)
+            raise TimeoutError(f"{blob.label} did not load within {timeout:.1f} s") from None
+        return self._loaded(blob, result, lease)
 
-    def acquire_blocking(self, version: AdapterVersionInfo, timeout: float | None = None) -> Acquired:
-        """`acquire` for synchronous callers (CLI, scripts); never call it on an event loop thread."""
-        hit = self._pin_or_load(version)
+    def load_blob_blocking(self, blob: StoredBlob, timeout: float | None = None, lease: bool = True) -> Acquired:
+        """`load_blob` for synchronous callers (CLI, scripts); never call it on an event loop thread."""
+        hit = self._lease_or_load(blob, lease)
         if isinstance(hit, Acquired):
             return hit
         try:
             result = hit.result(timeout)
         except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"adapter {version.label} did not load within {timeout:.1f} s") from None
-        return self._pin_loaded(result)
+            raise TimeoutError(f"{blob.label} did not load within {timeout:.1f} s") from None
+        return self._loaded(blob, result, lease)
+
+    def cached(self, digest: str, kind: str) -> Any | None:
+        """The item `digest` if it is in host RAM now (unleased, counted as a RAM hit of `kind`); no load."""
+        with self._lock:
+            item = self.host.touch(digest)
+            if item is not None:
+                self.counters[kind].hits["ram"] += 1
+            return item
+
+    # -- adapter versions ------------------------------------------------------------------------
+    def prefetch(self, version: AdapterVersionInfo) -> concurrent.futures.Future | None:
+        """Start bringing `version` into host RAM without leasing it; None if it is already there."""
+        blob = _AdapterBlob(version)
+        with self._lock:
+            if version.digest in self.host:
+                return None
+            future, started = self._start(blob)
+        return self._watched(blob, future, started)
+
+    async def acquire(self, version: AdapterVersionInfo, timeout: float | None = None) -> Acquired:
+        """The adapter in host RAM, leased; raise AdapterLoadError (or TimeoutError after `timeout`
+        seconds: the shared load goes on for the other waiters)."""
+        return await self.load_blob(_AdapterBlob(version), timeout)
+
+    def acquire_blocking(self, version: AdapterVersionInfo, timeout: float | None = None) -> Acquired:
+        """`acquire` for synchronous callers (CLI, scripts); never call it on an event loop thread."""
+        return self.load_blob_blocking(_AdapterBlob(version), timeout)
 
     def release(self, digest: str) -> None:
         with self._lock:
@@ -369,10 +395,10 @@ class AdapterCache:
         for listener in self.release_listeners:
             listener()
 
-    def pin(self, digest: str) -> LoRAAdapter | None:
-        """The entry `digest` pinned (give it back with `release`), or None when the host RAM cache lacks it."""
+    def lease(self, digest: str) -> LoRAAdapter | None:
+        """The entry `digest` leased (give it back with `release`), or None when the host RAM cache lacks it."""
         with self._lock:
-            return self.host.pin(digest)
+            return self.host.lease(digest)
 
     def reserve(self, nbytes: int) -> bool:
         """`HostCache.reserve` under the cache's lock."""
@@ -391,18 +417,18 @@ class AdapterCache:
             self.host.insert_reserved(adapter, reserved)
 
     def evict(self, digest: str) -> None:
-        """Forget a version everywhere (its adapter was deleted); pinned RAM copies go at their last release."""
+        """Forget a blob everywhere (no live version or heads use it); leased RAM copies go at their last release."""
         with self._lock:
             self.host.discard(digest)
         self.disk.discard(digest)
 
     def has_in_ram(self, digest: str) -> bool:
-        """Whether the version with this digest is in the host RAM cache now."""
+        """Whether the blob with this digest is in the host RAM cache now."""
         with self._lock:
             return digest in self.host
 
     def has_on_disk(self, digest: str) -> bool:
-        """Whether the version with this digest is in the local disk cache now."""
+        """Whether the blob with this digest is in the local disk cache now."""
         return digest in self.disk
 
     def drain(self, timeout: float | None = None) -> None:
@@ -413,13 +439,18 @@ class AdapterCache:
 
     def stats(self) -> dict:
         """Sizes and counters; read under the locks of the threads that change them (loads, other requests).
-        `load_seconds`: {"disk": ..., "store": ...}, `DurationHistogram.snapshot()` of successful loads."""
+        `host_bytes` counts everything in host RAM (the budget's use); `host_adapters` the adapters and
+        composites, `host_heads` / `host_heads_bytes` the Medusa heads. `hits`, `downloads`, `load_failures`
+        and `load_seconds` ({"disk": ..., "store": ...}, `DurationHistogram.snapshot()` of successful loads) are
+        the adapters'."""
         disk_bytes, disk_adapters = self.disk.nbytes, len(self.disk)  # under the disk cache's own lock
         load_seconds = {level: hist.snapshot() for level, hist in self.load_seconds.items()}  # their own locks
         with self._lock:  # the host cache and the counters only change under this lock
+            heads, heads_bytes = self.host.count(MEDUSA)
             return {"host_bytes": self.host.nbytes, "host_reserved_bytes": self.host.reserved,
-                    "host_budget_bytes": self.host.budget,
-                    "host_adapters": len(self.host), "disk_bytes": disk_bytes, "disk_budget_bytes": self.disk.budget,
+                    "host_budget_bytes": self.host.budget, "host_adapters": len(self.host) - heads,
+                    "host_heads": heads, "host_heads_bytes": heads_bytes,
+                    "disk_bytes": disk_bytes, "disk_budget_bytes": self.disk.budget,
                     "disk_adapters": disk_adapters, "hits": dict(self.hits), "downloads": self.downloads,
                     "load_failures": self.failures, "load_seconds": load_seconds}
 

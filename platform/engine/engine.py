@@ -129,7 +129,7 @@ class LLMEngine:
 
     def prepare_medusa(self, weights: MedusaHeadsWeights) -> MedusaHeads | None:
         """A request's own heads on the device, for add_request's `medusa`: the cached copy of their digest, else
-        one made now within LORAMUX_MEDUSA_DEVICE_BYTES, pinned until the request that gets it ends (or
+        one made now within LORAMUX_MEDUSA_DEVICE_BYTES, leased until the request that gets it ends (or
         `release_medusa`, when it never reaches add_request); None when they cannot be placed (the request runs
         without them). Any thread, and it may block while copying: call it off the step thread (AsyncEngine
         does). RequestError when they do not fit this model."""
@@ -242,7 +242,7 @@ class LLMEngine:
         return seq
 
     def _hold_medusa(self, medusa: MedusaHeadsWeights | MedusaHeads) -> MedusaHeads | None:
-        """add_request's `medusa` as pinned device heads: prepared ones as they are, weights only if cached."""
+        """add_request's `medusa` as leased device heads: prepared ones as they are, weights only if cached."""
         if isinstance(medusa, MedusaHeads):
             return medusa
         self._check_medusa(medusa)

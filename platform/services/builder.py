@@ -121,7 +121,7 @@ def build_services(settings: Settings, *, engine: InProcess | Remote, ledger_slo
     medusa = MedusaRegistry(db, store, model_config.hidden_size, base_model_id(settings.model), limits)
     medusa_cache = None
     if side is not None:
-        medusa_cache = MedusaCache(store, side.disk, model_config.hidden_size, settings.medusa_cache_bytes)
+        medusa_cache = MedusaCache(side.adapter_cache, model_config.hidden_size, settings.medusa_cache_bytes)
         medusa.on_blob_deleted(medusa_cache.evict)
     admin_keys = AdminKeys(db)
     if settings.admin_key:

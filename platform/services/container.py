@@ -80,8 +80,6 @@ class Services:
     def shutdown(self) -> None:
         self.engine.shutdown()
         self.ledger.close()  # rows still buffered are written (or spooled to disk when the database is down)
-        self.adapter_cache.shutdown()
-        if self.medusa_cache is not None:
-            self.medusa_cache.shutdown()
+        self.adapter_cache.shutdown()  # Medusa heads load through it too
         self.db.dispose()
 

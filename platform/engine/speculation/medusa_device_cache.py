@@ -2,7 +2,7 @@
 
 Semantics:
 
-* `acquire(weights)` returns the set's device copy pinned for one more user, or None when the request must run
+* `acquire(weights)` returns the set's device copy leased for one more user, or None when the request must run
   without these heads. A cached copy is reused (no rebuild, whether or not it is in use). A missing one is built
   only if its bytes fit the budget once unused copies are evicted, least recently used first; when every cached
   copy is in use and the new one still does not fit, nothing is built and the answer is None. A build that fails
@@ -11,6 +11,8 @@ Semantics:
 * `release(heads)` drops one user. A copy nobody uses stays cached (the next request with its digest finds it)
   until the room is needed for another set.
 * The bytes of all cached copies, plus the one being built, never exceed `budget_bytes`.
+* The copies and their leases are a `LeaseTable` (`loramux.adapters.residency.leases`), the mechanism by which
+  requests lease adapters and heads in host RAM too.
 * Thread-safe. Builds (the stack and copy to the device) run on the caller's thread, one at a time, outside the
   bookkeeping lock: call `acquire` off the engine's step thread (`AsyncEngine` does, before the request enters
   the engine). `cached` and `release` only take that lock for a few dict operations, so the step thread never
@@ -23,13 +25,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from loramux.adapters.formats.medusa import MedusaHeadsWeights
+from loramux.adapters.residency.leases import LeaseTable
 from loramux.engine.speculation.medusa_heads import MedusaHeads
 
 __all__ = ["MedusaDeviceCache", "device_bytes"]
@@ -43,45 +44,31 @@ def device_bytes(weights: MedusaHeadsWeights, dtype: torch.dtype) -> int:
     return weights.num_heads * (h * h + h) * torch.empty((), dtype=dtype).element_size()
 
 
-@dataclass
-class _Entry:
-    heads: MedusaHeads
-    nbytes: int
-    users: int = 0
-
-
 class MedusaDeviceCache:
     """Head sets on the device by digest: `build(weights)` makes a copy of `size(weights)` bytes."""
 
     def __init__(self, budget_bytes: int, build: Callable[[MedusaHeadsWeights], MedusaHeads],
                  size: Callable[[MedusaHeadsWeights], int]):
-        self.budget = budget_bytes
         self._build = build
         self._size = size
-        self._lock = threading.Lock()  # the bookkeeping below; never held across a build
+        self._lock = threading.Lock()  # the table below; never held across a build
         self._build_lock = threading.Lock()  # one build at a time (so one reservation at a time)
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
-        self._reserved = 0  # bytes of the build in progress
+        self._table: LeaseTable[MedusaHeads] = LeaseTable(budget_bytes)
         self.builds = 0  # device copies made
-        self.evictions = 0  # unused copies dropped for room
         self.no_room = 0  # requests that ran without their heads: every cached copy in use, no room
         self.build_failures = 0  # requests that ran without their heads: the copy could not be made
 
-    def _pin(self, digest: str) -> MedusaHeads | None:  # caller holds the lock
-        entry = self._entries.get(digest)
-        if entry is None:
-            return None
-        entry.users += 1
-        self._entries.move_to_end(digest)
-        return entry.heads
+    @property
+    def budget(self) -> int:
+        return self._table.budget
 
     def cached(self, digest: str) -> MedusaHeads | None:
-        """The cached copy of `digest` pinned for one more user (release it), or None; never builds."""
+        """The cached copy of `digest` leased for one more user (release it), or None; never builds."""
         with self._lock:
-            return self._pin(digest)
+            return self._table.lease(digest)
 
     def acquire(self, weights: MedusaHeadsWeights) -> MedusaHeads | None:
-        """The device copy of `weights` pinned for one more user (release it), built if needed and if it fits;
+        """The device copy of `weights` leased for one more user (release it), built if needed and if it fits;
         None: run without these heads (see the module docstring). Blocks while building: not on the step
         thread."""
         heads = self.cached(weights.digest)
@@ -89,70 +76,50 @@ class MedusaDeviceCache:
             return heads
         with self._build_lock:
             with self._lock:
-                heads = self._pin(weights.digest)  # built by another caller meanwhile
+                heads = self._table.lease(weights.digest)  # built by another caller meanwhile
                 if heads is not None:
                     return heads
                 nbytes = self._size(weights)
-                if not self._make_room(nbytes):
+                # Nothing is evicted for a copy that cannot fit beside the sets in use anyway.
+                if not (self._table.fits(nbytes) and self._table.reserve(nbytes)):
                     self.no_room += 1
                     log.info("Medusa heads %s (%d bytes) do not fit LORAMUX_MEDUSA_DEVICE_BYTES=%d beside the "
                              "sets in use; the request runs without them", weights.digest[:12], nbytes, self.budget)
                     return None
-                self._reserved = nbytes
             try:
                 heads = self._build(weights)
             except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
                 with self._lock:
-                    self._reserved = 0
+                    self._table.unreserve(nbytes)
                     self.build_failures += 1
                 log.warning("Medusa heads %s could not be copied to the device (%s); the request runs without "
                             "them", weights.digest[:12], exc)
                 return None
             except BaseException:
                 with self._lock:
-                    self._reserved = 0
+                    self._table.unreserve(nbytes)
                 raise
             with self._lock:
-                self._reserved = 0
                 self.builds += 1
-                self._entries[weights.digest] = _Entry(heads, nbytes, users=1)
-            return heads
-
-    def _make_room(self, nbytes: int) -> bool:  # caller holds the lock
-        """Evict unused copies, least recently used first, until `nbytes` more fit; False (nothing evicted)
-        when even evicting every unused copy would not make room."""
-        used = self._held_bytes()
-        unused = [(d, e) for d, e in self._entries.items() if e.users == 0]
-        if used - sum(e.nbytes for _, e in unused) + nbytes > self.budget:
-            return False
-        for digest, entry in unused:
-            if used + nbytes <= self.budget:
-                break
-            del self._entries[digest]
-            used -= entry.nbytes
-            self.evictions += 1
-        return True
-
-    def _held_bytes(self) -> int:  # caller holds the lock
-        return sum(e.nbytes for e in self._entries.values()) + self._reserved
+                self._table.insert_reserved(heads, nbytes)
+                return self._table.lease(heads.digest)
 
     def release(self, heads: MedusaHeads) -> None:
         """One user of `heads` is done; the copy stays cached while there is room."""
         with self._lock:
-            entry = self._entries.get(heads.digest)
-            if entry is not None and entry.heads is heads and entry.users > 0:
-                entry.users -= 1
+            if self._table.get(heads.digest) is heads and self._table.leases(heads.digest) > 0:
+                self._table.release(heads.digest)
 
-    def users(self, digest: str) -> int:
+    def leases(self, digest: str) -> int:
         """Users of the cached copy of `digest` (0 when unused or not cached)."""
         with self._lock:
-            entry = self._entries.get(digest)
-            return entry.users if entry is not None else 0
+            return self._table.leases(digest)
 
     def stats(self) -> dict:
         """bytes / budget_bytes / sets / sets_in_use, and the counters builds, evictions, no_room,
         build_failures."""
         with self._lock:
-            return {"bytes": self._held_bytes(), "budget_bytes": self.budget, "sets": len(self._entries),
-                    "sets_in_use": sum(1 for e in self._entries.values() if e.users), "builds": self.builds,
-                    "evictions": self.evictions, "no_room": self.no_room, "build_failures": self.build_failures}
+            table = self._table
+            return {"bytes": table.nbytes + table.reserved, "budget_bytes": table.budget, "sets": len(table),
+                    "sets_in_use": table.leased(), "builds": self.builds, "evictions": table.evictions,
+                    "no_room": self.no_room, "build_failures": self.build_failures}
