@@ -30,7 +30,7 @@ T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 CHILD = r'''
 import asyncio, sys, time
 from datetime import datetime, timezone
-from loramux.admin import ledger as ledger_module
+from loramux.billing import ledger as ledger_module
 from loramux.billing.ledger import LedgerWriter, durable
 from loramux.db import Database
 from loramux.billing.usage import RequestRecord
