@@ -20,7 +20,14 @@ from pathlib import Path
 
 import torch
 
-from loramux.adapters.formats.safetensors_header import ByteSource, looks_like_pickle, parse_header, read_tensor
+from loramux.adapters.formats.safetensors_header import (
+    ByteSource,
+    check_config_size,
+    check_weights_file,
+    parse_header,
+    read_tensor,
+    read_upload,
+)
 from loramux.adapters.formats.validation_common import AdapterValidationError, UploadLimits, fail, show
 
 __all__ = ["MEDUSA_CONFIG", "MEDUSA_WEIGHTS", "MEDUSA_FORMAT", "MAX_MEDUSA_HEADS", "MedusaHeadsWeights",
@@ -57,10 +64,6 @@ def medusa_digest(config_bytes: bytes, weights_bytes: bytes) -> str:
     return h.hexdigest()
 
 
-def _read_all(content: bytes | Path) -> bytes:
-    return Path(content).read_bytes() if isinstance(content, (str, Path)) else bytes(content)
-
-
 def validate_medusa_files(files: Mapping[str, bytes | Path], hidden_size: int,
                           limits: UploadLimits = UploadLimits()) -> MedusaHeadsWeights:
     """Validate a heads upload (file name -> bytes or path) for a base model of `hidden_size`; raise
@@ -72,19 +75,11 @@ def validate_medusa_files(files: Mapping[str, bytes | Path], hidden_size: int,
     for name in (MEDUSA_CONFIG, MEDUSA_WEIGHTS):
         if name not in files:
             raise fail("missing_file", f"{name} is missing: Medusa heads need {MEDUSA_CONFIG} and {MEDUSA_WEIGHTS}")
-    config_bytes = _read_all(files[MEDUSA_CONFIG])
-    if len(config_bytes) > limits.max_config_bytes:
-        raise fail("config_too_large", f"{MEDUSA_CONFIG} is {len(config_bytes)} bytes, above the limit of "
-                                       f"{limits.max_config_bytes}")
+    config_bytes = read_upload(files[MEDUSA_CONFIG])
+    check_config_size(MEDUSA_CONFIG, len(config_bytes), limits)
     config = _parse_config(config_bytes, hidden_size)
     with ByteSource(files[MEDUSA_WEIGHTS]) as src:
-        if src.size > limits.max_total_bytes:
-            raise fail("too_large", f"{MEDUSA_WEIGHTS} is {src.size} bytes, above this server's limit of "
-                                    f"{limits.max_total_bytes} bytes")
-        kind = looks_like_pickle(src.read(0, min(9, src.size)))
-        if kind:
-            raise fail("pickle_refused", f"pickle weights are refused: save the heads as safetensors "
-                                         f"({MEDUSA_WEIGHTS} holds a {kind} file)")
+        check_weights_file(src, MEDUSA_WEIGHTS, limits, "heads")
         entries, data_start = parse_header(src, limits)
         by_name = {e.name: e for e in entries}
         k, h = config["num_heads"], hidden_size
@@ -113,7 +108,7 @@ def validate_medusa_files(files: Mapping[str, bytes | Path], hidden_size: int,
                     raise fail("non_finite", f"tensor {name} holds NaN or infinite values")
                 pair.append(t)
             blocks.append((pair[0], pair[1]))
-        weights_bytes = _read_all(files[MEDUSA_WEIGHTS])
+        weights_bytes = read_upload(files[MEDUSA_WEIGHTS])
     return MedusaHeadsWeights(k, h, blocks, config, medusa_digest(config_bytes, weights_bytes))
 
 

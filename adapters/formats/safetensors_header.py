@@ -5,6 +5,8 @@ the data section) so that each failure gets its own `AdapterValidationError` cod
 what to fix, and so that hostile headers are refused cheaply: the header size is capped before it is read
 and the tensor count is checked while the JSON is being parsed. `read_tensor` then reads one tensor at a
 time. `looks_like_pickle` recognises pickle / torch.save content, which is refused, never unpickled.
+`check_weights_file` and `check_config_size` are the size and pickle checks every upload (adapters, Medusa
+heads) passes first.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -183,6 +186,30 @@ def looks_like_pickle(head: bytes) -> str | None:
     if head.startswith(b"PK\x03\x04"):
         return "zip (torch.save)"
     return None
+
+
+def read_upload(content: bytes | os.PathLike) -> bytes:
+    """All of one uploaded file, given as bytes or as a path."""
+    return Path(content).read_bytes() if isinstance(content, (str, os.PathLike)) else bytes(content)
+
+
+def check_config_size(name: str, size: int, limits: UploadLimits) -> None:
+    """An upload's JSON config within `limits.max_config_bytes` (`config_too_large`)."""
+    if size > limits.max_config_bytes:
+        raise fail("config_too_large", f"{name} is {size} bytes, above this server's limit of "
+                                       f"{limits.max_config_bytes} bytes")
+
+
+def check_weights_file(src: ByteSource, name: str, limits: UploadLimits, what: str, fix: str = "") -> None:
+    """What every uploaded weights file passes before its header is read: within `limits.max_total_bytes`
+    (`too_large`, `fix` appended to the message) and no pickle (`pickle_refused`: save the `what` as safetensors)."""
+    if src.size > limits.max_total_bytes:
+        raise fail("too_large", f"{name} is {src.size} bytes, above this server's limit of "
+                                f"{limits.max_total_bytes} bytes{fix}")
+    kind = looks_like_pickle(src.read(0, min(9, src.size)))
+    if kind:
+        raise fail("pickle_refused", f"pickle weights are refused: save the {what} as safetensors "
+                                     f"({name} holds a {kind} file)")
 
 
 def read_tensor(src: ByteSource, data_start: int, entry: TensorEntry) -> torch.Tensor:

@@ -82,7 +82,8 @@ from loramux.adapters.formats.module_selection import (
 from loramux.adapters.formats.safetensors_header import (
     ByteSource,
     TensorEntry,
-    looks_like_pickle,
+    check_config_size,
+    check_weights_file,
     parse_header,
     read_tensor,
 )
@@ -443,16 +444,8 @@ def validate_adapter_files(files: Mapping[str, bytes | Path], base: ModelConfig,
             raise fail("missing_file", f"{name} is missing: an adapter upload needs {CONFIG_FILE} and "
                                         f"{WEIGHTS_FILE} (PEFT's save_pretrained writes both)")
     with ByteSource(files[CONFIG_FILE]) as config_src, ByteSource(files[WEIGHTS_FILE]) as weights_src:
-        if config_src.size > limits.max_config_bytes:
-            raise fail("config_too_large", f"{CONFIG_FILE} is {config_src.size} bytes, above this server's "
-                                            f"limit of {limits.max_config_bytes} bytes")
-        if weights_src.size > limits.max_total_bytes:
-            raise fail("too_large", f"{WEIGHTS_FILE} is {weights_src.size} bytes, above this server's limit of "
-                                     f"{limits.max_total_bytes} bytes; use a smaller rank or fewer targets")
-        kind = looks_like_pickle(weights_src.read(0, min(9, weights_src.size)))
-        if kind:
-            raise fail("pickle_refused", f"pickle weights are refused: save the adapter as safetensors "
-                                          f"({WEIGHTS_FILE} holds a {kind} file)")
+        check_config_size(CONFIG_FILE, config_src.size, limits)
+        check_weights_file(weights_src, WEIGHTS_FILE, limits, "adapter", "; use a smaller rank or fewer targets")
         config = validate_config(config_src.read(0, config_src.size), limits.max_rank)
         claimed_base = check_base_model(config.get("base_model_name_or_path"), base_model_id, allow_base_mismatch)
         rank, names = config["r"], module_names(base)
