@@ -83,13 +83,18 @@ def pack(rank: int, alpha: float, use_rslora: bool, target_modules, tensors,
 _DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64"}
 
 
+def check_digest(blob: bytes, digest: str) -> None:
+    """DigestMismatchError unless `blob` hashes to `digest` (every stored blob is checked before it is parsed)."""
+    actual = sha256_hex(blob)
+    if actual != digest:
+        raise DigestMismatchError(f"the stored bytes hash to {actual[:12]}…, expected {digest[:12]}… "
+                                  "(corrupt object in the store)")
+
+
 def unpack(blob: bytes, name: str, digest: str | None = None) -> LoRAAdapter:
     """Parse a blob written by `pack` into a float32 LoRAAdapter; verify `digest` first when given."""
     if digest is not None:
-        actual = sha256_hex(blob)
-        if actual != digest:
-            raise DigestMismatchError(f"the stored bytes hash to {actual[:12]}…, expected {digest[:12]}… "
-                                      "(corrupt object in the store)")
+        check_digest(blob, digest)
     header_len = int.from_bytes(blob[:8], "little")
     metadata = json.loads(blob[8:8 + header_len]).get("__metadata__", {})
     if metadata.get("format") != FORMAT:

@@ -2,9 +2,9 @@
 weights in the object store; and the lookup the request path makes ("which heads serve this version?").
 
 Upload. `upload` validates the two files completely against the served model's hidden size
-(`validate_medusa_files`) before anything is stored, then:
+(`validate_medusa_files`) before anything is stored, then takes the steps of every upload (`blob_lifecycle`):
 
-1. inserts its row as `pending` and commits (the row is the upload's reservation of its blob key);
+1. inserts its row as `pending` and commits (the row is the upload's claim on its blob key);
 2. writes the blob (`pack_medusa`: both files, length-prefixed; its sha256 is the heads' digest) under the
    server-made key `medusa/sha256/<ab>/<digest>/<row id>`;
 3. in one transaction makes the row `ready` and retires the target's previous heads (`deleted_at`,
@@ -30,13 +30,13 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from pathlib import Path
 
 from sqlalchemy import delete, select, update
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
 from loramux.adapters.formats.medusa import (
     MEDUSA_CONFIG,
@@ -44,8 +44,10 @@ from loramux.adapters.formats.medusa import (
     MedusaHeadsWeights,
     validate_medusa_files,
 )
+from loramux.adapters.formats.safetensors_header import read_upload
 from loramux.adapters.formats.validation_common import AdapterFormatError, UploadLimits
-from loramux.adapters.storage.blob import DigestMismatchError, sha256_hex
+from loramux.adapters.storage.blob import check_digest, sha256_hex
+from loramux.adapters.storage.blob_lifecycle import DEFAULT_GC_GRACE_S, BlobListeners, in_transaction, store_upload
 from loramux.adapters.storage.registry import AdapterNotFoundError, AdapterVersionInfo, RegistryError
 from loramux.adapters.storage.store import ObjectStore, StoreError
 from loramux.db import Adapter, AdapterVersion, Database
@@ -58,7 +60,6 @@ __all__ = ["MEDUSA_KIND", "MEDUSA_KEY_PREFIX", "MedusaHeadsInfo", "MedusaNotFoun
 
 MEDUSA_KIND = "medusa"
 MEDUSA_KEY_PREFIX = "medusa/"
-DEFAULT_GC_GRACE_S = 3600.0  # as the adapter registry's: far longer than any upload takes
 DEFAULT_LOOKUP_TTL_S = 10.0
 _DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 _ID_RE = re.compile(r"md_[0-9a-f]{16}")
@@ -119,9 +120,8 @@ def pack_medusa(config_bytes: bytes, weights_bytes: bytes) -> bytes:
 def unpack_medusa(blob: bytes, hidden_size: int, digest: str | None = None) -> MedusaHeadsWeights:
     """Heads from a blob written by `pack_medusa`, validated again for `hidden_size` (the operator's stored
     bytes: no upload size cap); verify `digest` first when given (DigestMismatchError)."""
-    if digest is not None and sha256_hex(blob) != digest:
-        raise DigestMismatchError(f"the stored heads hash to {sha256_hex(blob)[:12]}…, expected {digest[:12]}… "
-                                  "(corrupt object in the store)")
+    if digest is not None:
+        check_digest(blob, digest)
     view = memoryview(blob)
     n = int.from_bytes(view[:8], "little")
     config = bytes(view[8:8 + n])
@@ -131,10 +131,6 @@ def unpack_medusa(blob: bytes, hidden_size: int, digest: str | None = None) -> M
         raise AdapterFormatError("the stored heads blob is not one pack_medusa wrote (lengths do not add up)")
     return validate_medusa_files({MEDUSA_CONFIG: config, MEDUSA_WEIGHTS: weights}, hidden_size,
                                  UploadLimits(max_total_bytes=sys.maxsize))
-
-
-def _read(content: bytes | Path) -> bytes:
-    return Path(content).read_bytes() if isinstance(content, (str, Path)) else bytes(content)
 
 
 def _info(row: MedusaHeads, version: AdapterVersion | None, adapter: Adapter | None) -> MedusaHeadsInfo:
@@ -158,7 +154,7 @@ def _live_ready():
     return (MedusaHeads.status == "ready") & MedusaHeads.deleted_at.is_(None)
 
 
-class MedusaRegistry:
+class MedusaRegistry(BlobListeners):
     """Medusa heads of this server's base model and of its adapter versions (see the module docstring)."""
 
     def __init__(self, db: Database, store: ObjectStore, hidden_size: int, base_model_id: str,
@@ -169,15 +165,11 @@ class MedusaRegistry:
         self.base_model_id = base_model_id
         self.limits = limits
         self.lookup_ttl_s = lookup_ttl_s
-        self._delete_listeners: list[Callable[[str], None]] = []
+        super().__init__()
         self._lock = threading.Lock()
         self._lookups: dict[tuple[str, int] | None, tuple[float, MedusaHeadsInfo | None]] = {}
         self._generation = 0  # bumped by every invalidation: a lookup begun before one is not cached
         self.lookup_queries = 0  # database lookups made for the request path (tests, metrics)
-
-    def on_blob_deleted(self, listener: Callable[[str], None]) -> None:
-        """Call `listener(digest)` when no live heads use a digest any more (caches drop it)."""
-        self._delete_listeners.append(listener)
 
     # -- upload ------------------------------------------------------------------------------------------
     def upload(self, files: Mapping[str, bytes | Path], target: AdapterVersionInfo | None = None,
@@ -188,26 +180,27 @@ class MedusaRegistry:
         if kind != MEDUSA_KIND:
             raise RegistryError(f"speculator kind must be {MEDUSA_KIND!r}, got {kind!r}")
         valid = validate_medusa_files(files, self.hidden_size, self.limits)
-        blob = pack_medusa(_read(files[MEDUSA_CONFIG]), _read(files[MEDUSA_WEIGHTS]))
+        blob = pack_medusa(read_upload(files[MEDUSA_CONFIG]), read_upload(files[MEDUSA_WEIGHTS]))
         digest = sha256_hex(blob)
         if digest != valid.digest:  # what is stored must be exactly what was validated
             raise RegistryError("the uploaded files changed while they were validated; upload them again")
         heads_id = new_id("md")
         key = medusa_key(digest, heads_id)
-        with self.db.session() as s:
-            version_id = self._version_row_id(s, target)
-            s.add(MedusaHeads(id=heads_id, kind=kind, adapter_version_id=version_id, base_model=self.base_model_id,
-                              digest=digest, storage_key=key, size_bytes=len(blob), num_heads=valid.num_heads,
-                              hidden_size=valid.hidden_size, config=valid.config, status="pending"))
+        pending = MedusaHeads(id=heads_id, kind=kind, base_model=self.base_model_id, digest=digest, storage_key=key,
+                              size_bytes=len(blob), num_heads=valid.num_heads, hidden_size=valid.hidden_size,
+                              config=valid.config, status="pending")
         del valid
-        try:
-            self.store.put(key, blob)
-            info, retired = self._activate(heads_id, target)
-        except BaseException:
-            self._discard_upload(heads_id, key)
-            raise
+        info, retired = store_upload(self.store, key, blob, lambda: self._reserve(pending, target),
+                                     lambda: self._activate(heads_id, target),
+                                     lambda: self._discard_upload(heads_id, key))
         self._after_change(retired)
         return info
+
+    def _reserve(self, pending: MedusaHeads, target: AdapterVersionInfo | None) -> None:
+        """Commit the upload's pending row (AdapterNotFoundError, nothing stored, when `target` is gone)."""
+        with self.db.session() as s:
+            pending.adapter_version_id = self._version_row_id(s, target)
+            s.add(pending)
 
     @staticmethod
     def _version_row_id(s, target: AdapterVersionInfo | None) -> int | None:
@@ -225,35 +218,32 @@ class MedusaRegistry:
                   ) -> tuple[MedusaHeadsInfo, list[MedusaHeadsInfo]]:
         """Make the pending row ready and retire the target's previous heads, in one transaction; returns the
         new heads and the retired ones."""
-        for attempt in range(5):  # another upload for the same target activated between our read and write
-            try:
-                with self.db.session() as s:
-                    version_id = self._version_row_id(s, target)  # still there (an adapter delete may have won)
-                    row = s.get(MedusaHeads, heads_id)
-                    if row is None or row.status != "pending":
-                        raise RegistryError("the upload took longer than the grace period and was collected; "
-                                            "upload the heads again")
-                    same = (MedusaHeads.adapter_version_id == version_id if version_id is not None else
-                            MedusaHeads.adapter_version_id.is_(None) & (MedusaHeads.base_model == row.base_model))
-                    old = s.execute(_with_target().where(same, MedusaHeads.kind == row.kind, _live_ready())).all()
-                    now = utcnow()
-                    if old:
-                        s.execute(update(MedusaHeads)
-                                  .where(MedusaHeads.id.in_([r.id for r, _, _ in old]),
-                                         MedusaHeads.deleted_at.is_(None))
-                                  .values(deleted_at=now, replaced_by=heads_id)
-                                  .execution_options(synchronize_session=False))
-                    s.flush()  # the old rows leave the unique index before the new one enters it
-                    row.status, row.created_at = "ready", now
-                    s.flush()
-                    version = s.get(AdapterVersion, version_id) if version_id is not None else None
-                    adapter = s.get(Adapter, version.adapter_id) if version is not None else None
-                    retired = [replace(_info(r, v, a), deleted_at=now, replaced_by=heads_id) for r, v, a in old]
-                    return _info(row, version, adapter), retired
-            except IntegrityError:
-                if attempt == 4:
-                    raise
-        raise AssertionError("unreachable")
+
+        def activate(s: Session) -> tuple[MedusaHeadsInfo, list[MedusaHeadsInfo]]:
+            # Run again when another upload for the same target activated between our read and write.
+            version_id = self._version_row_id(s, target)  # still there (an adapter delete may have won)
+            row = s.get(MedusaHeads, heads_id)
+            if row is None or row.status != "pending":
+                raise RegistryError("the upload took longer than the grace period and was collected; "
+                                    "upload the heads again")
+            same = (MedusaHeads.adapter_version_id == version_id if version_id is not None else
+                    MedusaHeads.adapter_version_id.is_(None) & (MedusaHeads.base_model == row.base_model))
+            old = s.execute(_with_target().where(same, MedusaHeads.kind == row.kind, _live_ready())).all()
+            now = utcnow()
+            if old:
+                s.execute(update(MedusaHeads)
+                          .where(MedusaHeads.id.in_([r.id for r, _, _ in old]), MedusaHeads.deleted_at.is_(None))
+                          .values(deleted_at=now, replaced_by=heads_id)
+                          .execution_options(synchronize_session=False))
+            s.flush()  # the old rows leave the unique index before the new one enters it
+            row.status, row.created_at = "ready", now
+            s.flush()
+            version = s.get(AdapterVersion, version_id) if version_id is not None else None
+            adapter = s.get(Adapter, version.adapter_id) if version is not None else None
+            retired = [replace(_info(r, v, a), deleted_at=now, replaced_by=heads_id) for r, v, a in old]
+            return _info(row, version, adapter), retired
+
+        return in_transaction(self.db, activate)
 
     def _discard_upload(self, heads_id: str, key: str) -> None:
         """A failed upload: its blob and its (never ready) row go; never hide the upload's own error."""
@@ -337,9 +327,7 @@ class MedusaRegistry:
             return
         with self.db.session() as s:
             live = set(s.scalars(select(MedusaHeads.digest).where(MedusaHeads.digest.in_(digests), _live_ready())))
-        for digest in sorted(digests - live):
-            for listener in self._delete_listeners:
-                listener(digest)
+        self._tell_deleted(sorted(digests - live))
 
     # -- the request path ----------------------------------------------------------------------------------
     def invalidate(self) -> None:

@@ -6,7 +6,8 @@ from its digest, then commits the rows; a failure at any point leaves neither ro
 see. Deleting is soft for rows (history and billing keep their references) and hard for blobs no live
 version still uses; listeners (the cache levels) are told so they drop their copies.
 
-Blob lifecycle. Blobs are shared by digest (two uploads of the same bytes are one object), so deleting
+Blob lifecycle (the steps every registry shares are `blob_lifecycle`'s; this is the adapters' ownership rule).
+Blobs are shared by digest (two uploads of the same bytes are one object), so deleting
 one adapter must never remove bytes another upload is about to reference. Every decision about a blob's
 fate takes the lock of its `adapter_blobs` row (an UPDATE: a row lock on PostgreSQL, the write lock on
 SQLite) and all of it lives in three functions here:
@@ -24,18 +25,18 @@ such blobs, and blobs a store outage left behind.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from pathlib import Path
 
 from sqlalchemy import case, func, select, update
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from loramux.adapters.formats.summary import describe
 from loramux.adapters.formats.validation import UploadLimits, validate_adapter_files
 from loramux.adapters.storage.blob import pack, unpack
+from loramux.adapters.storage.blob_lifecycle import DEFAULT_GC_GRACE_S, BlobListeners, in_transaction, store_upload
 from loramux.adapters.storage.store import ObjectStore, StoreError, blob_key
 from loramux.db import Adapter, AdapterVersion, Database, Tenant
 from loramux.db.models import AdapterBlob, utcnow
@@ -49,9 +50,6 @@ __all__ = ["AdapterNotFoundError", "AdapterRegistry", "AdapterVersionInfo", "BAS
            "InvalidNameError", "RegistryError", "collect_garbage"]
 
 VISIBILITIES = ("private", "public")
-# How long an upload may hold its blob reservation (between its put and its version insert) before it
-# counts as abandoned; far longer than any upload takes, so no live upload ever loses its blob.
-DEFAULT_GC_GRACE_S = 3600.0
 _MAX_VERSION_DIGITS = 9  # versions are SQL INTEGERs: a longer number is no version there is
 
 
@@ -109,7 +107,7 @@ def _check_visibility(visibility: str) -> None:
         raise InvalidNameError(f"visibility must be one of {', '.join(VISIBILITIES)}, got {visibility!r}")
 
 
-class AdapterRegistry:
+class AdapterRegistry(BlobListeners):
     def __init__(self, db: Database, store: ObjectStore, base_config: ModelConfig, base_model_id: str,
                  limits: UploadLimits = UploadLimits(), shared_tenant: str | None = None,
                  tenancy: Tenancy | None = None, device_dtype_bytes: int = 4):
@@ -121,11 +119,7 @@ class AdapterRegistry:
         self.base_config = base_config
         self.base_model_id = base_model_id
         self.limits = limits
-        self._delete_listeners: list[Callable[[str], None]] = []
-
-    def on_blob_deleted(self, listener: Callable[[str], None]) -> None:
-        """Call `listener(digest)` when no live version uses a digest any more (caches drop it)."""
-        self._delete_listeners.append(listener)
+        super().__init__()
 
     # -- adapters --------------------------------------------------------------------------------
     def register(self, tenant_id: str, name: str, files: Mapping[str, bytes | Path],
@@ -146,14 +140,10 @@ class AdapterRegistry:
                             embedding=valid.embedding, heads=valid.heads)
         del valid
         key = blob_key(digest)
-        _reserve_blob(self.db, digest, key)
-        try:
-            self.store.put(key, blob)
-            return self._insert_version(tenant_id, name, visibility, digest, key, len(blob), blob, claimed_base,
-                                        provenance)
-        except BaseException:
-            self._after_failed_upload(digest, key)
-            raise
+        return store_upload(self.store, key, blob, lambda: _reserve_blob(self.db, digest, key),
+                            lambda: self._insert_version(tenant_id, name, visibility, digest, key, len(blob), blob,
+                                                         claimed_base, provenance),
+                            lambda: self._after_failed_upload(digest, key))
 
     def _limits_for(self, tier: str) -> UploadLimits:
         """The server's upload limits, with the head cap lowered to the tenant tier's where the tier sets one."""
@@ -172,48 +162,45 @@ class AdapterRegistry:
             log.exception("could not clean up after a failed upload of blob %s", key)
             return
         if unused:
-            self._tell_deleted(digest)
+            self._tell_deleted([digest])
 
     def _insert_version(self, tenant_id, name, visibility, digest, key, size, blob,
                         claimed_base: str | None = None, provenance: dict | None = None) -> AdapterVersionInfo:
         meta = unpack(blob, name)  # the normalised config, as the engine will see it
-        for attempt in range(5):  # two uploads of one name racing for the same version number
-            try:
-                with self.db.session() as s:
-                    # First, with the blob's row locked: this upload's reservation becomes its version row,
-                    # atomically (a delete that locks the row next sees the version, one before saw the reservation).
-                    mine = (AdapterBlob.digest == digest) & (AdapterBlob.pending > 0)
-                    released = s.execute(update(AdapterBlob).where(mine)
-                                         .values(pending=AdapterBlob.pending - 1, updated_at=utcnow())
-                                         .execution_options(synchronize_session=False)).rowcount
-                    if not released:
-                        raise RegistryError("the upload took longer than the blob grace period and its stored "
-                                            "weights were collected; upload it again")
-                    adapter = s.scalar(select(Adapter).where(Adapter.tenant_id == tenant_id, Adapter.name == name,
-                                                             Adapter.deleted_at.is_(None)))
-                    if adapter is None:
-                        adapter = Adapter(tenant_id=tenant_id, name=name, visibility=visibility)
-                        s.add(adapter)
-                        s.flush()
-                    current = s.scalar(select(AdapterVersion).where(AdapterVersion.adapter_id == adapter.id)
-                                       .order_by(AdapterVersion.version.desc()).limit(1))
-                    if current is not None and current.digest == digest and current.status == "ready":
-                        return _version_info(adapter, current)  # the same bytes again: no new version
-                    latest = current.version if current is not None else 0
-                    version = AdapterVersion(
-                        adapter_id=adapter.id, version=latest + 1, digest=digest, storage_key=key, size_bytes=size,
-                        rank=meta.rank, alpha=meta.alpha, use_rslora=meta.use_rslora,
-                        target_modules=list(meta.target_modules), base_model=self.base_model_id,
-                        claimed_base_model=claimed_base, base_family=self.base_config.model_type,
-                        summary=describe(meta, self.base_config, self.device_dtype_bytes), provenance=provenance,
-                        status="ready")
-                    s.add(version)
-                    s.flush()
-                    return _version_info(adapter, version)
-            except IntegrityError:
-                if attempt == 4:
-                    raise
-        raise AssertionError("unreachable")
+
+        def insert(s: Session) -> AdapterVersionInfo:  # run again when two uploads of a name race for a number
+            # First, with the blob's row locked: this upload's reservation becomes its version row,
+            # atomically (a delete that locks the row next sees the version, one before saw the reservation).
+            mine = (AdapterBlob.digest == digest) & (AdapterBlob.pending > 0)
+            released = s.execute(update(AdapterBlob).where(mine)
+                                 .values(pending=AdapterBlob.pending - 1, updated_at=utcnow())
+                                 .execution_options(synchronize_session=False)).rowcount
+            if not released:
+                raise RegistryError("the upload took longer than the blob grace period and its stored "
+                                    "weights were collected; upload it again")
+            adapter = s.scalar(select(Adapter).where(Adapter.tenant_id == tenant_id, Adapter.name == name,
+                                                     Adapter.deleted_at.is_(None)))
+            if adapter is None:
+                adapter = Adapter(tenant_id=tenant_id, name=name, visibility=visibility)
+                s.add(adapter)
+                s.flush()
+            current = s.scalar(select(AdapterVersion).where(AdapterVersion.adapter_id == adapter.id)
+                               .order_by(AdapterVersion.version.desc()).limit(1))
+            if current is not None and current.digest == digest and current.status == "ready":
+                return _version_info(adapter, current)  # the same bytes again: no new version
+            latest = current.version if current is not None else 0
+            version = AdapterVersion(
+                adapter_id=adapter.id, version=latest + 1, digest=digest, storage_key=key, size_bytes=size,
+                rank=meta.rank, alpha=meta.alpha, use_rslora=meta.use_rslora,
+                target_modules=list(meta.target_modules), base_model=self.base_model_id,
+                claimed_base_model=claimed_base, base_family=self.base_config.model_type,
+                summary=describe(meta, self.base_config, self.device_dtype_bytes), provenance=provenance,
+                status="ready")
+            s.add(version)
+            s.flush()
+            return _version_info(adapter, version)
+
+        return in_transaction(self.db, insert)
 
     def resolve(self, tenant_id: str, ref: str) -> AdapterVersionInfo:
         """The version a request for `ref` uses: `name` (the tenant's own, else a public adapter of the
@@ -334,12 +321,8 @@ class AdapterRegistry:
                 log.exception("could not check blob %s after deleting adapter %s", key, ref)
                 continue
             if unused:
-                self._tell_deleted(digest)
+                self._tell_deleted([digest])
         return gone
-
-    def _tell_deleted(self, digest: str) -> None:
-        for listener in self._delete_listeners:
-            listener(digest)
 
     def collect_garbage(self, grace_s: float = DEFAULT_GC_GRACE_S) -> list[str]:
         """See the module function `collect_garbage`."""
@@ -350,18 +333,15 @@ class AdapterRegistry:
 
 def _reserve_blob(db: Database, digest: str, key: str) -> None:
     """Record (and commit) an upload about to write the blob, before it writes it."""
-    for attempt in range(5):
-        try:
-            with db.session() as s:
-                done = s.execute(update(AdapterBlob).where(AdapterBlob.digest == digest)
-                                 .values(pending=AdapterBlob.pending + 1, updated_at=utcnow())
-                                 .execution_options(synchronize_session=False)).rowcount
-                if not done:
-                    s.add(AdapterBlob(digest=digest, storage_key=key, pending=1, updated_at=utcnow()))
-            return
-        except IntegrityError:  # another upload of the same bytes created the row a moment ago
-            if attempt == 4:
-                raise
+
+    def reserve(s: Session) -> None:  # run again when another upload of the same bytes created the row meanwhile
+        done = s.execute(update(AdapterBlob).where(AdapterBlob.digest == digest)
+                         .values(pending=AdapterBlob.pending + 1, updated_at=utcnow())
+                         .execution_options(synchronize_session=False)).rowcount
+        if not done:
+            s.add(AdapterBlob(digest=digest, storage_key=key, pending=1, updated_at=utcnow()))
+
+    in_transaction(db, reserve)
 
 
 def _drop_blob_if_unused(db: Database, store: ObjectStore, digest: str, key: str,
@@ -369,34 +349,31 @@ def _drop_blob_if_unused(db: Database, store: ObjectStore, digest: str, key: str
     """With the blob's row locked: delete the blob if no ready version uses `digest` and no upload younger
     than `grace_s` has reserved it (`release`: first give back the caller's own reservation). Returns whether
     the digest is unused (its blob deleted, or left for `collect_garbage` when the store failed)."""
-    for attempt in range(5):
+
+    def drop(s: Session) -> bool:  # run again when an upload created the row meanwhile: then lock that one
+        now = utcnow()
+        pending = (case((AdapterBlob.pending > 0, AdapterBlob.pending - 1), else_=0) if release
+                   else AdapterBlob.pending)
+        locked = s.execute(update(AdapterBlob).where(AdapterBlob.digest == digest).values(pending=pending)
+                           .execution_options(synchronize_session=False)).rowcount
+        if not locked:  # a blob from before this table, or a leftover: lock a new row for it
+            s.add(AdapterBlob(digest=digest, storage_key=key, pending=0, updated_at=now))
+            s.flush()
+        row = s.scalar(select(AdapterBlob).where(AdapterBlob.digest == digest))
+        in_use = s.scalar(select(func.count()).select_from(AdapterVersion)
+                          .where(AdapterVersion.digest == digest, AdapterVersion.status == "ready"))
+        if in_use or (row.pending > 0 and row.updated_at > now - timedelta(seconds=grace_s)):
+            return False
         try:
-            with db.session() as s:
-                now = utcnow()
-                pending = (case((AdapterBlob.pending > 0, AdapterBlob.pending - 1), else_=0) if release
-                           else AdapterBlob.pending)
-                locked = s.execute(update(AdapterBlob).where(AdapterBlob.digest == digest).values(pending=pending)
-                                   .execution_options(synchronize_session=False)).rowcount
-                if not locked:  # a blob from before this table, or a leftover: lock a new row for it
-                    s.add(AdapterBlob(digest=digest, storage_key=key, pending=0, updated_at=now))
-                    s.flush()
-                row = s.scalar(select(AdapterBlob).where(AdapterBlob.digest == digest))
-                in_use = s.scalar(select(func.count()).select_from(AdapterVersion)
-                                  .where(AdapterVersion.digest == digest, AdapterVersion.status == "ready"))
-                if in_use or (row.pending > 0 and row.updated_at > now - timedelta(seconds=grace_s)):
-                    return False
-                try:
-                    store.delete(key)
-                except StoreError:
-                    log.warning("could not delete blob %s from the store; `loramux db gc` removes it later", key)
-                    row.pending, row.updated_at = 0, now
-                    return True
-                s.delete(row)
-                return True
-        except IntegrityError:  # an upload created the row while this call tried to: lock that one
-            if attempt == 4:
-                raise
-    raise AssertionError("unreachable")
+            store.delete(key)
+        except StoreError:
+            log.warning("could not delete blob %s from the store; `loramux db gc` removes it later", key)
+            row.pending, row.updated_at = 0, now
+            return True
+        s.delete(row)
+        return True
+
+    return in_transaction(db, drop)
 
 
 def _digest_of(key: str) -> str | None:
