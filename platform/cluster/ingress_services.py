@@ -23,14 +23,14 @@ log = logging.getLogger(__name__)
 
 class RemoteAdapterCache:
     """The ingress side of the adapter cache levels: nothing is loaded here; a lease names the version, which the
-    replica that serves the request loads through its own tiers. Nothing is ever pinned here either: combining
+    replica that serves the request loads through its own levels. Nothing is ever leased here either: combining
     adapters per request (`CompositionCache`) is refused on a scaled-out deployment (its components' weights
     are not on the ingress), so a composite is never built or looked up here."""
 
     def __init__(self):
         self.release_listeners: list = []  # CompositionCache subscribes; nothing is released here
 
-    def pin(self, digest: str) -> None:
+    def lease(self, digest: str) -> None:
         return None
 
     async def acquire(self, version: AdapterVersionInfo, timeout: float | None = None) -> Acquired:
