@@ -64,6 +64,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -81,7 +82,9 @@ __all__ = ["EXACT_METHODS", "METHODS", "MAX_COMPONENTS", "WORKER_METHODS", "Merg
            "MergeError", "MergeLimits", "MergeTooLarge", "MergedAdapter", "check_components", "check_memory",
            "check_request", "merge", "merged_rank", "peak_bytes"]
 
-METHODS = ("cat", "linear", "ties", "dare_linear", "dare_ties", "svd")
+# PEFT's names for them (add_weighted_adapter's combination_type).
+Method = Literal["cat", "linear", "ties", "dare_linear", "dare_ties", "svd"]
+METHODS: tuple[Method, ...] = ("cat", "linear", "ties", "dare_linear", "dare_ties", "svd")
 EXACT_METHODS = ("cat", "linear")
 # The methods that run in a worker process: svd builds dense deltas; ties and DARE are LoRA-sized but sort, trim
 # and (DARE) draw from torch's global generator. cat and linear only concatenate or average A and B.
@@ -398,6 +401,9 @@ def merge(method: str, params: Mapping, components: Sequence[MergeComponent], ba
 def _merge_here(method: str, params: Mapping, components: Sequence[MergeComponent], base: ModelConfig
                 ) -> MergedAdapter:
     from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora import LoraLayer
+
+    assert method in METHODS  # check_request refused any other
 
     names = module_names(base)
     model = None
@@ -405,7 +411,9 @@ def _merge_here(method: str, params: Mapping, components: Sequence[MergeComponen
     for i, c in enumerate(components):
         weights = _checkpoint_weights(c.adapter, base)
         full = {key: names[key] for key in weights}
-        config = LoraConfig(r=c.adapter.rank, lora_alpha=c.adapter.alpha, use_rslora=c.adapter.use_rslora,
+        # PEFT annotates lora_alpha as int, but takes any number (scaling = lora_alpha / r): alphas may be fractional.
+        config = LoraConfig(r=c.adapter.rank, lora_alpha=c.adapter.alpha,  # pyright: ignore[reportArgumentType]
+                            use_rslora=c.adapter.use_rslora,
                             target_modules=[full[key] for key in sorted(full)],
                             rank_pattern={re.escape(full[key]): a.shape[0] for key, (a, _, _) in weights.items()
                                           if a.shape[0] != c.adapter.rank},
@@ -415,12 +423,13 @@ def _merge_here(method: str, params: Mapping, components: Sequence[MergeComponen
             model = get_peft_model(_skeleton(base), config, adapter_name=name)
         else:
             model.add_adapter(name, config)
-        modules = dict(model.base_model.model.named_modules())
+        modules = dict(model.get_base_model().named_modules())
         with torch.no_grad():
             for key, (a, b, scale) in weights.items():
                 layer = modules[full[key]]
-                layer.lora_A[name].weight.copy_(a)
-                layer.lora_B[name].weight.copy_(b)
+                assert isinstance(layer, LoraLayer)  # get_peft_model wrapped every targeted module
+                layer.get_parameter(f"lora_A.{name}.weight").copy_(a)
+                layer.get_parameter(f"lora_B.{name}.weight").copy_(b)
                 layer.scaling[name] = scale  # the stored scale exactly (alpha / r would round again)
         adapter_names.append(name)
     assert model is not None
@@ -531,6 +540,7 @@ class MergePool:
         # Written from a thread: a worker that stops reading must not block the deadline.
         writer = threading.Thread(target=_send, args=(proc, write_frame, payload), daemon=True,
                                   name="loramux-merge-send")
+        assert proc.stdout is not None  # a pipe (stdout=PIPE)
         writer.start()
         try:
             try:
@@ -570,6 +580,7 @@ class MergePool:
 
 
 def _send(proc: subprocess.Popen, write_frame, payload: bytes) -> None:
+    assert proc.stdin is not None  # a pipe (stdin=PIPE)
     try:
         write_frame(proc.stdin, b"J", payload)
         proc.stdin.close()

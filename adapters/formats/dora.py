@@ -24,7 +24,11 @@ def dora_scale(module: MergedLinear, slice_name: str, a: torch.Tensor, b: torch.
                magnitude: torch.Tensor) -> torch.Tensor:
     """g [d_out of the slice], float32 on the module's device: m / ||W_slice + scale·B·A|| per output channel.
     a [r, d_in], b [d_out, r], magnitude [d_out] (any float dtype, any device)."""
-    device = module.column_norms.device if module.column_norms is not None else module.weight.device
+    if module.column_norms is not None:
+        device = module.column_norms.device
+    else:
+        assert module.weight is not None  # only int8 drops W without norms, and unservable_reason refuses it
+        device = module.weight.device
     a, b = a.to(device, torch.float32), b.to(device, torch.float32)
     lo, hi = module.slice_range(slice_name)
     delta = b @ a  # [d_out, d_in]

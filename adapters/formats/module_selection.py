@@ -29,6 +29,7 @@ import math
 import re
 import time
 from collections.abc import Mapping
+from typing import Protocol
 
 try:  # linear-time regex engine for client-given patterns
     import re2
@@ -50,7 +51,19 @@ _HELP = ("patterns use RE2 syntax (no lookaround or backreferences) and are matc
 _DEFAULT_LAYER_INDEX = re.compile(r".*?\.[^.]*\.(?P<idx>\d+)\.")  # PEFT's, when layers_pattern is not given
 
 
-def compile_client_regex(pattern: str, what: str, help: str = _HELP):
+class RegexMatch(Protocol):
+    def groupdict(self) -> dict[str, str | None]: ...
+
+
+class ClientRegex(Protocol):
+    """A client's pattern compiled with RE2, as used here (google-re2 ships no type hints)."""
+
+    def match(self, text: str, /) -> RegexMatch | None: ...
+
+    def fullmatch(self, text: str, /) -> RegexMatch | None: ...
+
+
+def compile_client_regex(pattern: str, what: str, help: str = _HELP) -> ClientRegex:
     """`pattern` (a client's regex) compiled with RE2, or `bad_option` naming `what`, the reason and `help`."""
     if not isinstance(pattern, str) or not pattern:
         raise fail("bad_option", f"{what} must be a non-empty string, got {show(pattern)}")
@@ -166,6 +179,7 @@ def select_modules(config: Mapping, names: Mapping[tuple[int, str], str]) -> lis
             if not using_layers:
                 return True
             index = _layer_index(name, patterns)
+            assert layers is not None  # using_layers
             return index is not None and (index == layers if isinstance(layers, int) else index in layers)
     selected = []
     for key, name in names.items():
