@@ -180,10 +180,10 @@ def decode_timing(cfg_dict, device, dtype, tiny: bool) -> None:
         def ready(self, digest):
             return True
 
-        def pin(self, digest):
+        def lease(self, digest):
             pass
 
-        unpin = requeue = drop_waiting = pin
+        release = requeue = drop_waiting = lease
 
     results, first_logits = {}, {}
     graphs_label = "cuda graphs" if device.type == "cuda" else "static path (eager on CPU)"

@@ -55,11 +55,11 @@ def test_running_adapters_stay_while_a_third_waits(tiny_dir, tokenizer, tiny_cfg
     for _ in range(5):
         engine.step()
         assert engine.adapter_residency(digests[0]) == engine.adapter_residency(digests[1]) == "device"
-        assert engine.adapter_residency(digests[2]) is None and not engine.requests["r2"].seq.adapter_pinned
+        assert engine.adapter_residency(digests[2]) is None and not engine.requests["r2"].seq.adapter_leased
     engine.abort_request("r1")
     engine.step()  # a2 takes a1's room
     engine.step()
-    assert engine.requests["r2"].seq.adapter_pinned and engine.adapter_residency(digests[2]) == "device"
+    assert engine.requests["r2"].seq.adapter_leased and engine.adapter_residency(digests[2]) == "device"
     assert engine.adapter_residency(digests[0]) == "device" and engine.adapter_residency(digests[1]) is None
 
 
@@ -266,7 +266,7 @@ def test_more_adapters_than_fit_finish_in_priority_order_with_bounded_waits_and_
             if out.finished:
                 finished[out.request_id] = out
         for rid, req in engine.requests.items():
-            if req.seq.adapter_pinned:
+            if req.seq.adapter_leased:
                 first_step.setdefault(rid, step)
     assert all(finished[rid].finish_reason == "length" for rid in submitted)
     assert engine.adapters.loads <= 1.25 * adapters
@@ -298,7 +298,7 @@ def test_a_request_starved_by_busy_adapters_drains_one_and_runs(tiny_dir, tokeni
             engine.add_request(f"a-{step}", "Hi", params, adapter="a")
             engine.add_request(f"b-{step}", "Hi", params, adapter="b")
             engine.step()
-            if "c" in engine.requests and engine.requests["c"].seq.adapter_pinned:
+            if "c" in engine.requests and engine.requests["c"].seq.adapter_leased:
                 return step
         return None
 

@@ -129,10 +129,10 @@ def test_eviction_prefers_adapters_nobody_waits_for_then_least_recently_used():
     for adapter in (a, b, c):
         assert bring_in(res, adapter)
         clock.now += 1
-    res.pin(a.digest)  # a runs; b is idle with a request queued; c idle, nobody waiting
+    res.lease(a.digest)  # a runs; b is idle with a request queued; c idle, nobody waiting
     res.drop_waiting(c.digest)
-    res.pin(b.digest)
-    res.unpin(b.digest)
+    res.lease(b.digest)
+    res.release(b.digest)
     res.add_waiting(b)
     assert bring_in(res, d)
     assert res.state(c.digest) == ABSENT and res.state(b.digest) == RESIDENT  # c had no waiter
@@ -144,7 +144,7 @@ def test_running_adapters_are_never_evicted_and_young_ones_wait_out_their_minimu
     res, _, clock = make(budget_ranks=2 * 8, min_residency_s=5.0)
     a, b, c = (FakeAdapter(n, 8) for n in "abc")
     assert bring_in(res, a) and bring_in(res, b)
-    res.pin(a.digest)
+    res.lease(a.digest)
     res.drop_waiting(b.digest)  # b's request went away: b is idle
     assert not bring_in(res, c)  # a runs, b is too young
     clock.now += 5.0
@@ -158,14 +158,14 @@ def test_active_adapters_stay_in_the_lowest_slots_of_their_bucket():
     adapters = [FakeAdapter(f"a{i}", 8) for i in range(6)]
     for adapter in adapters:
         assert bring_in(res, adapter)
-    for order in ([5, 2, 4], [2], [0, 3], [5, 4, 0, 3]):  # pin some, unpin others, in scattered order
+    for order in ([5, 2, 4], [2], [0, 3], [5, 4, 0, 3]):  # lease some, release others, in scattered order
         for i in order:
             entry = res.entries[adapters[i].digest]
             if entry.running:
-                res.unpin(adapters[i].digest)
+                res.release(adapters[i].digest)
                 res.add_waiting(adapters[i])
             else:
-                res.pin(adapters[i].digest)
+                res.lease(adapters[i].digest)
             check_prefix(res, pool)
     assert pool.swaps > 0
 
@@ -175,7 +175,7 @@ def test_without_an_active_prefix_nothing_is_swapped():
     adapters = [FakeAdapter(f"a{i}", 8) for i in range(4)]
     for adapter in adapters:
         bring_in(res, adapter)
-    res.pin(adapters[3].digest)
+    res.lease(adapters[3].digest)
     assert pool.swaps == 0
 
 
@@ -184,7 +184,7 @@ def test_a_bucket_shrinks_to_make_room_for_another_rank():
     small = [FakeAdapter(f"s{i}", 8) for i in range(4)]
     for adapter in small:
         assert bring_in(res, adapter)
-    res.pin(small[0].digest)  # stays
+    res.lease(small[0].digest)  # stays
     for adapter in small[1:]:
         res.drop_waiting(adapter.digest)  # idle: their requests are gone
     big = FakeAdapter("big", 16)
@@ -237,12 +237,12 @@ def test_max_active_caps_distinct_running_adapters():
     a, b, c = (FakeAdapter(n, 8) for n in "abc")
     for adapter in (a, b, c):
         bring_in(res, adapter)
-    res.pin(a.digest)
-    res.pin(b.digest)
+    res.lease(a.digest)
+    res.lease(b.digest)
     assert not res.ready(c.digest)
     res.add_waiting(a)
     assert res.ready(a.digest)  # already active: another request on it adds no adapter
-    res.unpin(b.digest)
+    res.release(b.digest)
     assert res.ready(c.digest)
 
 
@@ -251,16 +251,16 @@ def test_a_request_blocked_past_drain_after_drains_one_running_adapter():
     a, b, c = (FakeAdapter(n, 8) for n in "abc")
     for adapter in (a, b):
         bring_in(res, adapter)
-        res.pin(adapter.digest)
+        res.lease(adapter.digest)
     res.add_waiting(b)
-    res.pin(b.digest)  # b has two running, a one: a drains first
+    res.lease(b.digest)  # b has two running, a one: a drains first
     res.add_waiting(c)
     assert not res.want(c.digest, waited_s=0.5)
     res.add_waiting(a)
     assert res.ready(a.digest)  # no drain yet: passed over for less than drain_after_s
     assert not res.want(c.digest, waited_s=1.5)
     assert not res.ready(a.digest) and res.ready(b.digest)  # a drains: its queued request waits
-    res.unpin(a.digest)  # a's running request ends
+    res.release(a.digest)  # a's running request ends
     assert res.want(c.digest, waited_s=1.6)  # c takes a's room (the fake copy is instant)
     assert res.state(a.digest) == ABSENT
     assert res._drain is None
@@ -270,8 +270,8 @@ def test_retired_version_is_freed_after_its_last_request():
     res, pool, _ = make(budget_ranks=2 * 8)
     v1 = FakeAdapter("v1", 8)
     bring_in(res, v1)
-    res.pin(v1.digest)
+    res.lease(v1.digest)
     res.retire(v1.digest)
     assert res.state(v1.digest) == RESIDENT  # still serving its running request
-    res.unpin(v1.digest)
+    res.release(v1.digest)
     assert v1.digest not in res.entries and res.slots[8] == [None]

@@ -3,7 +3,7 @@
 The engine's adapters live in a `DevicePool` (adapters/residency/device_pool.py): rank buckets of slots within one
 byte budget. This module decides what is where; the pool only moves bytes. Per adapter version (keyed
 by content digest) it tracks the host copy, the state (absent, loading, resident), the slot, and demand:
-requests waiting for it and requests running on it (which pin it).
+requests waiting for it and requests running on it (which lease it).
 
 Policy, and why:
 
@@ -19,7 +19,7 @@ Policy, and why:
   reload, which is how thrash starts) unless the request asking has waited `drain_after_s`. Among the
   rest, least recently used first. If its own bucket has none, another bucket gives up slots.
 * **Bounded waits.** A request passed over for `drain_after_s` because nothing can be evicted (every
-  slot pinned by running requests, or the `max_active` cap reached) reserves room: one running adapter
+  slot leased by running requests, or the `max_active` cap reached) reserves room: one running adapter
   (the one with the fewest running requests) is drained: no new request is admitted on it, and when its
   running ones finish it is evicted in favour of the waiting one. So once a request heads the blocked
   queue it waits at most `drain_after_s` + the rest of one request's run + one load; priority aging
@@ -51,7 +51,7 @@ class _Entry:
     adapter: object | None  # the host copy (LoRAAdapter); dropped when nothing refers to the version
     state: str = ABSENT
     slot: int = -1
-    running: int = 0  # running requests (they pin the slot)
+    running: int = 0  # running requests (they lease the slot)
     waiting: int = 0  # waiting requests that want it
     names: int = 0  # registered names resolving to it
     loaded_at: float = 0.0
@@ -154,8 +154,8 @@ class AdapterResidency:
             self._start_drain(entry)
         return False
 
-    def pin(self, digest: str) -> None:
-        """A waiting request for `digest` was admitted: it now runs on the adapter's slot."""
+    def lease(self, digest: str) -> None:
+        """A waiting request for `digest` was admitted: it now runs on the adapter's slot, which it leases."""
         entry = self.entries[digest]
         entry.waiting -= 1
         entry.running += 1
@@ -163,7 +163,7 @@ class AdapterResidency:
         if entry.running == 1:
             self._activate(entry)
 
-    def unpin(self, digest: str) -> None:
+    def release(self, digest: str) -> None:
         """A running request for `digest` finished or was preempted (it re-queues via add_waiting)."""
         entry = self.entries[digest]
         entry.running -= 1
@@ -173,7 +173,7 @@ class AdapterResidency:
             self._forget_if_unused(entry)
 
     def requeue(self, digest: str) -> None:
-        """A preempted request for `digest` went back to the queue (after `unpin`)."""
+        """A preempted request for `digest` went back to the queue (after `release`)."""
         self.entries[digest].waiting += 1
 
     def drop_waiting(self, digest: str) -> None:

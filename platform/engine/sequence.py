@@ -65,7 +65,7 @@ class Sequence:
     tenant: str = ""  # whose request: fair share within a priority level (loramux.engine.scheduling.fair_share)
     share_weight: float = 1.0  # the tenant's weight in that share (its tier's); tokens count 1/weight
     adapter: str | None = None  # adapter key (its content digest), None = base model only
-    adapter_pinned: bool = False  # running on its adapter (which stays on the device until it ends)
+    adapter_leased: bool = False  # running on its adapter (which stays on the device until it ends)
     arrival: float = field(default_factory=time.monotonic)
     deadline: float | None = None  # time.monotonic() value
     seq_id: int = field(default_factory=lambda: next(_ids))

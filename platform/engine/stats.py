@@ -44,7 +44,8 @@ class EngineCounters:
 def engine_stats(engine: LLMEngine) -> dict:
     """The engine's counters and gauges: running / waiting requests, KV blocks used / free / total,
     prefix-cache blocks and hits, speculative tokens proposed / accepted (in all and per method: `speculation`),
-    preemptions, adapter slots pinned and loads, `lora` (see `lora_stats`), `steps` (`StepBudget.stats()`) and
+    preemptions, adapter slots leased by running requests (`adapter_slots_pinned`: the key keeps its published
+    name) and loads, `lora` (see `lora_stats`), `steps` (`StepBudget.stats()`) and
     `fair_share`: tenant -> its virtual token counter and weighted service (`FairShare.stats()`); `medusa_device`:
     requests' own Medusa head sets on the device (`MedusaDeviceCache.stats()`)."""
     lora = lora_stats(engine)
@@ -61,7 +62,7 @@ def engine_stats(engine: LLMEngine) -> dict:
         "spec_accepted_tokens": counters.spec_accepted,
         "speculation": engine.speculator.stats.snapshot(),  # per method: proposed, accepted, verifications
         "preemptions": counters.preemptions,
-        "adapter_slots_pinned": len(lora["running"]) if lora else 0,  # adapters pinned by running requests
+        "adapter_slots_pinned": len(lora["running"]) if lora else 0,  # slots leased by running requests
         "adapter_slot_loads": lora["loads"] if lora else 0,
         "lora": lora,
         "steps": engine.step_budget.stats() if engine.step_budget is not None else {},

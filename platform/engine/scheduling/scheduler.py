@@ -19,7 +19,7 @@ first token costs a step of the within-share work only, however far the batch is
 under KV pressure takes the lowest level, then the tenant served most, then the latest arrival.
 
 A sequence with an adapter is admitted only once its adapter is on the device (`adapters`, an
-`AdapterResidency`: see loramux.adapters.residency.locations for the load, eviction and drain policy); it pins the
+`AdapterResidency`: see loramux.adapters.residency.locations for the load, eviction and drain policy); it leases the
 adapter while running. Waiting sequences whose adapter is not there yet are passed over (others,
 base-only or with resident adapters, run meanwhile) while their adapter is brought in; the highest-ranked
 ones ask first, so loads follow priority and aging.
@@ -49,9 +49,9 @@ class AdapterDemand(Protocol):
 
     def want(self, digest: str, waited_s: float = 0.0) -> bool: ...
 
-    def pin(self, digest: str) -> None: ...
+    def lease(self, digest: str) -> None: ...
 
-    def unpin(self, digest: str) -> None: ...
+    def release(self, digest: str) -> None: ...
 
     def requeue(self, digest: str) -> None: ...
 
@@ -308,7 +308,7 @@ class Scheduler:
             return
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-            self._unpin(seq)
+            self._release_adapter(seq)
         else:
             self._take(seq, leave=True)
             if seq.adapter is not None:
@@ -411,8 +411,8 @@ class Scheduler:
                 break
             self._take(seq, leave=True)
             if seq.adapter is not None:
-                self._residency().pin(seq.adapter)
-                seq.adapter_pinned = True
+                self._residency().lease(seq.adapter)
+                seq.adapter_leased = True
             self.blocks.admit(seq, hits, remaining)  # the whole prompt, not just this chunk
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
@@ -477,11 +477,11 @@ class Scheduler:
         assert self.adapters is not None, "a sequence has an adapter but the scheduler has no residency"
         return self.adapters
 
-    def _unpin(self, seq: Sequence) -> None:
-        if seq.adapter_pinned:
-            assert seq.adapter is not None  # only a sequence with an adapter pins one
-            self._residency().unpin(seq.adapter)
-            seq.adapter_pinned = False
+    def _release_adapter(self, seq: Sequence) -> None:
+        if seq.adapter_leased:
+            assert seq.adapter is not None  # only a sequence with an adapter leases one
+            self._residency().release(seq.adapter)
+            seq.adapter_leased = False
 
     def _make_room(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
         """Preempt lower-ranked sequences until `seq` can get its blocks; False if `seq` itself was."""
@@ -500,8 +500,8 @@ class Scheduler:
         batch.prefills = [(s, n) for s, n in batch.prefills if s is not seq]
         self.blocks.free(seq)
         if seq.adapter is not None:
-            self._residency().requeue(seq.adapter)  # before unpinning, so its adapter is still wanted
-        self._unpin(seq)
+            self._residency().requeue(seq.adapter)  # before releasing it, so its adapter is still wanted
+        self._release_adapter(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         batch.preempted.append(seq)
