@@ -39,6 +39,7 @@ from loramux.adapters.storage.blob import pack, unpack
 from loramux.adapters.storage.blob_lifecycle import DEFAULT_GC_GRACE_S, BlobListeners, in_transaction, store_upload
 from loramux.adapters.storage.store import ObjectStore, StoreError, blob_key
 from loramux.db import Adapter, AdapterVersion, Database, Tenant
+from loramux.db.database import rowcount
 from loramux.db.models import AdapterBlob, utcnow
 from loramux.model.config import ModelConfig
 from loramux.names import BASE_MODEL_ALIAS, InvalidNameError, check_name
@@ -172,9 +173,9 @@ class AdapterRegistry(BlobListeners):
             # First, with the blob's row locked: this upload's reservation becomes its version row,
             # atomically (a delete that locks the row next sees the version, one before saw the reservation).
             mine = (AdapterBlob.digest == digest) & (AdapterBlob.pending > 0)
-            released = s.execute(update(AdapterBlob).where(mine)
-                                 .values(pending=AdapterBlob.pending - 1, updated_at=utcnow())
-                                 .execution_options(synchronize_session=False)).rowcount
+            released = rowcount(s.execute(update(AdapterBlob).where(mine)
+                                          .values(pending=AdapterBlob.pending - 1, updated_at=utcnow())
+                                          .execution_options(synchronize_session=False)))
             if not released:
                 raise RegistryError("the upload took longer than the blob grace period and its stored "
                                     "weights were collected; upload it again")
@@ -335,9 +336,9 @@ def _reserve_blob(db: Database, digest: str, key: str) -> None:
     """Record (and commit) an upload about to write the blob, before it writes it."""
 
     def reserve(s: Session) -> None:  # run again when another upload of the same bytes created the row meanwhile
-        done = s.execute(update(AdapterBlob).where(AdapterBlob.digest == digest)
-                         .values(pending=AdapterBlob.pending + 1, updated_at=utcnow())
-                         .execution_options(synchronize_session=False)).rowcount
+        done = rowcount(s.execute(update(AdapterBlob).where(AdapterBlob.digest == digest)
+                                  .values(pending=AdapterBlob.pending + 1, updated_at=utcnow())
+                                  .execution_options(synchronize_session=False)))
         if not done:
             s.add(AdapterBlob(digest=digest, storage_key=key, pending=1, updated_at=utcnow()))
 
@@ -354,12 +355,13 @@ def _drop_blob_if_unused(db: Database, store: ObjectStore, digest: str, key: str
         now = utcnow()
         pending = (case((AdapterBlob.pending > 0, AdapterBlob.pending - 1), else_=0) if release
                    else AdapterBlob.pending)
-        locked = s.execute(update(AdapterBlob).where(AdapterBlob.digest == digest).values(pending=pending)
-                           .execution_options(synchronize_session=False)).rowcount
+        locked = rowcount(s.execute(update(AdapterBlob).where(AdapterBlob.digest == digest).values(pending=pending)
+                                    .execution_options(synchronize_session=False)))
         if not locked:  # a blob from before this table, or a leftover: lock a new row for it
             s.add(AdapterBlob(digest=digest, storage_key=key, pending=0, updated_at=now))
             s.flush()
         row = s.scalar(select(AdapterBlob).where(AdapterBlob.digest == digest))
+        assert row is not None  # locked above, or added
         in_use = s.scalar(select(func.count()).select_from(AdapterVersion)
                           .where(AdapterVersion.digest == digest, AdapterVersion.status == "ready"))
         if in_use or (row.pending > 0 and row.updated_at > now - timedelta(seconds=grace_s)):

@@ -83,7 +83,7 @@ class S3Store(Counted):
         return client
 
     def _make_client(self):
-        import boto3
+        from boto3.session import Session
         from botocore.config import Config
 
         config = Config(
@@ -94,7 +94,7 @@ class S3Store(Counted):
             s3={"addressing_style": "path"} if self.endpoint_url else None,
         )
         try:
-            session = boto3.session.Session(aws_access_key_id=self._access_key_id.value,
+            session = Session(aws_access_key_id=self._access_key_id.value,
                                             aws_secret_access_key=self._secret_access_key.value,
                                             region_name=self.region)
             return session.client("s3", endpoint_url=self.endpoint_url, config=config)

@@ -103,6 +103,7 @@ class FileStore(Counted):
             path.parent.mkdir(parents=True, exist_ok=True)
             with atomic_file(path, tmp_prefix=TMP_MARK) as f:  # a temp name that list_keys skips
                 if src is None:
+                    assert isinstance(source, bytes)  # a Path source is opened as src
                     f.write(source)
                 else:
                     shutil.copyfileobj(src, f, CHUNK)

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from sqlalchemy import create_engine, event, text
+from sqlalchemy import CursorResult, Result, create_engine, event, text
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -84,6 +84,13 @@ class Database:
 
     def dispose(self) -> None:
         self.engine.dispose()
+
+
+def rowcount(result: Result) -> int:
+    """The rows an UPDATE or DELETE matched. Session.execute is typed as returning a Result; for those
+    statements it is a CursorResult, which has the count."""
+    assert isinstance(result, CursorResult)
+    return result.rowcount
 
 
 def _sqlite_pragmas(dbapi_connection, _record) -> None:
