@@ -1,12 +1,14 @@
 """Adapters of every tenant, as operators manage them: upload (validated against the base model by the
 registry), list, show with where each version is now, visibility, delete, and warming or pinning the latest
-version in host RAM. The admin API and the console call these, so both accept and refuse exactly alike."""
+version in host RAM (where a version is, and the pins, live in `loramux.adapters.residency.pins`). The admin
+API and the console call these, so both accept and refuse exactly alike."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from loramux.adapters.residency.cache_levels import Acquired
+from loramux.adapters.residency.pins import where_is
 from loramux.adapters.storage.registry import AdapterVersionInfo
 from loramux.services.billing import usage_last_hour
 from loramux.services.container import Services
@@ -14,7 +16,6 @@ from loramux.text import reject_lone_surrogates
 
 LOAD_TIMEOUT_S = 120
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off", "")
-_DEVICE_STATES = {"device": "resident", "loading": "loading"}  # the engine's answer -> the API's; else "absent"
 
 
 class UploadError(Exception):
@@ -91,11 +92,8 @@ def list_adapters(services: Services, tenant_ref: str | None = None) -> list[Ada
 
 
 def residency(services: Services, version: AdapterVersionInfo) -> dict:
-    """Where `version` is now: device (resident / loading / absent), host RAM, local disk, the store."""
-    cache = services.adapter_cache
-    return {"version": version.version,
-            "device": _DEVICE_STATES.get(services.engine.adapter_residency(version.digest), "absent"),
-            "ram": cache.has_in_ram(version.digest), "disk": cache.has_on_disk(version.digest), "store": True}
+    """Where `version` is now (`loramux.adapters.residency.pins.where_is`)."""
+    return where_is(version, services.adapter_cache, services.engine.adapter_residency)
 
 
 def adapter_detail(services: Services, adapter_id: str) -> dict:
@@ -103,7 +101,7 @@ def adapter_detail(services: Services, adapter_id: str) -> dict:
     with the adapter lately (AdapterNotFoundError)."""
     owner = services.registry.owner_of(adapter_id)
     versions = services.registry.versions(owner, adapter_id)
-    return {"id": adapter_id, "tenant_id": owner, "versions": versions, "pinned": adapter_id in services.admin_pins,
+    return {"id": adapter_id, "tenant_id": owner, "versions": versions, "pinned": adapter_id in services.pinned,
             "residency": residency(services, versions[-1]) if versions else None,
             "recent_requests": services.request_rates.recent(adapter_id)}
 
@@ -113,7 +111,7 @@ def adapter_overview(services: Services) -> list[AdapterOverview]:
     tenants = {t.id: t.name for t in services.tenancy.list_tenants()}
     usage = usage_last_hour(services)
     return [AdapterOverview(version, tenants.get(version.tenant_id, version.tenant_id), residency(services, version),
-                            version.adapter_id in services.admin_pins,
+                            version.adapter_id in services.pinned,
                             usage.get(version.adapter_id, {"requests": 0, "tokens": 0}))
             for version in services.registry.list_all(None)]
 
@@ -126,7 +124,7 @@ def delete_adapter(services: Services, adapter_id: str) -> list[AdapterVersionIn
     """Soft delete: later requests get 404, running ones finish; blobs no live version uses are removed.
     Returns the versions deleted."""
     owner = services.registry.owner_of(adapter_id)
-    _unpin(services, adapter_id)
+    services.pinned.unpin(adapter_id)
     gone = services.registry.delete(owner, adapter_id)
     if services.medusa is not None:  # the Medusa heads of its versions go with it (their blobs too)
         services.medusa.retire_for_adapter(adapter_id)
@@ -146,31 +144,21 @@ async def warm_adapter(services: Services, version: AdapterVersionInfo) -> Warme
 
 
 async def pin_adapter(services: Services, version: AdapterVersionInfo) -> None:
-    """Keep `version` (an adapter's latest) in host RAM until unpinned (pinned adapters are never evicted)."""
-    adapter_id = version.adapter_id
-    if adapter_id not in services.admin_pins:
-        await _acquire(services, version)
-        # No await from here on: a concurrent pin call that recorded its pin while this one loaded wins,
-        # and this call gives its cache pin back, so each recorded pin holds exactly one.
-        if adapter_id in services.admin_pins:
-            services.adapter_cache.release(version.digest)
-        else:
-            services.admin_pins[adapter_id] = version.digest
+    """Keep `version` (an adapter's latest) in host RAM until unpinned (pinned adapters are never evicted;
+    AdapterLoadError, or AdapterUnavailableError when it takes too long)."""
+    try:
+        await services.pinned.pin(version, timeout=LOAD_TIMEOUT_S)
+    except TimeoutError as exc:
+        raise AdapterUnavailableError(str(exc)) from None
 
 
 def unpin_adapter(services: Services, adapter_id: str) -> None:
     services.registry.owner_of(adapter_id)
-    _unpin(services, adapter_id)
-
-
-def _unpin(services: Services, adapter_id: str) -> None:
-    digest = services.admin_pins.pop(adapter_id, None)  # one atomic step, also from a worker thread
-    if digest is not None:
-        services.adapter_cache.release(digest)
+    services.pinned.unpin(adapter_id)
 
 
 async def _acquire(services: Services, version: AdapterVersionInfo) -> Acquired:
-    """The version pinned in host RAM (AdapterLoadError, or AdapterUnavailableError when it takes too long)."""
+    """The version leased in host RAM (AdapterLoadError, or AdapterUnavailableError when it takes too long)."""
     try:
         return await services.adapter_cache.acquire(version, timeout=LOAD_TIMEOUT_S)
     except TimeoutError as exc:

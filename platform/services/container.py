@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from loramux.adapters.residency.cache_levels import AdapterCache
 from loramux.adapters.residency.medusa_cache import MedusaCache
+from loramux.adapters.residency.pins import PinnedAdapters
 from loramux.adapters.storage.medusa_registry import MedusaRegistry
 from loramux.adapters.storage.registry import AdapterRegistry
 from loramux.adapters.storage.store import ObjectStore
@@ -41,7 +42,6 @@ class Services:
     admin_keys: AdminKeys
     prices: PriceBook
     ledger: LedgerWriter  # every finished request's row, written off the hot path
-    admin_pins: dict[str, str] = field(default_factory=dict)  # adapters pinned by operators: id -> digest
     request_rates: RequestRates = field(default_factory=RequestRates)  # recent requests per adapter id
     # Medusa heads: the registry (admin API) and their host-RAM cache (the request path); None where this
     # process serves none (a cluster ingress has the registry but no cache: its replicas run the engine).
@@ -53,6 +53,10 @@ class Services:
     # Whether requests may combine adapters with weights (`adapters`): the composite is built from weights in
     # this process's host RAM, which a Ray Serve ingress does not hold (its replicas do): False there (a 400).
     combines_adapters: bool = True
+    pinned: PinnedAdapters = field(init=False)  # adapters operators pin in host RAM (through adapter_cache)
+
+    def __post_init__(self) -> None:
+        self.pinned = PinnedAdapters(self.adapter_cache)
 
     @classmethod
     def from_settings(cls, settings: Settings, engine=None, migrate: bool = True) -> Services:
