@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loramux.histogram import DurationHistogram
 from loramux.server.http.logs import NOISY_LOGGERS, JsonFormatter, configure_logging, request_id_var
-from loramux.server.serving.metrics import CACHE_TIERS, LORA_INFO, LORA_INFO_LABELS, OUTCOMES, ServerMetrics
+from loramux.server.serving.metrics import CACHE_LEVELS, LORA_INFO, LORA_INFO_LABELS, OUTCOMES, ServerMetrics
 
 ALLOWED_LABELS = {"tier", "outcome", "kind", "cache_tier", "le", "method"}
 
@@ -265,7 +265,7 @@ def test_lora_residency_families():
     assert value(m, f"{hist}_count", cache_tier="store") == 2
     assert value(m, f"{hist}_bucket", cache_tier="store", le="1.0") == 1
     assert value(m, f"{hist}_sum", cache_tier="store") == pytest.approx(1.5)
-    assert {s.labels["cache_tier"] for s in samples(m) if "cache_tier" in s.labels} <= set(CACHE_TIERS)
+    assert {s.labels["cache_tier"] for s in samples(m) if "cache_tier" in s.labels} <= set(CACHE_LEVELS)
 
 
 def test_lora_info_without_adapters_has_empty_labels():

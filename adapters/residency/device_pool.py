@@ -1,4 +1,4 @@
-"""The device tier of adapters: a byte budget of adapter memory in buckets of one rank and target set.
+"""The device level of adapters: a byte budget of adapter memory in buckets of one rank and target set.
 
 Adapters are grouped by (rank, merged projections they target): each such group present gets a bucket,
 which holds, for each of those projections in every layer, a stack of `capacity` slots of exactly that

@@ -2,7 +2,7 @@
 publisher. Ray Serve wraps it in a deployment (`loramux.cluster.app`); nothing here imports Ray.
 
 Adapters reach a replica by digest: the ingress resolves a request's adapter in the registry and sends the
-version (plain data) with the request, and the replica loads that version through its own tiers, so a
+version (plain data) with the request, and the replica loads that version through its own cache levels, so a
 deleted or re-uploaded adapter can never be served stale (a new upload is a new digest).
 """
 from __future__ import annotations

@@ -2,10 +2,10 @@
 
 Label cardinality is bounded by construction: the only labels are `tier` (the fixed set given to
 `ServerMetrics`, anything else counted as "other"), `outcome` (`OUTCOMES`, else "other"), `kind`
-(`TOKEN_KINDS`) and `cache_tier` (`CACHE_TIERS`: the adapter cache levels device, ram, disk, store; "device"
-is the engine's adapter memory, once labelled "slot"; the label keeps its published name, `tier` means the
-tenant's tier). Tenant ids, adapter names and request ids never become
-labels: they belong in the logs and the cost ledger.
+(`TOKEN_KINDS`) and `cache_tier` (`CACHE_LEVELS`: the adapter cache levels device, ram, disk, store; "device"
+is the engine's adapter memory, once labelled "slot"). In code "tier" means a tenant's tier only; the label
+`cache_tier` keeps the name dashboards query, though its values are cache levels. Tenant ids, adapter names and
+request ids never become labels: they belong in the logs and the cost ledger.
 
 The one exception, and the one place adapter references appear in a label value, is `vllm:lora_requests_info`:
 vLLM's gauge of the same name and shape, which LoRA-affinity routers (the Kubernetes Gateway API Inference
@@ -43,13 +43,13 @@ log = logging.getLogger(__name__)
 OTHER = "other"
 OUTCOMES: tuple[str, ...] = ("stop", "length", "timeout", "cancelled", "error", "rejected", "rate_limited")
 TOKEN_KINDS: tuple[str, ...] = ("prompt", "cached", "completion")
-CACHE_TIERS: tuple[str, ...] = ("device", "ram", "disk", "store")
+CACHE_LEVELS: tuple[str, ...] = ("device", "ram", "disk", "store")
 _OUTCOME_LABELS: dict[str, str] = {o: o for o in OUTCOMES}  # canonical plain str, also for str enums
-# cache_tier label -> key in state["adapter_cache"]; the device tier's numbers come from state["lora"].
-BYTES_CACHE_TIERS: dict[str, str] = {"ram": "host_bytes", "disk": "disk_bytes"}
-BUDGET_CACHE_TIERS: dict[str, str] = {"ram": "host_budget_bytes", "disk": "disk_budget_bytes"}
-RESIDENT_CACHE_TIERS: dict[str, str] = {"ram": "host_adapters", "disk": "disk_adapters"}
-LOAD_CACHE_TIERS: tuple[str, ...] = ("disk", "store")  # adapter_cache.load_seconds (host RAM loads)
+# cache_tier label -> key in state["adapter_cache"]; the device level's numbers come from state["lora"].
+BYTES_CACHE_LEVELS: dict[str, str] = {"ram": "host_bytes", "disk": "disk_bytes"}
+BUDGET_CACHE_LEVELS: dict[str, str] = {"ram": "host_budget_bytes", "disk": "disk_budget_bytes"}
+RESIDENT_CACHE_LEVELS: dict[str, str] = {"ram": "host_adapters", "disk": "disk_adapters"}
+LOAD_CACHE_LEVELS: tuple[str, ...] = ("disk", "store")  # adapter_cache.load_seconds (host RAM loads)
 LORA_INFO = "vllm:lora_requests_info"
 LORA_INFO_LABELS: tuple[str, ...] = ("running_lora_adapters", "waiting_lora_adapters", "max_lora")
 
@@ -168,10 +168,12 @@ class _StateCollector(Collector):
         queue = GaugeMetricFamily("loramux_queue_depth", "Requests waiting to be scheduled.")
         running = GaugeMetricFamily("loramux_running_requests", "Requests in the running batch.")
         kv = GaugeMetricFamily("loramux_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0..1).")
-        pinned = GaugeMetricFamily("loramux_adapter_slots_pinned",
-                                   "Device adapter slots pinned by scheduled requests.")
-        cache_bytes = GaugeMetricFamily("loramux_adapter_cache_bytes", "Bytes of adapter weights held per cache level.",
-                                        labels=["cache_tier"])
+        pinned = GaugeMetricFamily("loramux_adapter_slots_pinned",  # published name: running requests lease slots
+                                   "Device adapter slots leased by running requests.")
+        cache_bytes = GaugeMetricFamily(
+            "loramux_adapter_cache_bytes",
+            "Bytes held per cache level (ram: adapters, composites and Medusa heads, which share its budget).",
+            labels=["cache_tier"])
         budget = GaugeMetricFamily("loramux_adapter_cache_budget_bytes",
                                    "Byte budget of each adapter cache level (device: the device adapter pool).",
                                    labels=["cache_tier"])
@@ -183,15 +185,16 @@ class _StateCollector(Collector):
         evictions = CounterMetricFamily("loramux_adapter_device_evictions", "Adapters evicted from the device.")
         load_seconds = HistogramMetricFamily(
             "loramux_adapter_load_seconds",
-            "Time to load an adapter into a tier: device (copy from host RAM), disk or store (into host RAM from "
-            "the local disk cache or the object store).", labels=["cache_tier"])
+            "Time to load an adapter into a cache level: device (copy from host RAM), disk or store (into host RAM "
+            "from the local disk cache or the object store).", labels=["cache_tier"])
         lora_info = GaugeMetricFamily(
             LORA_INFO, "Running stats on LoRA requests (vLLM's shape): adapters with running and waiting requests, "
             "max_lora; value: Unix time of the scrape.", labels=list(LORA_INFO_LABELS))
         hits = CounterMetricFamily("loramux_adapter_cache_hits", "Adapter lookups served by each cache level.",
                                    labels=["cache_tier"])
-        misses = CounterMetricFamily("loramux_adapter_cache_misses",
-                                     "Adapter lookups missing every local tier (downloads from the object store).")
+        misses = CounterMetricFamily(
+            "loramux_adapter_cache_misses",
+            "Adapter lookups missing every local cache level (downloads from the object store).")
         failures = CounterMetricFamily("loramux_adapter_load_failures", "Adapter loads that failed.")
         replica_running = GaugeMetricFamily("loramux_replica_running_requests",
                                             "Requests in each engine replica's running batch (scale-out).",
@@ -241,22 +244,22 @@ class _StateCollector(Collector):
 
         cache = state.get("adapter_cache")
         if isinstance(cache, Mapping):
-            for family, keys in ((cache_bytes, BYTES_CACHE_TIERS), (budget, BUDGET_CACHE_TIERS),
-                                 (resident, RESIDENT_CACHE_TIERS)):
+            for family, keys in ((cache_bytes, BYTES_CACHE_LEVELS), (budget, BUDGET_CACHE_LEVELS),
+                                 (resident, RESIDENT_CACHE_LEVELS)):
                 for label, key in keys.items():
                     value = _count(cache.get(key))
                     if value is not None:
                         family.add_metric([label], value)
             loads = cache.get("load_seconds")
             if isinstance(loads, Mapping):
-                for label in LOAD_CACHE_TIERS:
+                for label in LOAD_CACHE_LEVELS:
                     hist = _histogram(loads.get(label))
                     if hist is not None:
                         load_seconds.add_metric([label], hist[0], hist[1])
-            tier_hits = cache.get("hits")
-            if isinstance(tier_hits, Mapping):
-                for label in CACHE_TIERS:  # unknown tiers are left out: the label set stays fixed
-                    value = _count(tier_hits.get(label))
+            level_hits = cache.get("hits")
+            if isinstance(level_hits, Mapping):
+                for label in CACHE_LEVELS:  # unknown levels are left out: the label set stays fixed
+                    value = _count(level_hits.get(label))
                     if value is not None:
                         hits.add_metric([label], value)
             for family, key in ((misses, "downloads"), (failures, "load_failures")):
