@@ -17,7 +17,7 @@ holds until it ends, so neither a slow spec nor an LRU eviction can freeze the o
 
 Medusa heads are copied to the device off the engine thread too: `generate` has the request's heads placed
 (`LLMEngine.prepare_medusa`, on a helper thread, within LORAMUX_MEDUSA_DEVICE_BYTES) before the request enters
-the engine, and hands the engine the pinned device copy, or nothing when they cannot be placed.
+the engine, and hands the engine the leased device copy, or nothing when they cannot be placed.
 """
 from __future__ import annotations
 
