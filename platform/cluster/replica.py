@@ -48,7 +48,7 @@ class EngineReplica:
         """The adapter of a remembered version, in host RAM (called through Serve's multiplexed loader)."""
         version = self._versions[digest]
         lease = await self.cache.acquire(version, LOAD_TIMEOUT_S)
-        self.cache.release(digest)  # the host cache keeps it within its budget; the engine pins what it uses
+        self.cache.release(digest)  # the host cache keeps it within its budget; the engine holds what it uses
         return lease.adapter
 
     def evict(self, digest: str) -> None:

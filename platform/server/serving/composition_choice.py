@@ -2,7 +2,7 @@
 naming the one it cannot see), checked against the limits (400), then the composite from host RAM, or built
 once from the components brought into host RAM through the adapter cache (`CompositionCache`: bounded in
 bytes by the host RAM budget, on its own threads, a few builds per tenant at a time). The request holds the
-composite's pin until it ends, like an adapter lease.
+composite's lease until it ends, like an adapter's.
 
 No fallback: a component that cannot be loaded within the deadline is a 503 (`adapter_unavailable`), as for
 a tenant without a fallback; serving something else than the combination asked for would be a silent change.
@@ -35,7 +35,7 @@ class Composition:
     adapter: LoRAAdapter
     components: list[Component]
     versions: list[AdapterVersionInfo]
-    lease: Acquired  # the composite's pin in host RAM, given back once when the request ends
+    lease: Acquired  # the composite's lease in host RAM, given back once when the request ends
 
     def ledger(self) -> list[dict]:
         """The ledger row's `composition`: [{"adapter_id", "version", "digest", "weight"}, ...]."""
@@ -108,7 +108,7 @@ async def resolve_components(registry: AdapterRegistry, tenant: TenantContext, c
 async def acquire_composition(registry: AdapterRegistry, compositions: CompositionCache, tenant: TenantContext,
                               components: list[Component], time_left: float, *, max_rank: int, max_lora_rank: int,
                               base_model_id: str, dtype: torch.dtype = torch.float32) -> Composition:
-    """The request's composite, pinned in host RAM (the request gives it back when it ends: `Composition.lease`;
+    """The request's composite, leased in host RAM (the request gives it back when it ends: `Composition.lease`;
     see the module docstring), its values within what the adapter pool's `dtype` holds (400 naming the module
     otherwise: a float16 pool turns a weighted A of 1e5 into inf). Raises ApiError with nothing held."""
     versions = await resolve_components(registry, tenant, components, max_rank, max_lora_rank, base_model_id)

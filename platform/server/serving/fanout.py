@@ -106,7 +106,7 @@ def release_parts(cache: AdapterCache, parts: Sequence[Part]) -> None:
 async def acquire_parts(registry: AdapterRegistry, cache: AdapterCache, tenant: TenantContext,
                         models: Sequence[str], time_left: float, base_model_id: str,
                         is_base: Callable[[str | None], bool]) -> list[Part]:
-    """The parts of a fan-out, in the order of `models`, each adapter pinned in host RAM (release them with
+    """The parts of a fan-out, in the order of `models`, each adapter leased in host RAM (release them with
     `release_parts`). Resolves every entry first (404 / 400 with nothing held), then loads them all at once
     within `time_left`, each with the tenant's fallback rules (`load_adapter`); when one fails (503), or the
     caller is cancelled, the leases the others took are given back before the error goes on."""
