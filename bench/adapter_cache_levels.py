@@ -186,13 +186,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96, help="new tokens of each long stream")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
-    args = ap.parse_args()
-    if args.rounds is None:
     ap.add_argument("--smoke", action="store_true", help=f"1 round, 12-token streams, the tiny model: {SMOKE_HELP}")
-        args.rounds = 5 if args.full else 3
+    args = ap.parse_args()
     if args.smoke:
         args.rounds, args.tokens = 1, 12
         tiny_model()
+    if args.rounds is None:
+        args.rounds = 5 if args.full else 3
 
     import torch
 
