@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -163,6 +164,27 @@ def new_tenant_key(services, name: str = "acme", tier: str = "standard") -> str:
     return services.tenancy.create_key(name)[1]
 
 
+@contextmanager
+def live_stack(tmp: Path, tiny_dir: Path | None = None, tokenizer=None, *, engine: dict | LLMEngine | None = None,
+               client: bool | dict = False, ledger_hooks: list | None = None, limiter_factory=None, **settings):
+    """The app on the tiny model, as the HTTP tests build it: `create_app` over make_services(tmp, engine,
+    **settings), the engine made at the app's start by make_engine(tiny_dir, tokenizer, **engine) (or `engine`
+    itself when it is one already). Yields a LiveServer (uvicorn on a free port; its `.services`), or with
+    `client` a TestClient (`client` may be the TestClient's keyword arguments; `.app.state.services`)."""
+    from fastapi.testclient import TestClient
+
+    from loramux.server.app import create_app
+
+    def services():
+        built = engine if isinstance(engine, LLMEngine) else make_engine(tiny_dir, tokenizer, **(engine or {}))
+        return make_services(tmp, built, **settings)
+
+    app = create_app(services, ledger_hooks=ledger_hooks,
+                     **({"limiter_factory": limiter_factory} if limiter_factory is not None else {}))
+    with (TestClient(app, **(client if isinstance(client, dict) else {})) if client else LiveServer(app)) as served:
+        yield served
+
+
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
@@ -170,14 +192,11 @@ def serve_admin_stack(tmp: Path, tiny_dir: Path, tokenizer, admin_key: str):
     """For a module fixture: a live server on the tiny model (2 adapter slots, uploads up to 256 KiB) with
     `admin_key` and a standard tenant `acme`; yields (server, acme's key, the model config, tmp)."""
     from loramux.model.loader import read_model_config
-    from loramux.server.app import create_app
 
     # The auth tests here send many keyless and bad-key requests from one client address: the per-address
     # failed-authentication limit (tested in test_auth_hardening.py) is off for them.
-    app = create_app(lambda: make_services(tmp, make_engine(tiny_dir, tokenizer, max_loras=2, max_lora_rank=8),
-                                           admin_key=admin_key, max_upload_bytes=256 * 1024,
-                                           auth_failures_per_min=0))
-    with LiveServer(app) as server:
+    with live_stack(tmp, tiny_dir, tokenizer, engine={"max_loras": 2, "max_lora_rank": 8}, admin_key=admin_key,
+                    max_upload_bytes=256 * 1024, auth_failures_per_min=0) as server:
         yield server, new_tenant_key(server.services, "acme", "standard"), read_model_config(tiny_dir)[0], tmp
 
 

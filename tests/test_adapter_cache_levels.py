@@ -187,10 +187,7 @@ def test_over_http_a_hanging_store_fails_one_request_while_others_are_served(pro
                                                                               base_cfg):
     import threading
 
-    from fastapi.testclient import TestClient
-
-    from conftest import make_engine, make_services, new_tenant_key
-    from loramux.server.app import create_app
+    from conftest import live_stack, new_tenant_key
 
     bucket = f"http-{uuid.uuid4().hex[:12]}"
     moto_create_bucket(proxy.url, bucket)
@@ -200,8 +197,9 @@ def test_over_http_a_hanging_store_fails_one_request_while_others_are_served(pro
                     s3_access_key_id="testing", s3_secret_access_key="testing", s3_timeout_s=5.0, s3_max_attempts=1,
                     adapters=",".join(f"{n}={p}" for n, p in sources.items()))
     body = {"prompt": "Once upon a time", "max_tokens": 6}
-    with TestClient(app) as client:
-        client.headers["Authorization"] = f"Bearer {new_tenant_key(app.state.services)}"
+    with live_stack(tmp_path, tiny_dir, tokenizer, engine=dict(max_loras=2, max_lora_rank=8), client=True,
+                    **settings) as client:
+        client.headers["Authorization"] = f"Bearer {new_tenant_key(client.app.state.services)}"
         assert client.post("/generate", json={**body, "adapter": "warm"}).json()["adapter_tier"] == "store"
         proxy.set_mode("blackhole")
         cold_result = {}

@@ -9,9 +9,8 @@ import httpx
 import pytest
 import torch
 
-from conftest import admin_client, make_engine, make_services, new_tenant_key
-from loramux.server.app import create_app
-from loramux.testing import LiveServer, save_tiny_hf_model
+from conftest import admin_client, live_stack, make_engine, new_tenant_key
+from loramux.testing import save_tiny_hf_model
 
 ADMIN_KEY = "lmxa-formats-admin-key-0123456789abcdefghijklmnop"
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -89,9 +88,8 @@ def test_every_format_uploads_and_serves_40_concurrent_requests_equal_to_peft(fo
     assert len({tuple(v) for k, v in expected.items() if k[1] == 0}) > 5  # the formats really change the output
     engine = make_engine(model_dir, tokenizer, max_lora_rank=16, adapter_pool_bytes=256 * 2**20,
                          prefix_caching=True, speculative_tokens=4, speculative_max_batch=64)
-    app = create_app(lambda: make_services(tmp_path, engine, admin_key=ADMIN_KEY, max_upload_bytes=64 * 2**20,
-                                           max_lora_rank=16))
-    with LiveServer(app) as server, admin_client(server, ADMIN_KEY) as admin:
+    with live_stack(tmp_path, engine=engine, admin_key=ADMIN_KEY, max_upload_bytes=64 * 2**20,
+                    max_lora_rank=16) as server, admin_client(server, ADMIN_KEY) as admin:
         key = new_tenant_key(server.services, "formats", "premium")
         tenant = server.services.tenancy.tenant("formats")
         summaries = {}

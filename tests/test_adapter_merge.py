@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from conftest import admin_client, make_engine, make_services, new_tenant_key
+from conftest import admin_client, live_stack, make_engine, new_tenant_key
 from loramux.adapters.composition.merge import (
     MergeComponent,
     MergeError,
@@ -28,7 +28,7 @@ from loramux.adapters.composition.merge import (
     peak_bytes,
 )
 from loramux.adapters.formats.peft import build_adapter, load_adapter_dir
-from loramux.testing import LiveServer, save_tiny_hf_model, write_peft_adapter
+from loramux.testing import save_tiny_hf_model, write_peft_adapter
 
 ADMIN_KEY = "lmxa-merge-admin-key-0123456789abcdefghijklmnop"
 NEW_TOKENS = 8
@@ -174,15 +174,13 @@ def served(tmp_path_factory, tokenizer, adapters):
     """A live server on a tiny Llama with weights large enough that adapters change greedy tokens; tenant acme
     owns a, b, c (uploaded through the API), tenant other a private `secret` and a public `shared`.
     Yields (server, admin client, acme's key, model dir)."""
-    from loramux.server.app import create_app
 
     root = tmp_path_factory.mktemp("merge-served")
     model_dir = root / "model"
     save_tiny_hf_model(model_dir, len(tokenizer), weight_scale=4.0, tokenizer=tokenizer)
     engine = make_engine(model_dir, tokenizer, max_lora_rank=16, adapter_pool_bytes=64 * 2**20)
-    app = create_app(lambda: make_services(root, engine, admin_key=ADMIN_KEY, max_upload_bytes=16 * 2**20,
-                                           max_lora_rank=16))
-    with LiveServer(app) as server, admin_client(server, ADMIN_KEY) as admin:
+    with live_stack(root, engine=engine, admin_key=ADMIN_KEY, max_upload_bytes=16 * 2**20,
+                    max_lora_rank=16) as server, admin_client(server, ADMIN_KEY) as admin:
         key = new_tenant_key(server.services, "acme", "premium")
         server.services.tenancy.ensure_tenant("other", tier="standard")
         for tenant, name, source, visibility in (("acme", "a", "a", "private"), ("acme", "b", "b", "private"),

@@ -15,10 +15,10 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import content_type_conformance
 
-from conftest import adapter_files, make_engine, make_services, new_tenant_key
+from conftest import adapter_files, live_stack, new_tenant_key
 from loramux.model.loader import read_model_config
 from loramux.server.app import create_app
-from loramux.testing import LiveServer, write_peft_adapter
+from loramux.testing import write_peft_adapter
 
 MAX_TOKENS = 6  # generation cost is what makes this test slow: keep every request short
 EXAMPLES = 25  # per operation and generation mode
@@ -32,9 +32,8 @@ def fuzz_stack(tiny_dir, tokenizer, tmp_path_factory):
     cfg, _ = read_model_config(tiny_dir)
     # Fuzzed headers carry bad keys: with the per-address failed-authentication limit on, the rest of the
     # fuzz would meet only 429s. It is off here (tests/test_auth_hardening.py covers it).
-    app = create_app(lambda: make_services(tmp, make_engine(tiny_dir, tokenizer, max_loras=2, max_lora_rank=8),
-                                           auth_failures_per_min=0))
-    with LiveServer(app) as server:
+    with live_stack(tmp, tiny_dir, tokenizer, engine=dict(max_loras=2, max_lora_rank=8),
+                    auth_failures_per_min=0) as server:
         key = new_tenant_key(server.services, "fuzz-co", "premium")
         tenant = server.services.tenancy.tenant("fuzz-co")
         path = write_peft_adapter(tmp / "alpha", cfg, 4, ["q_proj", "v_proj"], seed=0)

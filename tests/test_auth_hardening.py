@@ -16,10 +16,9 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import make_engine, make_services, new_tenant_key
+from conftest import live_stack, new_tenant_key
 from loramux.admin.deps import AdminDep
 from loramux.model.loader import read_model_config
-from loramux.server.app import create_app
 from loramux.server.deps import TenantDep
 from loramux.tenancy.admin_keys import AdminKeyInfo
 from loramux.tenancy.tenants import TenantContext, TierInfo
@@ -34,10 +33,10 @@ FAILURES_PER_MIN = 5
 @contextmanager
 def proxied_client(tiny_dir, tokenizer, tmp):
     """A client of the app behind the trusted proxy PROXY: metrics key, FAILURES_PER_MIN failed keys a minute."""
-    app = create_app(lambda: make_services(tmp, make_engine(tiny_dir, tokenizer, max_loras=2, max_lora_rank=8),
-                                           admin_key=ADMIN_KEY, metrics_key=METRICS_KEY, trusted_proxies=PROXY,
-                                           auth_failures_per_min=FAILURES_PER_MIN, max_upload_bytes=256 * 1024))
-    with TestClient(app, client=(PROXY, 4321), follow_redirects=False) as c:
+    with live_stack(tmp, tiny_dir, tokenizer, engine=dict(max_loras=2, max_lora_rank=8),
+                    client=dict(client=(PROXY, 4321), follow_redirects=False), admin_key=ADMIN_KEY,
+                    metrics_key=METRICS_KEY, trusted_proxies=PROXY, auth_failures_per_min=FAILURES_PER_MIN,
+                    max_upload_bytes=256 * 1024) as c:
         yield c
 
 

@@ -16,10 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 from sqlalchemy import func, select
 
-from conftest import admin_client, make_engine, make_services, new_tenant_key
+from conftest import admin_client, live_stack, new_tenant_key
 from loramux.db import LedgerEntry
-from loramux.server.app import create_app
-from loramux.testing import LiveServer
 
 ADMIN_KEY = "lmxa-billing-admin-key-0123456789abcdefghijklmnop"
 PRICE = {"input_per_mtok": "0.15", "cached_input_per_mtok": "0.075", "output_per_mtok": "0.60"}
@@ -28,10 +26,8 @@ PRICE = {"input_per_mtok": "0.15", "cached_input_per_mtok": "0.075", "output_per
 @pytest.fixture
 def stack(database_url, tiny_dir, tokenizer, tmp_path):
     records = []
-    app = create_app(lambda: make_services(tmp_path, make_engine(tiny_dir, tokenizer, max_num_seqs=32),
-                                           database_url=database_url, admin_key=ADMIN_KEY),
-                     ledger_hooks=[records.append])
-    with LiveServer(app) as server:
+    with live_stack(tmp_path, tiny_dir, tokenizer, engine=dict(max_num_seqs=32), database_url=database_url,
+                    admin_key=ADMIN_KEY, ledger_hooks=[records.append]) as server:
         yield server, records, database_url
 
 
@@ -162,8 +158,7 @@ def test_exports_parse_back_to_the_summary(stack, admin):
 
 
 def test_rows_buffered_at_shutdown_are_written(database_url, tiny_dir, tokenizer, tmp_path):
-    app = create_app(lambda: make_services(tmp_path, make_engine(tiny_dir, tokenizer), database_url=database_url))
-    with LiveServer(app) as server:
+    with live_stack(tmp_path, tiny_dir, tokenizer, database_url=database_url) as server:
         key = new_tenant_key(server.services, "acme", "standard")
         for i in range(5):
             httpx.post(f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {key}"}, timeout=60,

@@ -13,11 +13,9 @@ import threading
 
 import pytest
 
-from conftest import make_engine, make_services, new_tenant_key
+from conftest import live_stack, new_tenant_key
 from loramux.engine.sampling.params import SamplingParams, StructuredOutput
 from loramux.engine.structured.grammar import GrammarCache, StructuredOutputError
-from loramux.server.app import create_app
-from loramux.testing import LiveServer
 
 TIMEOUT_S = 1.0  # LORAMUX_STRUCTURED_COMPILE_TIMEOUT_S here; `.{0,n}` compiles for 5-8 s on the test vocabulary
 
@@ -30,9 +28,7 @@ def slow_regex(i: int) -> StructuredOutput:
 @pytest.fixture(scope="module")
 def stack(tiny_dir, tokenizer, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("compile-bounds")
-    app = create_app(lambda: make_services(tmp, make_engine(tiny_dir, tokenizer),
-                                           structured_compile_timeout_s=TIMEOUT_S))
-    with LiveServer(app) as server:
+    with live_stack(tmp, tiny_dir, tokenizer, structured_compile_timeout_s=TIMEOUT_S) as server:
         yield server, new_tenant_key(server.services, "acme", "premium")
 
 

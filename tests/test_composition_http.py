@@ -13,9 +13,7 @@ import openai
 import pytest
 from test_composition import ADAPTERS, COMPOSITIONS, NEW_TOKENS, PROMPTS, _fresh_base, _train_like, build_peft_case
 
-from conftest import adapter_files, make_engine, make_services, new_tenant_key
-from loramux.server.app import create_app
-from loramux.testing import LiveServer
+from conftest import adapter_files, live_stack, make_engine, new_tenant_key
 from polling import wait_until
 
 MODEL = "SmolLM2-135M-Instruct"  # the base model's id (the tiny test model is served under the default name)
@@ -50,9 +48,8 @@ def stack(peft_case, tokenizer, tmp_path_factory):
         peft.save_pretrained(tmp / name)
     records = []
     engine = make_engine(model_dir, tokenizer, max_lora_rank=32, max_num_seqs=64, adapter_pool_bytes=64 * 2**20)
-    app = create_app(lambda: make_services(tmp, engine, max_lora_rank=32, composition_max_rank=MAX_RANK),
-                     ledger_hooks=[records.append])
-    with LiveServer(app) as server:
+    with live_stack(tmp, engine=engine, max_lora_rank=32, composition_max_rank=MAX_RANK,
+                    ledger_hooks=[records.append]) as server:
         services = server.services
         keys = {"acme": new_tenant_key(services, "acme", "premium"), "other": new_tenant_key(services, "other")}
         acme, other = services.tenancy.tenant("acme"), services.tenancy.tenant("other")

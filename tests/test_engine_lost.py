@@ -7,20 +7,17 @@ from __future__ import annotations
 import json
 
 import pytest
-from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from conftest import make_engine, make_services, new_tenant_key
+from conftest import live_stack, new_tenant_key
 from loramux.db.models import LedgerEntry
 from loramux.engine.async_engine import EngineDeadError
-from loramux.server.app import create_app
 
 
 @pytest.fixture
 def dying(tiny_dir, tokenizer, tmp_path):
-    app = create_app(lambda: make_services(tmp_path, make_engine(tiny_dir, tokenizer)))
-    with TestClient(app) as client:
-        services = app.state.services
+    with live_stack(tmp_path, tiny_dir, tokenizer, client=True) as client:
+        services = client.app.state.services
         real = services.engine.generate
 
         async def generate(*args, **kwargs):

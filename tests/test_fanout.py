@@ -17,11 +17,10 @@ import pytest
 import torch
 from sqlalchemy import select
 
-from conftest import adapter_files, admin_client, make_engine, make_services, new_tenant_key
+from conftest import adapter_files, admin_client, live_stack, new_tenant_key
 from loramux.db import LedgerEntry
 from loramux.model.loader import read_model_config
-from loramux.server.app import create_app
-from loramux.testing import LiveServer, write_peft_adapter
+from loramux.testing import write_peft_adapter
 from polling import wait_until
 
 ADMIN_KEY = "lmxa-fanout-admin-key-0123456789abcdefghijklmnop"
@@ -75,10 +74,8 @@ def stack(tiny_dir, tokenizer, tmp_path_factory, peft_reference):
     ledger hook that records every finished request."""
     tmp = tmp_path_factory.mktemp("fanout")
     records: list = []
-    app = create_app(lambda: make_services(tmp, make_engine(tiny_dir, tokenizer, max_lora_rank=8, max_num_seqs=32),
-                                           admin_key=ADMIN_KEY, auth_failures_per_min=0),
-                     ledger_hooks=[records.append])
-    with LiveServer(app) as server:
+    with live_stack(tmp, tiny_dir, tokenizer, engine=dict(max_lora_rank=8, max_num_seqs=32), admin_key=ADMIN_KEY,
+                    auth_failures_per_min=0, ledger_hooks=[records.append]) as server:
         services = server.services
         keys = {tier: new_tenant_key(services, f"{tier}-co", tier) for tier in ("free", "premium")}
         keys["acme"] = new_tenant_key(services, "acme", "standard")
@@ -415,9 +412,7 @@ def test_max_fanout_is_a_tier_setting_of_the_admin_api(stack):
 
 @pytest.fixture
 def billed(database_url, tiny_dir, tokenizer, tmp_path, peft_reference):
-    app = create_app(lambda: make_services(tmp_path, make_engine(tiny_dir, tokenizer, max_lora_rank=8),
-                                           database_url=database_url))
-    with LiveServer(app) as server:
+    with live_stack(tmp_path, tiny_dir, tokenizer, engine=dict(max_lora_rank=8), database_url=database_url) as server:
         key = new_tenant_key(server.services, "acme", "standard")
         register_all(server.services, "acme", peft_reference[0])
         yield server, key

@@ -13,7 +13,6 @@ import time
 
 import httpx
 import pytest
-from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import select
@@ -21,11 +20,9 @@ from test_auth_hardening import FAILURES_PER_MIN, proxied_client, random_key
 from test_auth_hardening import chat as keyed_chat
 from test_compile_bounds import TIMEOUT_S, compiles_still_running, grammars_of, slow_regex
 
-from conftest import adapter_files, make_engine, make_services, new_tenant_key
+from conftest import adapter_files, live_stack, new_tenant_key
 from loramux.db.models import LedgerEntry
-from loramux.server.app import create_app
 from loramux.tenancy.tenants import TierInfo
-from loramux.testing import LiveServer
 from polling import wait_until, wait_until_async
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -34,9 +31,8 @@ MODEL = "SmolLM2-135M-Instruct"
 @pytest.fixture
 def stack(tiny_dir, tokenizer, tmp_path, database_url):
     """The app over the tiny model on SQLite and on PostgreSQL; a premium tenant (no rate limits)."""
-    app = create_app(lambda: make_services(tmp_path, make_engine(tiny_dir, tokenizer), database_url=database_url))
-    with TestClient(app) as client:
-        services = app.state.services
+    with live_stack(tmp_path, tiny_dir, tokenizer, client=True, database_url=database_url) as client:
+        services = client.app.state.services
         key = new_tenant_key(services, f"hostile-{tmp_path.name[-12:]}", "premium")
         client.headers["Authorization"] = f"Bearer {key}"
         yield client, services
@@ -208,11 +204,10 @@ def limited(tiny_dir, tokenizer, tmp_path):
     """The app over the tiny model (SQLite) with small count and logprob limits; a premium tenant."""
     limits = {"max_messages": 4, "max_content_parts": 3, "max_stop_sequences": 2, "max_logit_bias_entries": 2,
               "max_tools": 1, "max_logprob_entries": 100}
-    app = create_app(lambda: make_services(tmp_path, make_engine(tiny_dir, tokenizer), **limits))
-    with TestClient(app) as client:
-        key = new_tenant_key(app.state.services, "limited", "premium")
+    with live_stack(tmp_path, tiny_dir, tokenizer, client=True, **limits) as client:
+        key = new_tenant_key(client.app.state.services, "limited", "premium")
         client.headers["Authorization"] = f"Bearer {key}"
-        yield client, app.state.services
+        yield client, client.app.state.services
 
 
 _HI = {"role": "user", "content": "hi"}
@@ -292,10 +287,9 @@ def test_the_prompt_bound_counts_each_messages_template_tokens(limited_context, 
 
 @pytest.fixture
 def limited_context(tiny_dir, tokenizer, tmp_path):
-    app = create_app(lambda: make_services(tmp_path, make_engine(tiny_dir, tokenizer)))
-    with TestClient(app) as client:
-        client.headers["Authorization"] = f"Bearer {new_tenant_key(app.state.services, 'ctx', 'premium')}"
-        yield client, app.state.services
+    with live_stack(tmp_path, tiny_dir, tokenizer, client=True) as client:
+        client.headers["Authorization"] = f"Bearer {new_tenant_key(client.app.state.services, 'ctx', 'premium')}"
+        yield client, client.app.state.services
 
 
 @settings(max_examples=60, deadline=None, database=None, derandomize=True)
@@ -427,9 +421,7 @@ def test_a_model_name_with_control_characters_is_a_400_never_a_database_error(st
 def compile_server(tiny_dir, tokenizer, tmp_path_factory):
     """A live server whose structured-output compiles time out after TIMEOUT_S; a premium tenant's key."""
     tmp = tmp_path_factory.mktemp("hostile-compiles")
-    app = create_app(lambda: make_services(tmp, make_engine(tiny_dir, tokenizer),
-                                           structured_compile_timeout_s=TIMEOUT_S))
-    with LiveServer(app) as server:
+    with live_stack(tmp, tiny_dir, tokenizer, structured_compile_timeout_s=TIMEOUT_S) as server:
         yield server, new_tenant_key(server.services, "acme", "premium")
 
 
@@ -495,10 +487,8 @@ def test_a_random_key_flood_is_cut_off_per_address_before_any_lookup(behind_prox
 @pytest.fixture(scope="module")
 def encodings_client(tiny_dir, tokenizer, tmp_path_factory):
     """The app over the tiny model (SQLite); a premium tenant's client."""
-    app = create_app(lambda: make_services(tmp_path_factory.mktemp("hostile-encodings"),
-                                           make_engine(tiny_dir, tokenizer)))
-    with TestClient(app) as client:
-        client.headers["Authorization"] = f"Bearer {new_tenant_key(app.state.services, 'enc', 'premium')}"
+    with live_stack(tmp_path_factory.mktemp("hostile-encodings"), tiny_dir, tokenizer, client=True) as client:
+        client.headers["Authorization"] = f"Bearer {new_tenant_key(client.app.state.services, 'enc', 'premium')}"
         yield client
 
 
@@ -626,9 +616,7 @@ def composition_flood(tiny_dir, tiny_cfg, tokenizer, tmp_path_factory):
     from loramux.testing import write_peft_adapter
 
     tmp = tmp_path_factory.mktemp("hostile-composition")
-    app = create_app(lambda: make_services(tmp, make_engine(tiny_dir, tokenizer, max_num_seqs=64),
-                                           composition_builds_per_tenant=2))
-    with LiveServer(app) as server:
+    with live_stack(tmp, tiny_dir, tokenizer, engine=dict(max_num_seqs=64), composition_builds_per_tenant=2) as server:
         services = server.services
         keys = {"flood": new_tenant_key(services, "flood", "premium"),
                 "quiet": new_tenant_key(services, "quiet", "premium")}

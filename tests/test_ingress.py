@@ -10,11 +10,10 @@ import time
 import httpx
 import pytest
 
-from conftest import make_engine, make_services, new_tenant_key
+from conftest import live_stack, new_tenant_key
 from loramux.model.loader import read_model_config
-from loramux.server.app import create_app
 from loramux.server.http.ingress import json_depth_exceeds
-from loramux.testing import LiveServer, write_peft_adapter
+from loramux.testing import write_peft_adapter
 
 ADMIN_KEY = "lmxa-test-ingress-admin-key-0123456789abcdefghij"
 MODEL = "SmolLM2-135M-Instruct"
@@ -26,10 +25,8 @@ MiB = 1024**2
 @pytest.fixture(scope="module")
 def stack(tiny_dir, tokenizer, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ingress")
-    app = create_app(lambda: make_services(tmp, make_engine(tiny_dir, tokenizer, max_loras=2, max_lora_rank=8),
-                                           admin_key=ADMIN_KEY, max_request_bytes=MAX_REQUEST_BYTES,
-                                           max_upload_bytes=1 * MiB))
-    with LiveServer(app) as server:
+    with live_stack(tmp, tiny_dir, tokenizer, engine=dict(max_loras=2, max_lora_rank=8), admin_key=ADMIN_KEY,
+                    max_request_bytes=MAX_REQUEST_BYTES, max_upload_bytes=1 * MiB) as server:
         keys = {tier: new_tenant_key(server.services, f"{tier}-co", tier) for tier in ("free", "premium")}
         yield server, keys, tmp
 

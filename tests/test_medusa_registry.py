@@ -16,7 +16,7 @@ from safetensors.torch import save as safetensors_bytes
 from sqlalchemy import func, select
 
 from conftest import adapter_files as files_of
-from conftest import make_engine, make_services, new_tenant_key
+from conftest import live_stack, make_engine, make_services, new_tenant_key
 from loramux.adapters.formats.medusa import MEDUSA_CONFIG, MEDUSA_WEIGHTS, save_medusa_dir
 from loramux.adapters.formats.validation import AdapterValidationError
 from loramux.adapters.storage.medusa_registry import (
@@ -466,13 +466,10 @@ def test_admin_cli_uploads_lists_and_deletes_heads(tiny_dir, tokenizer, tmp_path
     import subprocess
     import sys
 
-    from loramux.testing import LiveServer
-
-    app = create_app(lambda: make_services(tmp_path, make_engine(tiny_dir, tokenizer), admin_key=ADMIN_KEY,
-                                           max_upload_bytes=256 * 1024, auth_failures_per_min=0))
     env = {**os.environ, "LORAMUX_ADMIN_KEY": ADMIN_KEY, "PYTHONUNBUFFERED": "1"}
     directory = heads_dir(tmp_path / "heads", tiny_cfg.hidden_size)
-    with LiveServer(app) as server:
+    with live_stack(tmp_path, tiny_dir, tokenizer, admin_key=ADMIN_KEY, max_upload_bytes=256 * 1024,
+                    auth_failures_per_min=0) as server:
         def cli(*args) -> subprocess.CompletedProcess:
             return subprocess.run([sys.executable, "-m", "loramux.cli", "admin", "--url", server.url, "medusa", *args],
                                   capture_output=True, text=True, timeout=120, env=env)

@@ -10,11 +10,10 @@ import httpx
 import openai
 import pytest
 
-from conftest import adapter_files, make_engine, make_services, new_tenant_key
+from conftest import adapter_files, live_stack, new_tenant_key
 from loramux.model.loader import read_model_config
-from loramux.server.app import create_app
 from loramux.tenancy.tenants import TierInfo
-from loramux.testing import LiveServer, write_peft_adapter
+from loramux.testing import write_peft_adapter
 from polling import wait_until
 
 ADAPTERS = ("alpha", "beta", "gamma", "delta")
@@ -27,10 +26,8 @@ def stack(tiny_dir, tokenizer, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("openai-api")
     cfg, _ = read_model_config(tiny_dir)
     records = []
-    app = create_app(lambda: make_services(tmp, make_engine(tiny_dir, tokenizer, max_loras=4, max_lora_rank=16,
-                                                            max_num_seqs=32)),
-                     ledger_hooks=[records.append])
-    with LiveServer(app) as server:
+    with live_stack(tmp, tiny_dir, tokenizer, engine=dict(max_loras=4, max_lora_rank=16, max_num_seqs=32),
+                    ledger_hooks=[records.append]) as server:
         services = server.services
         keys = {tier: new_tenant_key(services, f"{tier}-co", tier) for tier in ("free", "standard", "premium")}
         keys["acme"] = new_tenant_key(services, "acme", "standard")
@@ -248,9 +245,7 @@ def test_metrics_are_exposed_without_a_key_and_without_tenant_labels(stack):
 
 @pytest.fixture
 def small(tiny_dir, tokenizer, tmp_path):
-    app = create_app(lambda: make_services(tmp_path, make_engine(tiny_dir, tokenizer, max_num_seqs=2,
-                                                                 max_num_batched_tokens=64)))
-    with LiveServer(app) as server:
+    with live_stack(tmp_path, tiny_dir, tokenizer, engine=dict(max_num_seqs=2, max_num_batched_tokens=64)) as server:
         keys = {tier: new_tenant_key(server.services, f"{tier}-co", tier) for tier in ("free", "standard", "premium")}
         cfg, _ = read_model_config(tiny_dir)
         path = write_peft_adapter(tmp_path / "tuned", cfg, 4, ["q_proj", "v_proj"], seed=11)

@@ -16,11 +16,10 @@ import pytest
 import torch
 from sqlalchemy import select
 
-from conftest import adapter_files, make_engine, make_services, new_tenant_key
+from conftest import adapter_files, live_stack, new_tenant_key
 from loramux.db.models import LedgerEntry
 from loramux.model.loader import read_model_config
-from loramux.server.app import create_app
-from loramux.testing import LiveServer, write_peft_adapter
+from loramux.testing import write_peft_adapter
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -31,10 +30,9 @@ def stack(tiny_dir, tokenizer, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("openai-features")
     cfg, _ = read_model_config(tiny_dir)
     records = []
-    app = create_app(lambda: make_services(tmp, make_engine(tiny_dir, tokenizer, max_loras=2, max_lora_rank=8,
-                                                            max_num_seqs=48, max_num_batched_tokens=1024)),
-                     ledger_hooks=[records.append])
-    with LiveServer(app) as server:
+    with live_stack(tmp, tiny_dir, tokenizer,
+                    engine=dict(max_loras=2, max_lora_rank=8, max_num_seqs=48, max_num_batched_tokens=1024),
+                    ledger_hooks=[records.append]) as server:
         key = new_tenant_key(server.services, "acme", "premium")
         path = write_peft_adapter(tmp / "tuned", cfg, 8, ["q_proj", "v_proj", "down_proj"], seed=5, b_std=1.0)
         server.services.registry.register(server.services.tenancy.tenant("acme").id, "tuned", adapter_files(path))

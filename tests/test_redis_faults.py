@@ -8,12 +8,10 @@ import threading
 import time
 
 import pytest
-from fastapi.testclient import TestClient
 
 pytest.importorskip("limits", reason="the ray extra is not installed")
 
-from conftest import make_engine, make_services, new_tenant_key  # noqa: E402
-from loramux.server.app import create_app  # noqa: E402
+from conftest import live_stack, new_tenant_key  # noqa: E402
 from loramux.tenancy.shared_rate_limits import SharedRateLimiter  # noqa: E402
 from loramux.testing import start_redis_server  # noqa: E402
 
@@ -74,10 +72,10 @@ def private_redis():
 
 
 def serve(tiny_dir, tokenizer, tmp_path, redis_url: str, fail_mode: str):
-    app = create_app(lambda: make_services(tmp_path, make_engine(tiny_dir, tokenizer)),
-                     limiter_factory=lambda: SharedRateLimiter(redis_url, fail_mode=fail_mode, timeout_s=0.25,
-                                                               cooldown_s=5.0))
-    return app
+    """A TestClient of the app whose rate limiter is shared through Redis at `redis_url`."""
+    return live_stack(tmp_path, tiny_dir, tokenizer, client=True,
+                      limiter_factory=lambda: SharedRateLimiter(redis_url, fail_mode=fail_mode, timeout_s=0.25,
+                                                                cooldown_s=5.0))
 
 
 def timed(call):
@@ -114,7 +112,7 @@ def test_redis_delayed_3s_per_call(tiny_dir, tokenizer, tmp_path, private_redis,
     url, _, port = private_redis
     proxy = DelayingProxy(("127.0.0.1", port), DELAY_S)
     try:
-        with TestClient(serve(tiny_dir, tokenizer, tmp_path, f"redis://127.0.0.1:{proxy.port}/0", fail_mode)) as c:
+        with serve(tiny_dir, tokenizer, tmp_path, f"redis://127.0.0.1:{proxy.port}/0", fail_mode) as c:
             key = new_tenant_key(c.app.state.services, "slowpoke", "standard")  # a tier with limits
             took = check_fail_mode(c, key, fail_mode)
             print(f"Redis delayed {DELAY_S:g} s, fail mode {fail_mode}: requests took {[round(t, 3) for t in took]} s")
@@ -125,7 +123,7 @@ def test_redis_delayed_3s_per_call(tiny_dir, tokenizer, tmp_path, private_redis,
 @pytest.mark.parametrize("fail_mode", ["open", "closed"])
 def test_redis_stopped_mid_run(tiny_dir, tokenizer, tmp_path, private_redis, fail_mode):
     url, proc, _ = private_redis
-    with TestClient(serve(tiny_dir, tokenizer, tmp_path, url, fail_mode)) as c:
+    with serve(tiny_dir, tokenizer, tmp_path, url, fail_mode) as c:
         key = new_tenant_key(c.app.state.services, "stopper", "standard")
         body = {"model": "base", "prompt": "hello", "max_tokens": 2}
         assert c.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}).status_code == 200

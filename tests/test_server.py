@@ -5,20 +5,17 @@ import asyncio
 import json
 
 import pytest
-from fastapi.testclient import TestClient
 
-from conftest import make_engine, make_services, new_tenant_key, server_stats
+from conftest import live_stack, make_engine, new_tenant_key, server_stats
 from loramux.engine.async_engine import AsyncEngine
 from loramux.engine.engine import RequestError
 from loramux.engine.sampling.params import SamplingParams
-from loramux.server.app import create_app
 
 
 @pytest.fixture
 def client(tiny_dir, tokenizer, tmp_path):
-    app = create_app(lambda: make_services(tmp_path, make_engine(tiny_dir, tokenizer)))
-    with TestClient(app) as c:
-        c.headers["Authorization"] = f"Bearer {new_tenant_key(app.state.services)}"
+    with live_stack(tmp_path, tiny_dir, tokenizer, client=True) as c:
+        c.headers["Authorization"] = f"Bearer {new_tenant_key(c.app.state.services)}"
         yield c
 
 
@@ -147,11 +144,8 @@ def test_generate_with_adapter_over_http(tiny_dir, tokenizer, tmp_path):
     cfg, _ = read_model_config(tiny_dir)
     path = write_peft_adapter(tmp_path / "a", cfg, 4, ["q_proj", "v_proj", "down_proj"], seed=1, b_std=1.0)
 
-    def factory():
-        engine = make_engine(tiny_dir, tokenizer, max_loras=2, max_lora_rank=8)
-        return make_services(tmp_path, engine, adapters=f"tuned={path}")
-
-    with TestClient(create_app(factory)) as client:
+    with live_stack(tmp_path, tiny_dir, tokenizer, engine=dict(max_loras=2, max_lora_rank=8), client=True,
+                    adapters=f"tuned={path}") as client:
         client.headers["Authorization"] = f"Bearer {new_tenant_key(client.app.state.services)}"
         listed = client.get("/adapters").json()["adapters"]
         assert [a["name"] for a in listed] == ["tuned"] and listed[0]["rank"] == 4
@@ -180,10 +174,9 @@ def test_adapters_setting_parses_and_rejects_bad_entries():
 def test_each_tenant_is_charged_its_tokens_over_its_tier_weight(tiny_dir, tokenizer, tmp_path):
     """The fair-share counters the scheduler keeps per tenant: prompt tokens + 2 x completion tokens (the
     default weights), divided by the tenant's tier weight (LORAMUX_FAIR_SHARE_TIER_WEIGHTS)."""
-    app = create_app(lambda: make_services(tmp_path, make_engine(tiny_dir, tokenizer), metrics_key="scrape-key",
-                                           fair_share_tier_weights={"premium": 2.0}))
-    with TestClient(app) as client:
-        services = app.state.services
+    with live_stack(tmp_path, tiny_dir, tokenizer, client=True, metrics_key="scrape-key",
+                    fair_share_tier_weights={"premium": 2.0}) as client:
+        services = client.app.state.services
         usage = {}
         for name, tier in (("acme", "standard"), ("globex", "premium")):
             key = new_tenant_key(services, name, tier)

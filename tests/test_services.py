@@ -3,10 +3,8 @@ share. (Through HTTP the same operations are tested in test_admin_api.py, test_c
 from __future__ import annotations
 
 import pytest
-from fastapi.testclient import TestClient
 
-from conftest import make_engine, make_services
-from loramux.server.app import create_app
+from conftest import live_stack
 from loramux.services import admin_keys, tenants
 from loramux.services.adapters import UploadError, check_upload_fields
 from loramux.tenancy.admin_keys import AdminKeyError, AdminKeys
@@ -57,9 +55,7 @@ def test_upload_fields_are_refused_by_name(fields, message):
 
 def test_service_errors_keep_their_http_answers(tiny_dir, tokenizer, tmp_path):
     """The errors the service layer raises instead of HTTP types map to the answers the routes gave before."""
-    app = create_app(lambda: make_services(tmp_path, make_engine(tiny_dir, tokenizer), admin_key=ADMIN_KEY,
-                                           auth_failures_per_min=0))
-    with TestClient(app) as client:
+    with live_stack(tmp_path, tiny_dir, tokenizer, client=True, admin_key=ADMIN_KEY, auth_failures_per_min=0) as client:
         client.headers["Authorization"] = f"Bearer {ADMIN_KEY}"
         own = next(k for k in client.get("/admin/keys").json()["keys"] if k["revoked_at"] is None)
         itself = client.delete(f"/admin/keys/{own['id']}")
