@@ -62,8 +62,7 @@ class EngineSide:
 
     llm: LLMEngine
     engine: AsyncEngine
-    adapter_cache: AdapterCache
-    disk: DiskCache  # the cache's disk level, which Medusa heads share
+    adapter_cache: AdapterCache  # Medusa heads load through it too
 
 
 def store_from_settings(settings: Settings) -> ObjectStore:
@@ -84,8 +83,8 @@ def build_engine_side(settings: Settings, store: ObjectStore, disk_dir: Path, ll
     llm = llm if llm is not None else LLMEngine.from_settings(settings, load_adapters=False)
     engine = AsyncEngine(llm, stalled_reader_timeout_s=settings.stalled_reader_timeout_s,
                          compile_limits=CompileLimits.from_settings(settings))
-    disk = DiskCache(disk_dir, settings.disk_cache_bytes)
-    return EngineSide(llm, engine, AdapterCache(store, disk, HostCache(settings.host_cache_bytes)), disk)
+    cache = AdapterCache(store, DiskCache(disk_dir, settings.disk_cache_bytes), HostCache(settings.host_cache_bytes))
+    return EngineSide(llm, engine, cache)
 
 
 def build_services(settings: Settings, *, engine: InProcess | Remote, ledger_slots: Path | None = None,
