@@ -24,16 +24,21 @@ step) and bumps a generation, which drops every graph: they are captured again, 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
 from loramux.engine.scheduling.block_manager import RELEASED
 from loramux.kernels.bgmv import StaticLoRA
+from loramux.kernels.wrapper import LoRALayerWeights
 from loramux.model.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
+
+ModuleKey = tuple[int, str]  # (layer, projection path): a LoRA projection's key
 
 MAX_GRAPH_BATCH = 256  # larger decode batches run eagerly (launch overhead is small next to their work)
 MIN_GRAPH_BLOCKS = 8  # the narrowest block-table bucket
@@ -62,15 +67,16 @@ def smallest_at_least(buckets: tuple[int, ...], n: int) -> int | None:
 
 @dataclass
 class _Probe:
-    key: object  # a projection key the bucket covers
-    weights: object  # what weights_of(bucket, key) returned when the graphs were captured
+    key: ModuleKey  # a projection key the bucket covers
+    weights: LoRALayerWeights  # what weights_of(bucket, key) returned when the graphs were captured
     tensors: tuple  # its buffers (held, so their identities cannot be reused)
 
 
 class LoRABuckets:
     """The rank buckets the graphs cover, and whether their buffers are still the ones captured."""
 
-    def __init__(self, weights_of, module_keys):
+    def __init__(self, weights_of: Callable[[Any, ModuleKey], LoRALayerWeights | None],
+                 module_keys: list[ModuleKey] | Callable[[], list[ModuleKey]]):
         """`module_keys`: the projection keys (a list, or a callable returning one: read when a bucket is
         probed, so a pool attached to the model later is still seen)."""
         self.weights_of = weights_of
@@ -89,7 +95,7 @@ class LoRABuckets:
     def _current(self, bucket) -> bool:
         probe = self._probes[bucket]
         weights = self.weights_of(bucket, probe.key)
-        if weights is not probe.weights:
+        if weights is None or weights is not probe.weights:
             return False
         tensors = (weights.a, weights.scale, *weights.b)
         return len(tensors) == len(probe.tensors) and all(t is p for t, p in zip(tensors, probe.tensors))
@@ -112,6 +118,18 @@ class LoRABuckets:
         return True
 
 
+class GraphBackend(Protocol):
+    """What DecodeGraphs captures and replays through: a CudaGraphBackend, or a CPU tests' stand-in."""
+
+    def warm_up(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor: ...
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[object, torch.Tensor]: ...
+
+    def replay(self, graph: Any) -> None: ...
+
+    def release(self) -> None: ...
+
+
 class CudaGraphBackend:
     """Everything that touches torch.cuda graphs: a side-stream warm-up, capture into one memory pool that
     all graphs share (they never run at once), replay. Tests on CPU swap in a stand-in that re-runs the
@@ -121,7 +139,7 @@ class CudaGraphBackend:
         self.device = device
         self.pool = None
 
-    def warm_up(self, fn):
+    def warm_up(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -130,7 +148,7 @@ class CudaGraphBackend:
         torch.cuda.synchronize(self.device)
         return out
 
-    def capture(self, fn) -> tuple[object, torch.Tensor]:
+    def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[object, torch.Tensor]:
         graph = torch.cuda.CUDAGraph()
         # thread_local: the device pool's copy thread may be moving an adapter in meanwhile.
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
@@ -138,7 +156,7 @@ class CudaGraphBackend:
         self.pool = self.pool or graph.pool()
         return graph, out
 
-    def replay(self, graph) -> None:
+    def replay(self, graph: torch.cuda.CUDAGraph) -> None:
         graph.replay()
 
     def release(self) -> None:
@@ -158,7 +176,8 @@ class _Entry:
 
 
 class DecodeGraphs:
-    def __init__(self, runner, max_batch: int, max_model_len: int, capture: bool, backend=None):
+    def __init__(self, runner, max_batch: int, max_model_len: int, capture: bool,
+                 backend: GraphBackend | None = None):
         """`capture`: capture and replay graphs through `backend` (a CudaGraphBackend by default); else run
         the fixed-shape forward eagerly every step."""
         self.runner = runner
@@ -176,7 +195,7 @@ class DecodeGraphs:
         self.entries: dict[tuple[int, int], _Entry] = {}
         self._buffer: torch.Tensor | None = None
         self._key_positions = torch.arange(self.max_blocks * self.block_size, device=self.device)
-        self.backend = (backend or CudaGraphBackend(self.device)) if capture else None
+        self.backend: GraphBackend | None = (backend or CudaGraphBackend(self.device)) if capture else None
         self.disabled = False  # set when a capture failed or disagreed with the eager run
         self.steps = self.captures = 0  # steps run here; graphs captured (tests, bench)
 
@@ -208,6 +227,7 @@ class DecodeGraphs:
         self._fill(bs, nb, seqs, locations, needed)
         self.steps += 1
         if entry.graph is not None:
+            assert self.backend is not None and entry.out is not None  # captured: with its output
             self.backend.replay(entry.graph)
             return entry.out[:len(seqs)].clone()
         if not self.capture:
@@ -251,6 +271,7 @@ class DecodeGraphs:
         for seq, k in zip(seqs, needed):
             data += [scratch if b == RELEASED else b for b in seq.block_table[:k]] + [scratch] * (nb - k)
         data += [scratch] * (pad * nb)
+        assert self._buffer is not None  # made by _entry
         self._buffer[:len(data)].copy_(torch.tensor(data, dtype=torch.long))
 
     def _forward(self, entry: _Entry) -> torch.Tensor:
@@ -284,6 +305,7 @@ class DecodeGraphs:
         """Warm up (compiles the kernels; it is this step's real forward), capture, replay once and check the
         replay against the warm-up. On any failure graphs are turned off and the warm-up's logits are used."""
         forward = lambda: self._forward(entry)  # noqa: E731
+        assert self.backend is not None  # capture mode
         warm = self.backend.warm_up(forward)
         try:
             graph, out = self.backend.capture(forward)

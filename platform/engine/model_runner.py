@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,6 +13,10 @@ from loramux.engine.sequence import Sequence
 from loramux.engine.speculation.medusa_heads import MedusaHeads
 from loramux.model.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillChunk
 from loramux.model.llama import LlamaModel
+
+if TYPE_CHECKING:
+    from loramux.engine.cuda_graphs import DecodeGraphs, GraphBackend
+    from loramux.kernels.wrapper import Location, LoRAWrapper
 
 
 @dataclass
@@ -36,8 +41,8 @@ class ModelRunner:
     """
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, lora_wrapper=None,
-                 locate_adapter: Callable[[str], tuple[int, int]] | None = None, config=None,
+                 device: torch.device, lora_wrapper: LoRAWrapper | None = None,
+                 locate_adapter: Callable[[str], Location] | None = None, config=None,
                  max_model_len: int | None = None):
         """`locate_adapter(digest)`: (rank bucket, slot) of a resident adapter, for the LoRA wrapper.
         `config` (an EngineConfig): with `cuda_graphs` on a CUDA device, plain decode steps replay CUDA
@@ -58,12 +63,13 @@ class ModelRunner:
         self.locate_adapter = locate_adapter
         self.medusa_of: Callable[[Sequence], MedusaHeads | None] | None = None  # set by the engine
         self.max_model_len = min(max_model_len or num_blocks * block_size, model.rope.cos.shape[0])
-        self.graphs = None  # DecodeGraphs when plain decode steps run from fixed-shape buffers
+        self.graphs: DecodeGraphs | None = None  # DecodeGraphs when plain decode steps run from fixed-shape buffers
         self.graph_batch = config.max_num_seqs if config is not None else 32
         if config is not None and getattr(config, "cuda_graphs", False) and self.device.type == "cuda":
             self.use_decode_graphs(capture=True)
 
-    def use_decode_graphs(self, capture: bool, max_batch: int | None = None, backend=None) -> None:
+    def use_decode_graphs(self, capture: bool, max_batch: int | None = None,
+                          backend: GraphBackend | None = None) -> None:
         """Run plain decode steps of at most `max_batch` sequences from fixed-shape buffers: replayed as CUDA
         graphs with `capture` (CUDA only), else the same path eagerly (CPU tests, bench --tiny). `backend`:
         what captures and replays (loramux.engine.cuda_graphs.CudaGraphBackend; tests pass a stand-in)."""
@@ -93,7 +99,7 @@ class ModelRunner:
         sample_rows: list[int] = []
         sampled: list[tuple[Sequence, int, int]] = []  # (seq, first logits row, rows)
         where = self._locations([s for s, _ in batch.prefills] + batch.decodes)
-        lora_rows: list[tuple[int, int] | None] = []  # adapter (rank, slot) per row, None = base model
+        lora_rows: list[Location | None] = []  # adapter (bucket, slot) per row, None = base model
         for seq, n in batch.prefills:
             start = seq.num_computed_tokens
             end = start + n
@@ -189,8 +195,11 @@ class ModelRunner:
         mask = torch.zeros(valid.shape, dtype=self.kv.k.dtype, device=self.device)
         return padded, mask.masked_fill_(~valid, float("-inf"))[:, None, None, :]
 
-    def _locations(self, seqs: list[Sequence]) -> dict:
+    def _locations(self, seqs: list[Sequence]) -> dict[Sequence, Location | None]:
         locate = self.locate_adapter
+        if locate is None:  # no adapters served: every row is the base model's
+            assert all(seq.adapter is None for seq in seqs), "a sequence has an adapter but nothing locates it"
+            return dict.fromkeys(seqs)
         return {seq: locate(seq.adapter) if seq.adapter is not None else None for seq in seqs}
 
     def _run_graphed(self, batch: ScheduledBatch) -> StepLogits | None:
@@ -202,6 +211,7 @@ class ModelRunner:
         if self.lora_wrapper is not None:
             self.lora_wrapper.set_batch(None)  # no per-row state of an earlier eager step in the graphed one
         seqs = sorted(batch.decodes, key=lambda s: _adapter_order(where[s]))
+        assert self.graphs is not None  # run() calls this only with graphs
         logits = self.graphs.run(seqs, [where[s] for s in seqs])
         return None if logits is None else StepLogits(logits, [(seq, i, 1) for i, seq in enumerate(seqs)])
 

@@ -230,9 +230,10 @@ class LlamaModel(nn.Module):
         # One table per distinct RoPE (Gemma 3: local and global layers differ); each layer names its own.
         specs = list(dict.fromkeys(cfg.layer_ropes))
         positions = max_positions or cfg.max_position_embeddings
-        self.ropes = nn.ModuleList(RotaryEmbedding(s.rotary_dim, s.theta, s.scaling, positions) for s in specs)
+        ropes = [RotaryEmbedding(s.rotary_dim, s.theta, s.scaling, positions) for s in specs]
+        self.ropes = nn.ModuleList(ropes)
         self.layer_rope = [specs.index(s) for s in cfg.layer_ropes]
-        self.rope = self.ropes[self.layer_rope[-1]]
+        self.rope = ropes[self.layer_rope[-1]]
         self.embed_scale = cfg.embed_scale
         self.final_softcap = cfg.final_softcap
         # Set by the device adapter pool: the LoRA wrapper, for adapters that change the embedding or the head.

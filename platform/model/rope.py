@@ -58,6 +58,9 @@ class RotaryEmbedding(torch.nn.Module):
     length HF would see in that forward) exceeds the original context, as HF's `longrope_frequency_update`.
     A sequence that grows past it is recomputed with the long factors (the scheduler's `long_rope_after`)."""
 
+    cos: torch.Tensor  # [max_positions, rotary_dim / 2] buffers (registered in __init__)
+    sin: torch.Tensor
+
     def __init__(self, rotary_dim: int, theta: float, scaling: dict[str, Any] | None, max_positions: int):
         super().__init__()
         self.rotary_dim = rotary_dim

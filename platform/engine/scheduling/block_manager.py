@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict, deque
+from typing import Protocol
 
 from loramux.engine.sequence import Sequence
 
@@ -27,6 +28,21 @@ RELEASED = -1  # a block-table entry whose block left the sliding window and wen
 
 class OutOfBlocksError(RuntimeError):
     """The pool has too few free blocks for the requested allocation."""
+
+
+class HeldBlocks(Protocol):
+    """What `free` reads and resets: an engine Sequence, or the draft model's own state of a request."""
+
+    block_table: list[int]
+    block_hashes: list[bytes]
+    num_released_blocks: int
+
+
+class GrowingBlocks(HeldBlocks, Protocol):
+    """What `allocate` reads: held blocks, and the tokens whose KV is in them."""
+
+    @property
+    def num_computed_tokens(self) -> int: ...
 
 
 def chain_hash(parent: bytes, token_ids, salt: str) -> bytes:
@@ -69,12 +85,12 @@ class BlockManager:
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+    def blocks_needed(self, seq: GrowingBlocks, num_new_tokens: int) -> int:
         """Extra blocks `seq` needs so that its next `num_new_tokens` tokens have KV slots."""
         total = self.blocks_for_tokens(seq.num_computed_tokens + num_new_tokens)
         return max(0, total - len(seq.block_table))
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+    def can_allocate(self, seq: GrowingBlocks, num_new_tokens: int) -> bool:
         return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
 
     def _take(self) -> int:
@@ -89,7 +105,7 @@ class BlockManager:
         self.ref_counts[block] = 1
         return block
 
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+    def allocate(self, seq: GrowingBlocks, num_new_tokens: int) -> None:
         """Grow `seq.block_table` to cover `num_new_tokens` more tokens; all or nothing."""
         need = self.blocks_needed(seq, num_new_tokens)
         if need > self.num_free_blocks:
@@ -97,7 +113,7 @@ class BlockManager:
         for _ in range(need):
             seq.block_table.append(self._take())
 
-    def free(self, seq: Sequence) -> None:
+    def free(self, seq: HeldBlocks) -> None:
         """Release every block of `seq` (idempotent); cached blocks stay reusable until evicted."""
         for block in reversed(seq.block_table):
             if block != RELEASED:
