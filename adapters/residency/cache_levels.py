@@ -150,18 +150,22 @@ class Acquired:
 
 
 class StoredBlob(ABC):
-    """One stored blob for the loader: where it is, what names it, what it becomes in host RAM. Read lazily: a
-    host RAM hit only reads `digest` (and `kind`)."""
+    """One stored blob for the loader: where it is (the registry's `record`: an AdapterVersionInfo or a
+    MedusaHeadsInfo), what names it, what it becomes in host RAM. Read lazily: a host RAM hit only reads
+    `digest` (and `kind`)."""
 
     kind: str = ADAPTER
 
-    @property
-    @abstractmethod
-    def digest(self) -> str: ...
+    def __init__(self, record: Any):
+        self.record = record
 
     @property
-    @abstractmethod
-    def storage_key(self) -> str: ...
+    def digest(self) -> str:
+        return self.record.digest
+
+    @property
+    def storage_key(self) -> str:
+        return self.record.storage_key
 
     @property
     @abstractmethod
@@ -178,29 +182,20 @@ class StoredBlob(ABC):
 
 
 class _AdapterBlob(StoredBlob):
-    def __init__(self, version: AdapterVersionInfo):
-        self.version = version
-
-    @property
-    def digest(self) -> str:
-        return self.version.digest
-
-    @property
-    def storage_key(self) -> str:
-        return self.version.storage_key
+    record: AdapterVersionInfo
 
     @property
     def label(self) -> str:
-        return f"adapter {self.version.label}"
+        return f"adapter {self.record.label}"
 
     def parse(self, data: bytes) -> LoRAAdapter:
         # The engine knows a version by its id, never by the tenant-chosen name: its stats feed the metrics
         # (`vllm:lora_requests_info`), which anyone who reaches /metrics reads.
-        version = self.version
+        version = self.record
         return unpack(data, f"{version.adapter_id}@{version.version}", version.digest)
 
     def error(self, detail: str, retryable: bool) -> AdapterLoadError:
-        return AdapterLoadError(self.version, detail, retryable)
+        return AdapterLoadError(self.record, detail, retryable)
 
 
 @dataclass

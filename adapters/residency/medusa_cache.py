@@ -30,28 +30,21 @@ class MedusaLoadError(RuntimeError):
 
 class _HeadsBlob(StoredBlob):
     kind = MEDUSA
+    record: MedusaHeadsInfo
 
     def __init__(self, info: MedusaHeadsInfo, hidden_size: int):
-        self.info = info
+        super().__init__(info)
         self.hidden_size = hidden_size
 
     @property
-    def digest(self) -> str:
-        return self.info.digest
-
-    @property
-    def storage_key(self) -> str:
-        return self.info.storage_key
-
-    @property
     def label(self) -> str:
-        return f"Medusa heads {self.info.id}"
+        return f"Medusa heads {self.record.id}"
 
     def parse(self, data: bytes) -> MedusaHeadsWeights:
-        return unpack_medusa(data, self.hidden_size, self.info.digest)
+        return unpack_medusa(data, self.hidden_size, self.record.digest)
 
     def error(self, detail: str, retryable: bool) -> MedusaLoadError:
-        return MedusaLoadError(self.info, detail)
+        return MedusaLoadError(self.record, detail)
 
 
 class MedusaCache:
