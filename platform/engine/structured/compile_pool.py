@@ -160,6 +160,7 @@ class CompilePool:
         proc = self._procs[slot]
         if proc is None or proc.poll() is not None:
             proc = self._procs[slot] = self._start()
+        assert proc.stdin is not None and proc.stdout is not None  # started with pipes
         with self._wake:
             self._running += 1
         try:
@@ -184,6 +185,7 @@ class CompilePool:
     def _start(self) -> subprocess.Popen:
         proc = subprocess.Popen([sys.executable, "-m", "loramux.engine.structured.compile_worker"],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
+        assert proc.stdin is not None and proc.stdout is not None  # pipes (PIPE)
         try:
             write_frame(proc.stdin, b"I", self._init)
             kind, _ = read_frame(proc.stdout.fileno(), time.monotonic() + _STARTUP_TIMEOUT_S, 16)
@@ -215,6 +217,7 @@ def kill_worker(proc: subprocess.Popen) -> None:
         proc.kill()
     proc.wait()
     for pipe in (proc.stdin, proc.stdout):
+        assert pipe is not None  # workers are started with both pipes
         try:
             pipe.close()
         except OSError:

@@ -24,16 +24,16 @@ def main() -> None:
     from loramux.engine.structured.compile_pool import read_frame_blocking, write_frame
 
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    kind, payload = read_frame_blocking(stdin)  # read before the slow imports, so the parent's write never waits
-    if kind != b"I":
+    frame = read_frame_blocking(stdin)  # read before the slow imports, so the parent's write never waits
+    if frame is None or frame[0] != b"I":
         sys.exit(2)
-    init = json.loads(payload)
+    init = json.loads(frame[1])
     _die_with_parent()
     import xgrammar
 
     info = xgrammar.TokenizerInfo.deserialize_json(init["tokenizer_info"])
     compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-    del init["tokenizer_info"], payload
+    del init["tokenizer_info"], frame
     _limit_memory(init["memory_bytes"])
     write_frame(stdout, b"R", b"")
     while True:

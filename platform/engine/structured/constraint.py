@@ -87,9 +87,10 @@ class Constraint:
 def batch_masker(constraints: Sequence[Constraint | None]) -> Masker | None:
     """Masks the logits [B, V] of a batch whose row i belongs to `constraints[i]` (None = unconstrained,
     left untouched); None when no row is constrained."""
-    rows = [i for i, c in enumerate(constraints) if c is not None]
-    if not rows:
+    live = [(i, c) for i, c in enumerate(constraints) if c is not None]
+    if not live:
         return None
-    bitmask = allocate_mask(len(constraints), constraints[rows[0]]._vocab)
-    bitmask[rows] = torch.cat([constraints[i].mask for i in rows])
+    rows = [i for i, _ in live]
+    bitmask = allocate_mask(len(constraints), live[0][1]._vocab)
+    bitmask[rows] = torch.cat([c.mask for _, c in live])
     return lambda logits: apply_mask_(logits, bitmask, rows)

@@ -238,10 +238,12 @@ class GrammarCache:
             self._forget(key, entry)
             entry.set_exception(exc)
             return
+        info = self._info
+        assert info is not None  # built with the compiler, which _started_pool made
 
         def settle(job: Future) -> None:  # on the pool's manager thread, never the engine's
             try:
-                entry.set_result(_xgr().CompiledGrammar.deserialize_json(job.result(), self._info))
+                entry.set_result(_xgr().CompiledGrammar.deserialize_json(job.result(), info))
             except CompileRefused as exc:
                 entry.set_result(StructuredOutputError(f"{label}: {_clean(str(exc))}"))
             except CompileTooComplex as exc:
@@ -254,11 +256,13 @@ class GrammarCache:
 
     def _started_pool(self) -> CompilePool:
         self.compiler()  # the tokenizer info the workers need
+        info = self._info
+        assert info is not None  # set by compiler()
         with self._lock:
             if self._pool is None:
                 if self._limits is None:
                     raise CompileBusy("the compile pool is shut down")
-                self._pool = CompilePool(self._info.serialize_json(), self._limits)
+                self._pool = CompilePool(info.serialize_json(), self._limits)
             return self._pool
 
     def _forget(self, key, entry: Future) -> None:
