@@ -122,6 +122,7 @@ class Bench:
 
     async def _streams_with_arrivals(self, arrival_adapters: list[str]) -> list[float]:
         """Inter-token gaps (ms) of the long streams while `arrival_adapters` requests arrive over HTTP."""
+        from loramux.engine.request import EngineRequest
         from loramux.engine.sampling.params import SamplingParams
 
         engine, cache = self.services.engine, self.services.adapter_cache
@@ -135,7 +136,8 @@ class Bench:
             params = SamplingParams(max_tokens=self.args.tokens, ignore_eos=True)
             last = None
             adapter = leases[i].adapter if leases[i] else None
-            async for out in engine.generate(f"long-{time.monotonic_ns()}-{i}", PROMPT, params, adapter=adapter):
+            request = EngineRequest(f"long-{time.monotonic_ns()}-{i}", PROMPT, params, adapter=adapter)
+            async for out in engine.generate(request):
                 now = time.perf_counter()
                 if last is not None and len(out.new_token_ids) == 1:
                     gaps.append((now - last) * 1000)

@@ -10,6 +10,7 @@ import pytest
 from conftest import make_engine
 from loramux.engine.async_engine import AsyncEngine
 from loramux.engine.outputs import RequestOutput, SoFar
+from loramux.engine.request import EngineRequest
 from loramux.engine.sampling.params import SamplingParams
 from loramux.testing import save_tiny_hf_model
 from polling import wait_until, wait_until_async
@@ -34,7 +35,7 @@ def test_stalled_reader_is_cancelled_with_bounded_buffer(long_dir, tokenizer):
     params = SamplingParams(max_tokens=LONG, ignore_eos=True)
 
     async def scenario():
-        stream = engine.generate("slow", "Hello there", params)
+        stream = engine.generate(EngineRequest("slow", "Hello there", params))
         first = await anext(stream)  # ... and then the reader stops reading
         peak = {"outputs": 0}
 
@@ -75,7 +76,7 @@ def test_lagging_reader_gets_coalesced_outputs_with_everything(long_dir, tokeniz
     engine = AsyncEngine(long_engine(long_dir, tokenizer), stalled_reader_timeout_s=600, max_buffered_outputs=3)
 
     async def scenario():
-        stream = engine.generate("lag", "Hello there", params)
+        stream = engine.generate(EngineRequest("lag", "Hello there", params))
         first = await anext(stream)
         peak = {"outputs": 0}
 
@@ -141,7 +142,7 @@ def test_fast_reader_gets_every_token_and_the_same_text(tiny_dir, tokenizer):
     engine = AsyncEngine(make_engine(tiny_dir, tokenizer), stalled_reader_timeout_s=60)
 
     async def read(i):
-        return [out async for out in engine.generate(f"r{i}", prompts[i], params)]
+        return [out async for out in engine.generate(EngineRequest(f"r{i}", prompts[i], params))]
 
     async def scenario():
         return await asyncio.gather(*(read(i) for i in range(len(prompts))))

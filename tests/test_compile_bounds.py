@@ -14,6 +14,7 @@ import threading
 import pytest
 
 from conftest import live_stack, new_tenant_key
+from loramux.engine.request import EngineRequest
 from loramux.engine.sampling.params import SamplingParams, StructuredOutput
 from loramux.engine.structured.grammar import GrammarCache, StructuredOutputError
 
@@ -126,8 +127,8 @@ def test_the_engine_thread_never_compiles_even_for_a_spec_evicted_after_its_chec
     async_engine.compile_structured(spec)  # the server's check
     async_engine.compile_structured(StructuredOutput("choice", json.dumps(["other"])))  # evicts it
     assert len(grammars) == 1
-    outs = asyncio.run(collect(async_engine.generate("evicted", "Go", SamplingParams(structured=spec,
-                                                                                     max_tokens=8))))
+    outs = asyncio.run(collect(async_engine.generate(EngineRequest("evicted", "Go", SamplingParams(
+        structured=spec, max_tokens=8)))))
     assert outs[-1].finished and outs[-1].text in ("north", "south")
     assert "loramux-engine" not in threads.names, threads.names
 
@@ -158,8 +159,8 @@ def test_a_replica_compiles_as_generate_starts_off_its_engine_thread(stack, monk
     threads = ThreadsThatCompile(grammars_of(server), monkeypatch)
 
     def payload(request_id: str, spec: StructuredOutput) -> dict:
-        return {"request_id": request_id, "prompt": "Pick", "params": SamplingParams(structured=spec, max_tokens=8),
-                "priority": 0, "cache_salt": None, "waited_s": 0.0}
+        request = EngineRequest(request_id, "Pick", SamplingParams(structured=spec, max_tokens=8))
+        return {"request": request.to_wire(), "version": None}
 
     good = asyncio.run(collect(replica.generate(payload("r-good", StructuredOutput("regex", "(up|down)")), None)))
     assert good[-1]["output"]["finished"] and good[-1]["output"]["text"] in ("up", "down"), good[-1]

@@ -14,6 +14,7 @@ import torch
 from conftest import make_engine, run_to_completion
 from loramux.adapters.formats.medusa import MedusaHeadsWeights
 from loramux.engine.async_engine import AsyncEngine
+from loramux.engine.request import EngineRequest
 from loramux.engine.sampling.params import SamplingParams
 from loramux.engine.speculation.medusa_device_cache import device_bytes
 from loramux.model.loader import read_model_config
@@ -132,7 +133,7 @@ def test_the_copy_is_made_off_the_engine_thread_and_steps_go_on_meanwhile(tiny_d
     async_engine = AsyncEngine(engine)
 
     async def collect(request_id, prompt, **kwargs):
-        outs = [o async for o in async_engine.generate(request_id, prompt, PARAMS, **kwargs)]
+        outs = [o async for o in async_engine.generate(EngineRequest(request_id, prompt, PARAMS, **kwargs))]
         return outs[-1]
 
     async def scenario():
@@ -166,8 +167,8 @@ def test_a_caller_that_leaves_during_the_copy_gives_the_set_back(tiny_dir, token
     async_engine = AsyncEngine(engine)
 
     async def scenario():
-        task = asyncio.create_task(anext(async_engine.generate("gone", PROMPTS[0], PARAMS,
-                                                               medusa=zero_heads(hidden, "digest-gone"))))
+        task = asyncio.create_task(anext(async_engine.generate(
+            EngineRequest("gone", PROMPTS[0], PARAMS, medusa=zero_heads(hidden, "digest-gone")))))
         assert await asyncio.to_thread(started.wait, 30)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -198,7 +199,7 @@ def test_a_copy_that_fails_runs_the_request_without_heads(tiny_dir, tokenizer, h
     async_engine = AsyncEngine(engine)
 
     async def collect(request_id, prompt, **kwargs):
-        return [o async for o in async_engine.generate(request_id, prompt, PARAMS, **kwargs)][-1]
+        return [o async for o in async_engine.generate(EngineRequest(request_id, prompt, PARAMS, **kwargs))][-1]
 
     try:
         failed = asyncio.run(collect("oom", PROMPTS[0], medusa=zero_heads(hidden, "digest-oom")))

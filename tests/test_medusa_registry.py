@@ -281,9 +281,9 @@ def app_client(database_url, tiny_dir, tokenizer, tmp_path):
                              speculative_methods="medusa", speculative_max_batch=64)
         original = engine.add_request
 
-        def add_request(*args, medusa=None, **kwargs):
-            seen.append(medusa)
-            return original(*args, **kwargs, medusa=medusa)
+        def add_request(request, **kwargs):
+            seen.append(request.medusa)
+            return original(request, **kwargs)
 
         engine.add_request = add_request
         return make_services(tmp_path, engine, admin_key=ADMIN_KEY, database_url=database_url,

@@ -9,6 +9,7 @@ import pytest
 from conftest import live_stack, make_engine, new_tenant_key, server_stats
 from loramux.engine.async_engine import AsyncEngine
 from loramux.engine.engine import RequestError
+from loramux.engine.request import EngineRequest
 from loramux.engine.sampling.params import SamplingParams
 
 
@@ -95,7 +96,8 @@ def test_a_failed_step_tells_each_request_only_about_itself(tiny_dir, tokenizer,
 
     async def run(request_id):
         try:
-            async for _ in engine.generate(request_id, "Hello", SamplingParams(max_tokens=50, ignore_eos=True)):
+            request = EngineRequest(request_id, "Hello", SamplingParams(max_tokens=50, ignore_eos=True))
+            async for _ in engine.generate(request):
                 pass
         except EngineStepError as exc:
             return str(exc)
@@ -118,14 +120,15 @@ def test_async_stream_and_early_exit_abort(tiny_dir, tokenizer):
     async def scenario():
         params = SamplingParams(max_tokens=200, ignore_eos=True)
         got = 0
-        async for _out in engine.generate("a", "Hello", params):
+        async for _out in engine.generate(EngineRequest("a", "Hello", params)):
             got += 1
             if got == 3:
                 break  # the consumer walks away: the request must be aborted
         with pytest.raises(RequestError):
-            async for _ in engine.generate("b", [], params):
+            async for _ in engine.generate(EngineRequest("b", [], params)):
                 pass
-        outs = [o async for o in engine.generate("c", "Hi", SamplingParams(max_tokens=4, ignore_eos=True))]
+        last = EngineRequest("c", "Hi", SamplingParams(max_tokens=4, ignore_eos=True))
+        outs = [o async for o in engine.generate(last)]
         return got, outs
 
     try:

@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from loramux.adapters.formats.medusa import MedusaHeadsWeights
 from loramux.adapters.storage.registry import AdapterVersionInfo
 from loramux.cluster.shared_state import ReplicaDirectory
 from loramux.cluster.wire import Reassembler
 from loramux.engine.async_engine import EngineDeadError
 from loramux.engine.engine import RequestError, RequestOutput
-from loramux.engine.sampling.params import SamplingParams, StructuredOutput
+from loramux.engine.request import EngineRequest
+from loramux.engine.sampling.params import StructuredOutput
 from loramux.engine.structured.compile_pool import CompileLimits
 from loramux.engine.structured.prechecks import check_spec
 from loramux.engine.tokens import TokenizerMethods
@@ -68,21 +67,19 @@ class RemoteEngine(TokenizerMethods):
         self.max_model_len = info["max_model_len"]
 
     # -- generation ------------------------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       priority: int = 0, adapter: RemoteAdapter | None = None,
-                       arrival: float | None = None, cache_salt: str | None = None,
-                       on_abandoned: Callable[[RequestOutput], None] | None = None,
-                       medusa: MedusaHeadsWeights | None = None, tenant: str = "",
-                       share_weight: float = 1.0) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: EngineRequest, on_abandoned: Callable[[RequestOutput], None] | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """As AsyncEngine.generate, on a replica. Each output's `replica` names the replica that made it.
-        `medusa` is not sent: the replicas do not load Medusa heads yet (the ingress passes none)."""
-        payload = {"request_id": request_id, "prompt": prompt, "params": params, "priority": priority,
-                   "tenant": tenant, "share_weight": share_weight,
-                   "version": adapter.version if adapter is not None else None, "cache_salt": cache_salt,
-                   # monotonic clocks are per machine: send how long the request has waited instead
-                   "waited_s": 0.0 if arrival is None else max(0.0, time.monotonic() - arrival)}
+        The payload is the request's wire form (`EngineRequest.to_wire`: its local fields, the adapter and
+        Medusa heads, stay here) and the adapter's `version` (None: the base model), which the replica loads
+        by digest, the key Serve routes the call by. Medusa heads are not sent: the replicas load none yet."""
+        adapter = request.adapter
+        if adapter is not None and not isinstance(adapter, RemoteAdapter):
+            raise TypeError(f"a RemoteEngine request's adapter is a RemoteAdapter, not {type(adapter).__name__}")
+        payload = {"request": request.to_wire(), "version": adapter.version if adapter is not None else None}
         call = self.handle.options(stream=True, multiplexed_model_id=adapter.digest if adapter else "")
         stream = call.generate.remote(payload)
+        request_id = request.request_id
         self._calls[request_id] = stream
         rebuild, finished = Reassembler(), False
         try:

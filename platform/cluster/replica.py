@@ -58,16 +58,16 @@ class EngineReplica:
 
     # -- requests --------------------------------------------------------------------------------------------
     async def generate(self, payload: dict, adapter):
-        """The request's outputs as `to_wire` messages; errors the ingress must see arrive as messages."""
+        """The request's outputs as `to_wire` messages; errors the ingress must see arrive as messages.
+        `payload["request"]`: the EngineRequest's wire form (RemoteEngine.generate), run with `adapter`, the
+        version's LoRAAdapter this replica loaded (None: the base model)."""
         from loramux.engine.async_engine import EngineDeadError
         from loramux.engine.engine import RequestError
+        from loramux.engine.request import EngineRequest
 
-        arrival = time.monotonic() - payload["waited_s"]
-        stream = self.engine.generate(payload["request_id"], payload["prompt"], payload["params"],
-                                      priority=payload["priority"], adapter=adapter, arrival=arrival,
-                                      cache_salt=payload["cache_salt"], tenant=payload.get("tenant", ""),
-                                      share_weight=payload.get("share_weight", 1.0))
-        rid = payload["request_id"]
+        request = EngineRequest.from_wire(payload["request"], adapter=adapter)
+        stream = self.engine.generate(request)
+        rid = request.request_id
         self._sent[rid] = 0
         try:
             async for out in stream:

@@ -28,12 +28,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from loramux.adapters.formats.medusa import MedusaHeadsWeights
-from loramux.adapters.formats.peft import LoRAAdapter
 from loramux.engine.engine import LLMEngine, RequestError, RequestOutput
-from loramux.engine.sampling.params import SamplingParams, StructuredOutput
+from loramux.engine.request import EngineRequest
+from loramux.engine.sampling.params import StructuredOutput
 from loramux.engine.speculation.medusa_heads import MedusaHeads
 from loramux.engine.structured.compile_pool import CompileBusy, CompileLimits
 from loramux.engine.structured.grammar import StructuredOutputError
@@ -53,20 +53,11 @@ class EngineStepError(RuntimeError):
 
 @dataclass
 class _Add:
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
-    priority: int
-    adapter: str | LoRAAdapter | None
-    arrival: float | None
-    cache_salt: str | None
+    request: EngineRequest  # its `medusa`: the prepared device heads (leased), or None
     grammar: object  # params.structured's CompiledGrammar (None: unconstrained)
     loop: asyncio.AbstractEventLoop
     stream: _Stream
     accepted: asyncio.Future
-    medusa: MedusaHeads | None = None  # prepared device heads for the engine's add_request (pinned); None: none
-    tenant: str = ""  # fair share within the priority level
-    share_weight: float = 1.0
 
 
 class _Stream:
@@ -119,33 +110,30 @@ class AsyncEngine(TokenizerMethods):
         return self._stopped
 
     # -- caller side (event loop) ----------------------------------------------------------------
-    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       priority: int = 0, adapter: str | LoRAAdapter | None = None,
-                       arrival: float | None = None, cache_salt: str | None = None,
-                       on_abandoned: Callable[[RequestOutput], None] | None = None,
-                       medusa: MedusaHeadsWeights | None = None, tenant: str = "",
-                       share_weight: float = 1.0) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: EngineRequest, on_abandoned: Callable[[RequestOutput], None] | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs step by step; leaving the loop early aborts the request.
-        `arrival` (time.monotonic()) is when the request reached the server: queue time, TTFT and the
+        `request.arrival` (time.monotonic()) is when the request reached the server: queue time, TTFT and the
         deadline count from it. `on_abandoned(final output)` runs on this event loop if the request is
         aborted because its reader stalled: the reader may be stuck (a client that never reads) and never
         see that final output, but whoever holds resources for the request must still let them go.
         A constrained request's grammar is compiled first (see the module docstring): a spec refused or
         stopped by the compile limits raises RequestError, busy compile workers EngineDeadError (retry).
-        `medusa` (Medusa heads in host RAM) is copied to the device first, off the engine thread (see the module
-        docstring), and goes to the engine's add_request as its `medusa` keyword when it could be placed."""
+        `request.medusa` (Medusa heads in host RAM) is copied to the device first, off the engine thread (see the
+        module docstring), and the engine's add_request gets the request with those heads when they could be
+        placed, else with none."""
         if self._stopped:
             raise EngineDeadError("the engine has stopped")
-        grammar = await self._grammar(params.structured) if params.structured is not None else None
-        heads = await self._medusa(medusa) if medusa is not None else None
+        structured = request.params.structured
+        grammar = await self._grammar(structured) if structured is not None else None
+        heads = await self._medusa(request.medusa) if request.medusa is not None else None
         if self._stopped:
             self._release_heads(heads)
             raise EngineDeadError("the engine has stopped")
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, on_abandoned)
         accepted = loop.create_future()
-        self._post(_Add(request_id, prompt, params, priority, adapter, arrival, cache_salt, grammar, loop, stream,
-                        accepted, medusa=heads, tenant=tenant, share_weight=share_weight))
+        self._post(_Add(replace(request, medusa=heads), grammar, loop, stream, accepted))
         finished = False
         try:
             await accepted  # raises RequestError for a request the engine refuses
@@ -160,7 +148,7 @@ class AsyncEngine(TokenizerMethods):
         finally:
             self._close(stream)
             if not finished:
-                self.abort(request_id)
+                self.abort(request.request_id)
 
     async def _grammar(self, spec: StructuredOutput):
         """`spec`'s CompiledGrammar, compiled off the engine thread and the event loop within the limits."""
@@ -171,9 +159,11 @@ class AsyncEngine(TokenizerMethods):
         except CompileBusy as exc:
             raise EngineDeadError(f"structured output cannot be compiled now ({exc}); retry the request") from None
 
-    async def _medusa(self, weights: MedusaHeadsWeights) -> MedusaHeads | None:
+    async def _medusa(self, weights: MedusaHeadsWeights | MedusaHeads) -> MedusaHeads | None:
         """`weights`' pinned device copy, made (or found cached) on the helper thread; None: the request runs
-        without them. RequestError when they do not fit the model."""
+        without them. RequestError when they do not fit the model. Heads already placed pass as they are."""
+        if isinstance(weights, MedusaHeads):
+            return weights
         heads = self.engine.medusa_device.cached(weights.digest)  # a hit costs no thread hop
         if heads is not None:
             return heads
@@ -319,22 +309,19 @@ class AsyncEngine(TokenizerMethods):
             dead = EngineDeadError("the engine has stopped")
             for item in pending:
                 if isinstance(item, _Add):
-                    self._release_heads(item.medusa)
+                    self._release_heads(item.request.medusa)
                     _post_to(item.loop, _settle, item.accepted, dead)
             self._fail_all(dead)
 
     def _handle(self, item) -> None:
         if isinstance(item, _Add):
             try:
-                self.engine.add_request(item.request_id, item.prompt, item.params, item.priority,
-                                        arrival=item.arrival, adapter=item.adapter, cache_salt=item.cache_salt,
-                                        grammar=item.grammar, tenant=item.tenant, share_weight=item.share_weight,
-                                        **({"medusa": item.medusa} if item.medusa is not None else {}))
+                self.engine.add_request(item.request, grammar=item.grammar)
             except Exception as exc:  # noqa: BLE001 - a refused request (RequestError) or a bug: its caller gets it
-                self._release_heads(item.medusa)  # a refused request never took its heads' pin over
+                self._release_heads(item.request.medusa)  # a refused request never took its heads' pin over
                 _post_to(item.loop, _settle, item.accepted, exc)
                 return
-            self._streams[item.request_id] = item.stream
+            self._streams[item.request.request_id] = item.stream
             _post_to(item.loop, _settle, item.accepted, None)
         elif item[0] == "evict":
             self.engine.evict_adapter(item[1])

@@ -7,13 +7,11 @@ nothing else on `Services.engine`, so either serves them unchanged. No torch her
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from loramux.engine.outputs import RequestOutput
-from loramux.engine.sampling.params import SamplingParams, StructuredOutput
-
-if TYPE_CHECKING:  # it imports torch
-    from loramux.adapters.formats.medusa import MedusaHeadsWeights
+from loramux.engine.request import EngineRequest
+from loramux.engine.sampling.params import StructuredOutput
 
 __all__ = ["EngineClient"]
 
@@ -21,23 +19,16 @@ __all__ = ["EngineClient"]
 @runtime_checkable
 class EngineClient(Protocol):
     # -- generation --------------------------------------------------------------------------------------
-    def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                 priority: int = 0, adapter: Any = None, arrival: float | None = None,
-                 cache_salt: str | None = None, on_abandoned: Callable[[RequestOutput], None] | None = None,
-                 medusa: MedusaHeadsWeights | None = None, tenant: str = "",
-                 share_weight: float = 1.0) -> AsyncIterator[RequestOutput]:
+    def generate(self, request: EngineRequest, on_abandoned: Callable[[RequestOutput], None] | None = None
+                 ) -> AsyncIterator[RequestOutput]:
         """Run one request; an async generator of its outputs step by step, the last one `finished`.
 
-        `adapter`: None for the base model, else what the adapter cache's lease holds for this engine (a
-        LoRAAdapter in host RAM; a RemoteAdapter on a cluster). `priority`: larger runs first (the tenant's
-        tier). `arrival` (time.monotonic()): when the request reached the server; queue time, TTFT and the
-        deadline (`params.timeout_s`) count from it. `cache_salt` namespaces its prefix-cache blocks (the
-        tenant, when tenants must not share them). `on_abandoned(final output)` runs on the caller's event
-        loop if the engine aborts the request because its reader stalled, so whoever holds resources for it
-        can let them go even if the reader never reads again. `medusa`: the Medusa heads the registry holds
-        for the request's adapter version (else the base model's), validated for this model, in host RAM;
-        None when there are none. Callers pass it only when they have heads. `tenant` and `share_weight`
-        (its tier's): whose request, for the fair share between the tenants of one priority level.
+        `request` (see EngineRequest): its `adapter` is None for the base model, else what the adapter cache's
+        lease holds for this engine (a LoRAAdapter in host RAM; a RemoteAdapter on a cluster); its `medusa` the
+        Medusa heads the registry holds for the request's adapter version (else the base model's), validated
+        for this model, in host RAM, or None when there are none. `on_abandoned(final output)` runs on the
+        caller's event loop if the engine aborts the request because its reader stalled, so whoever holds
+        resources for it can let them go even if the reader never reads again.
 
         Raises RequestError (the engine can never run it: HTTP 400) before the first output, or
         EngineDeadError (the engine, or its replica, stopped: retriable). Leaving the loop early (or

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -12,6 +13,7 @@ from loramux.adapters.residency.locations import LOADING, RESIDENT, AdapterResid
 from loramux.engine.config import EngineConfig
 from loramux.engine.model_runner import ModelRunner, StepLogits
 from loramux.engine.outputs import RequestError, RequestOutput, SoFar
+from loramux.engine.request import EngineRequest
 from loramux.engine.request_checks import check_prompt, check_servable, resolve_adapter
 from loramux.engine.sampling.detokenizer import IncrementalDetokenizer
 from loramux.engine.sampling.params import SamplingParams, StructuredOutput
@@ -189,34 +191,38 @@ class LLMEngine:
         return chat_template_ids(self.tokenizer, messages, tools)
 
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    priority: int = 0, arrival: float | None = None,
-                    adapter: str | LoRAAdapter | None = None, cache_salt: str | None = None,
-                    grammar=None, medusa: MedusaHeadsWeights | MedusaHeads | None = None, tenant: str = "",
-                    share_weight: float = 1.0) -> Sequence:
-        """Queue a request for the base model or an adapter: a registered name, or an adapter object the
-        caller holds in host RAM until the request finishes. `cache_salt` namespaces its prefix-cache
-        blocks (the tenant, when tenants must not share them). `grammar`: the CompiledGrammar of
-        `params.structured`, compiled by the caller (AsyncEngine, off this thread) and pinned by the
-        request until it ends; without it the spec is compiled here. `medusa`: the request's own Medusa heads
-        (its adapter version's), else the engine's: heads from `prepare_medusa` (the request takes their pin over
-        when add_request returns; the caller keeps it when it raises), or weights, whose device copy is used
-        only if it is cached (never made here, on the step thread: without it the request runs without them).
-        `tenant` and `share_weight`: whose request, for the fair share within its priority level.
-        Raise RequestError when it can never run."""
-        params = params or SamplingParams()
+    def add_request(self, request: EngineRequest | str, prompt: str | list[int] | None = None,
+                    params: SamplingParams | None = None, *, grammar=None, **fields: Any) -> Sequence:
+        """Queue `request` (see EngineRequest) for the base model or an adapter: a registered name, or an
+        adapter object the caller holds in host RAM until the request finishes. `grammar`: the CompiledGrammar
+        of `request.params.structured`, compiled by the caller (AsyncEngine, off this thread) and pinned by the
+        request until it ends; without it the spec is compiled here. `request.medusa`: the request's own Medusa
+        heads (its adapter version's), else the engine's: heads from `prepare_medusa` (the request takes their
+        lease over when add_request returns; the caller keeps it when it raises), or weights, whose device copy is
+        used only if it is cached (never made here, on the step thread: without it the request runs without
+        them). Raise RequestError when it can never run.
+
+        The short form for scripts and tests, `add_request(request_id, prompt, params, **fields)` with the other
+        EngineRequest fields by name, builds the EngineRequest."""
+        if isinstance(request, str):
+            if prompt is None:
+                raise TypeError("add_request(request_id, prompt, ...) needs the prompt")
+            request = EngineRequest(request, prompt, params or SamplingParams(), **fields)
+        elif prompt is not None or params is not None or fields:
+            raise TypeError("add_request(EngineRequest) takes no other request fields")
+        request_id, params, adapter = request.request_id, request.params, request.adapter
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         lora = resolve_adapter(adapter, self.adapters, self.config.max_lora_rank)
-        if isinstance(adapter, LoRAAdapter):
-            adapter = adapter.name
+        adapter_name = adapter if adapter is None or isinstance(adapter, str) else adapter.name
         # Raw text gets the tokenizer's own special tokens (e.g. BOS for Llama), as HF's tokenizer(text) does.
+        prompt = request.prompt
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         check_prompt(ids, params, self.model.config.vocab_size, self.max_model_len, self.block_manager)
-        seq = Sequence(request_id, ids, params, priority=priority, adapter=lora.digest if lora else None,
-                       tenant=tenant, share_weight=share_weight,
-                       cache_salt=f"{lora.digest if lora else 'base'}|{cache_salt or ''}",
-                       **({"arrival": arrival} if arrival is not None else {}))
+        seq = Sequence(request_id, ids, params, priority=request.priority, adapter=lora.digest if lora else None,
+                       tenant=request.tenant, share_weight=request.share_weight,
+                       cache_salt=f"{lora.digest if lora else 'base'}|{request.cache_salt or ''}",
+                       **({"arrival": request.arrival} if request.arrival is not None else {}))
         if self.long_rope_after is not None and len(ids) > self.long_rope_after:
             # LongRoPE computes a prompt past the original context with the long factors throughout (as HF
             # does): its blocks never mix with those of a shorter prompt, computed with the short ones.
@@ -230,8 +236,8 @@ class LLMEngine:
             raise RequestError(str(exc)) from None
         stop_ids |= constraint.stop_token_ids if constraint else frozenset()
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
-        heads = self._hold_medusa(medusa) if medusa is not None else None
-        self.requests[request_id] = _Request(seq, detok, generator, stop_ids, adapter_name=adapter,
+        heads = self._hold_medusa(request.medusa) if request.medusa is not None else None
+        self.requests[request_id] = _Request(seq, detok, generator, stop_ids, adapter_name=adapter_name,
                                              constraint=constraint, medusa=heads)
         # The prompt's last row gives the first Medusa proposals (the step decides again once it decodes).
         seq.medusa_wanted = (params.speculative and self.config.speculative_tokens > 0
@@ -424,7 +430,7 @@ class LLMEngine:
         ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
         try:
             for rid, prompt, p in zip(ids, prompts, params_list):
-                self.add_request(rid, prompt, p)
+                self.add_request(EngineRequest(rid, prompt, p))
         except RequestError:
             for rid in ids:
                 self.abort_request(rid)

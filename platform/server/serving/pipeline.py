@@ -30,6 +30,7 @@ from loramux.adapters.storage.registry import BASE_MODEL_ALIAS
 from loramux.billing.usage import RequestRecord
 from loramux.engine.factory import device_and_dtype
 from loramux.engine.outputs import RequestError, RequestOutput
+from loramux.engine.request import EngineRequest
 from loramux.engine.sampling.params import SamplingParams, StructuredOutput
 from loramux.server.http.errors import ApiError
 from loramux.server.http.logs import request_id_var
@@ -181,16 +182,16 @@ class Server:
             # The version's Medusa heads (else the base model's) in host RAM, or None: never a refusal.
             heads = await heads_for_request(self.services, version,
                                             arrival + admitted.timeout_s - time.monotonic())
-            speculators = {"medusa": heads} if heads is not None else {}
             engine, placement = self.services.engine, self._placement(tenant)
             served = lease.adapter if lease else None  # the composite's, or the adapter's
 
             def generate(i: int) -> AsyncIterator[RequestOutput]:
                 own = params if i == 0 or params.seed is None else \
                     dataclasses.replace(params, seed=(params.seed + i) % SEED_LIMIT)
-                stream = engine.generate(ids[i], prompt_ids, own, adapter=served, arrival=arrival, **placement,
-                                         on_abandoned=lambda out: started and self._abandon(started[0], i, out),
-                                         **speculators)
+                request = EngineRequest(ids[i], prompt_ids, own, adapter=served, arrival=arrival, medusa=heads,
+                                        **placement)
+                stream = engine.generate(request,
+                                         on_abandoned=lambda out: started and self._abandon(started[0], i, out))
                 streams.append(stream)
                 return stream
 
@@ -242,10 +243,10 @@ class Server:
 
             def generate(i: int) -> AsyncIterator[RequestOutput]:
                 lease = parts[i].lease
-                stream = engine.generate(ids[i], prompt_ids, params, adapter=lease.adapter if lease else None,
-                                         arrival=arrival, **placement,
-                                         on_abandoned=lambda out: started and self._abandon(started[0], i, out),
-                                         **({"medusa": heads[i]} if heads[i] is not None else {}))
+                request = EngineRequest(ids[i], prompt_ids, params, adapter=lease.adapter if lease else None,
+                                        arrival=arrival, medusa=heads[i], **placement)
+                stream = engine.generate(request,
+                                         on_abandoned=lambda out: started and self._abandon(started[0], i, out))
                 streams.append(stream)
                 return stream
 
