@@ -375,6 +375,7 @@ def test_a_request_whose_stream_never_starts_is_still_cleaned_up(small):
 
     from loramux.engine.sampling.params import SamplingParams
     from loramux.server.routes.responses import RunningStreamingResponse
+    from loramux.server.serving.pipeline import Target
 
     server, keys = small
     services, front = server.services, server.app.state.server
@@ -383,8 +384,8 @@ def test_a_request_whose_stream_never_starts_is_still_cleaned_up(small):
     async def scenario():
         ids = services.engine.engine.tokenizer.encode("Count:")
         admitted = await front.admit(tenant, None, len(ids) + 500, time.monotonic())
-        running = await front.launch(admitted, "tuned", ids, SamplingParams(max_tokens=500, ignore_eos=True),
-                                     "never-read")
+        running = await front.launch(admitted, Target("tuned"), ids,
+                                     SamplingParams(max_tokens=500, ignore_eos=True), "never-read")
         assert front.limiter.in_flight(tenant.tenant_id) == 1
 
         async def body():

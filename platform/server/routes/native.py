@@ -14,6 +14,7 @@ from loramux.engine.outputs import RequestOutput
 from loramux.server.deps import ServerDep, ServicesDep, TenantDep
 from loramux.server.http.sse import DONE, STREAMED, sse_event
 from loramux.server.intake.body_prechecks import PrecheckedRoute
+from loramux.server.intake.generation import Intake, RouteDefaults
 from loramux.server.intake.params import ChatMessage, GenerationParams
 from loramux.server.intake.prompts import Prompt
 from loramux.server.intake.response_format import MAX_CHOICES, ResponseFormat, from_native
@@ -23,8 +24,7 @@ from loramux.server.serving.running import Running
 
 router = APIRouter(tags=["native"], route_class=PrecheckedRoute)
 
-DEFAULT_TEMPERATURE = 0.0  # the native API is greedy unless asked otherwise
-DEFAULT_MAX_TOKENS = 256
+DEFAULTS = RouteDefaults("gen", max_tokens=256, temperature=0.0)  # greedy unless asked otherwise
 
 
 class GenerateRequest(GenerationParams):
@@ -84,10 +84,9 @@ async def generate(body: GenerateRequest, request: Request, tenant: TenantDep, s
     prompt = (Prompt(text=body.prompt) if body.prompt is not None
               else Prompt(messages=template_messages(body.messages, native=False)))
     structured = from_native(body.response_format, body.regex, body.choice)
-    running = await server.start_generation(
-        tenant, body.adapter_id, prompt, body, arrival, id_prefix="gen", max_tokens=body.max_tokens,
-        default_max_tokens=DEFAULT_MAX_TOKENS, default_temperature=DEFAULT_TEMPERATURE,
-        sampling={"structured": structured}, constraints=[(structured, None)])
+    running = await server.start_generation(tenant, Intake(
+        body.adapter_id, prompt, body, arrival, DEFAULTS, max_tokens=body.max_tokens,
+        sampling={"structured": structured}, constraints=[(structured, None)]))
 
     def final(outs: list[RequestOutput]) -> JSONResponse:
         return JSONResponse(_final_body(running, outs[0]), headers=running.headers())

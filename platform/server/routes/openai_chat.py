@@ -14,6 +14,7 @@ from loramux.server.deps import ServerDep, ServicesDep, TenantDep
 from loramux.server.http.errors import ApiError
 from loramux.server.http.sse import DONE, STREAMED, sse_event
 from loramux.server.intake.body_prechecks import PrecheckedRoute
+from loramux.server.intake.generation import Intake, RouteDefaults
 from loramux.server.intake.params import ChatMessage
 from loramux.server.intake.prompts import Prompt, renders_tools
 from loramux.server.intake.response_format import ResponseFormat, from_response_format
@@ -44,7 +45,8 @@ from loramux.tenancy.tenants import TierInfo
 
 router = APIRouter(route_class=PrecheckedRoute)
 
-DEFAULT_MAX_TOKENS = 1024  # when the client gives none (capped by the room left in the context)
+# max_tokens when the client gives none (capped by the room left in the context)
+DEFAULTS = RouteDefaults("chatcmpl", max_tokens=1024, temperature=DEFAULT_TEMPERATURE)
 # Fields OpenAI has that this server refuses (400), with what to do instead; never silently ignored.
 REFUSED = {"functions": "use `tools`", "function_call": "use `tool_choice`",
            "audio": "this model writes text only", "prediction": "send the request without it",
@@ -112,12 +114,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servic
         constraints = [(calls, "tools' parameters schema")]
         structured = calls if plan.forced else None
     top = (body.top_logprobs or 0) if body.logprobs else 0
-    running = await server.start_generation(
-        tenant, body.model, prompt, body, arrival, id_prefix="chatcmpl",
-        max_tokens=body.max_completion_tokens or body.max_tokens, default_max_tokens=DEFAULT_MAX_TOKENS,
-        default_temperature=DEFAULT_TEMPERATURE, n=body.n, sampling={"structured": structured, "top_logprobs": top},
-        logprobs_per_token=logprobs_in_one_answer(body.logprobs, top, body.stream),
-        constraints=constraints, models=body.models)
+    running = await server.start_generation(tenant, Intake(
+        body.model, prompt, body, arrival, DEFAULTS, max_tokens=body.max_completion_tokens or body.max_tokens,
+        n=body.n, sampling={"structured": structured, "top_logprobs": top},
+        logprobs_per_token=logprobs_in_one_answer(body.logprobs, top, body.stream), constraints=constraints,
+        models=body.models))
 
     def choice(index: int, out: RequestOutput) -> dict:
         calls = parse_calls(out.text, plan) if plan is not None and out.finish_reason == "stop" else None

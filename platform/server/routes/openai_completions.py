@@ -13,6 +13,7 @@ from loramux.server.deps import ServerDep, ServicesDep, TenantDep
 from loramux.server.http.errors import ApiError
 from loramux.server.http.sse import DONE, STREAMED, sse_event
 from loramux.server.intake.body_prechecks import PrecheckedRoute
+from loramux.server.intake.generation import Intake, RouteDefaults
 from loramux.server.intake.params import MAX_TOP_LOGPROBS
 from loramux.server.intake.prompts import Prompt, decode
 from loramux.server.intake.response_format import ResponseFormat, from_response_format
@@ -33,7 +34,7 @@ from loramux.server.serving.running import Running
 
 router = APIRouter(route_class=PrecheckedRoute)
 
-DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DEFAULTS = RouteDefaults("cmpl", max_tokens=16, temperature=DEFAULT_TEMPERATURE)  # max_tokens: OpenAI's default
 
 
 class CompletionRequest(OpenAIParams):
@@ -84,11 +85,10 @@ async def completions(body: CompletionRequest, request: Request, services: Servi
     structured = from_response_format(body.response_format)
     engine = services.engine
     want_logprobs, k = body.logprobs is not None, body.logprobs or 0
-    running = await server.start_generation(
-        tenant, body.model, prompt, body, arrival, id_prefix="cmpl", max_tokens=body.max_tokens,
-        default_max_tokens=DEFAULT_MAX_TOKENS, default_temperature=DEFAULT_TEMPERATURE, n=body.n,
+    running = await server.start_generation(tenant, Intake(
+        body.model, prompt, body, arrival, DEFAULTS, max_tokens=body.max_tokens, n=body.n,
         sampling={"structured": structured, "top_logprobs": k}, constraints=[(structured, None)],
-        logprobs_per_token=logprobs_in_one_answer(want_logprobs, k, body.stream), models=body.models)
+        logprobs_per_token=logprobs_in_one_answer(want_logprobs, k, body.stream), models=body.models))
     echo = _Echo(engine, prompt, running, body.logprobs) if body.echo else None
     before = len(echo.text) if echo else 0  # characters ahead of the generated text
 
