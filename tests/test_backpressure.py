@@ -244,7 +244,7 @@ def test_a_client_that_never_reads_a_4000_token_stream_is_cancelled_and_billed(l
         assert stats["buffered_outputs"] <= services.engine.max_buffered_outputs + 1
         (record,) = records
         assert record.outcome == "cancelled" and 0 < record.completion_tokens < LONG
-        assert app.state.server.limiter.in_flight(record.tenant_id) == 0  # its concurrency slot came back
+        assert app.state.pipeline.limiter.in_flight(record.tenant_id) == 0  # its concurrency slot came back
         resp = client.post("/v1/completions", headers={"Authorization": f"Bearer {key}"},
                            json={"model": "base", "prompt": "hi", "max_tokens": 2})
         assert resp.status_code == 200, resp.text

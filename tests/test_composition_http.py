@@ -109,7 +109,7 @@ def test_concurrent_compositions_and_plain_adapters_equal_peft(stack, peft_case,
         assert record.composition == [{"adapter_id": versions[a].adapter_id, "version": 1,
                                        "digest": versions[a].digest, "weight": w} for a, w in COMPOSITIONS[name]]
     # Each composition was built once, however many of its requests came at once; nothing stays leased.
-    assert server.app.state.server.compositions.builds == 3
+    assert server.app.state.pipeline.compositions.builds == 3
     wait_until(lambda: _no_leases(server), "every host-RAM lease to be given back")
 
 
@@ -210,7 +210,7 @@ def _register_scaled_tone(server, peft_case, path, name: str, which: str, factor
 
 def test_a_composition_is_built_once_and_a_new_version_makes_a_new_one(stack, peft_case, tmp_path):
     server, _, _ = stack
-    compositions = server.app.state.server.compositions
+    compositions = server.app.state.pipeline.compositions
     c = client(stack)
     weights = [{"model": "tone", "weight": 0.25}, {"model": "style", "weight": 0.75}]
 
@@ -266,7 +266,7 @@ def test_a_composite_beyond_what_the_adapter_pools_dtype_holds_is_a_400_naming_t
 
     server, _, records = stack
     _register_scaled_tone(server, peft_case, tmp_path / "loud", "loud", "lora_A", 100.0)
-    monkeypatch.setattr(server.app.state.server, "adapter_dtype", torch.float16)
+    monkeypatch.setattr(server.app.state.pipeline, "adapter_dtype", torch.float16)
     before = len(records)
     resp = _post(stack, {**BASE, "adapters": [{"model": "loud", "weight": 1000}]})
     assert resp.status_code == 400, resp.text

@@ -275,7 +275,7 @@ def test_an_adapter_the_tenant_cannot_see_is_a_404_naming_it_with_nothing_held(s
                                        "models": ["ad0", versions["ad0"].adapter_id]})
     assert resp.status_code == 400 and "are the same adapter version" in resp.json()["error"]["message"]
     assert len(records) == before  # no ledger rows for a refused call
-    assert leases_held(server) == 0 and server.app.state.server.limiter.in_flight(tenant.tenant_id) == 0
+    assert leases_held(server) == 0 and server.app.state.pipeline.limiter.in_flight(tenant.tenant_id) == 0
     assert engine_is_idle(server)
 
 

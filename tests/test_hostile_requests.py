@@ -114,7 +114,7 @@ def test_n_choices_are_charged_n_times_max_tokens_and_hold_n_concurrency_slots(s
     # 3 x 150 tokens can never fit 400 tokens a minute: a 400 naming the limit, not a free pass.
     refused = client.post("/v1/completions", json={**body, "n": 3}, headers=headers)
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "request_too_large", refused.text
-    limiter = client.app.state.server.limiter
+    limiter = client.app.state.pipeline.limiter
     tenant_id = services.tenancy.tenant("tight-co").id
     assert limiter.in_flight(tenant_id) == 0
     # Concurrency counts sequences: a request of n=3 takes all 3 slots of the tier while it runs.
@@ -229,7 +229,7 @@ _PART = {"type": "text", "text": "hi"}
 def test_a_list_over_its_count_limit_is_a_400_naming_field_and_setting_before_the_limiter(
         limited, monkeypatch, route, extra, param, setting):
     client, _ = limited
-    limiter = client.app.state.server.limiter
+    limiter = client.app.state.pipeline.limiter
     monkeypatch.setattr(limiter, "admit", lambda *a, **k: pytest.fail("the limiter was asked"))
     body = {"model": MODEL, "max_tokens": 1, **({"messages": [_HI]} if route != "/v1/completions" else {}), **extra}
     answer = client.post(route, json=body)
@@ -674,7 +674,7 @@ def test_a_flood_of_distinct_compositions_stays_in_the_host_budget_and_starves_n
     server, keys = composition_flood
     services = server.services
     host = services.adapter_cache.host
-    compositions = server.app.state.server.compositions
+    compositions = server.app.state.pipeline.compositions
     headers = {name: {"Authorization": f"Bearer {key}"} for name, key in keys.items()}
     plain = {"model": MODEL, "prompt": "Hello there", "max_tokens": 4, "temperature": 0}
 

@@ -195,7 +195,7 @@ def test_oversized_prompts_hit_the_rate_limiter_and_never_the_tokenizer(stack, m
     assert statuses[:60] == [400] * 60  # the first minute's worth, then 429s
     assert text_encoder.calls == 0 and chat_encoder.calls == 0
     # Every refusal gave its admission back: nothing is in flight.
-    front = server.app.state.server
+    front = server.app.state.pipeline
     assert front.limiter.in_flight(services.tenancy.authenticate(key).tenant_id) == 0
     # The counters do see tokenization: a prompt that fits is tokenized once and served.
     other = new_tenant_key(services, "fits-co", "free")
@@ -211,7 +211,7 @@ def test_a_prompt_under_the_bound_but_over_the_context_is_still_refused(stack):
     resp = httpx.post(f"{server.url}/v1/completions", json={"model": "base", "prompt": prompt, "max_tokens": 2},
                       headers={"Authorization": f"Bearer {keys['premium']}"}, timeout=60)
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "context_length_exceeded", resp.text
-    front, services = server.app.state.server, server.services
+    front, services = server.app.state.pipeline, server.services
     assert front.limiter.in_flight(services.tenancy.authenticate(keys["premium"]).tenant_id) == 0
 
 
@@ -227,7 +227,7 @@ def test_a_failed_tokenization_gives_its_admission_back(stack, monkeypatch):
     resp = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, headers={"Authorization": f"Bearer {key}"},
                       json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert resp.status_code == 400 and "chat template" in resp.text
-    assert server.app.state.server.limiter.in_flight(services.tenancy.authenticate(key).tenant_id) == 0
+    assert server.app.state.pipeline.limiter.in_flight(services.tenancy.authenticate(key).tenant_id) == 0
 
 
 DEEP = 100_000  # deeper than any recursive parser or validator survives; the bodies stay under the 128 KiB cap

@@ -378,7 +378,7 @@ def test_a_request_whose_stream_never_starts_is_still_cleaned_up(small):
     from loramux.server.serving.pipeline import Target
 
     server, keys = small
-    services, front = server.services, server.app.state.server
+    services, front = server.services, server.app.state.pipeline
     tenant = services.tenancy.authenticate(keys["standard"])
 
     async def scenario():

@@ -9,7 +9,7 @@ from pydantic import Field
 
 from loramux.admin.routes.schemas import Price, PriceList
 from loramux.billing.pricing import PriceInfo
-from loramux.server.deps import ServerDep, ServicesDep
+from loramux.server.deps import PipelineDep, ServicesDep
 from loramux.server.http.bodies import RequestBody
 from loramux.services import prices as ops
 
@@ -27,8 +27,8 @@ class PriceBody(RequestBody):
 
 
 @router.post("", status_code=201, response_model=Price)
-def set_price(body: PriceBody, services: ServicesDep, server: ServerDep) -> PriceInfo:
-    return ops.set_price(services, body.base_model or server.model_id, body.input_per_mtok,
+def set_price(body: PriceBody, services: ServicesDep, pipeline: PipelineDep) -> PriceInfo:
+    return ops.set_price(services, body.base_model or pipeline.model_id, body.input_per_mtok,
                          body.cached_input_per_mtok, body.output_per_mtok, adapter_id=body.adapter_id,
                          tier=body.tier, effective_from=body.effective_from)
 

@@ -29,7 +29,7 @@ from loramux.server.http.ingress import OPEN_PATHS, Ingress
 from loramux.server.http.metrics_auth import scrape_allowed
 from loramux.server.routes import native, openai_api
 from loramux.server.serving.metrics import ServerMetrics
-from loramux.server.serving.pipeline import Server
+from loramux.server.serving.pipeline import RequestPipeline
 from loramux.tenancy.rate_limits import RateLimiter
 
 
@@ -60,11 +60,12 @@ def create_app(services_factory, ledger_hooks: list | None = None, limiter_facto
         app.state.trusted_proxies = parse_trusted_proxies(services.settings.trusted_proxies)
         app.state.auth_failures = AuthFailureLimiter(services.settings.auth_failures_per_min)
         hooks = [services.ledger.submit, *(ledger_hooks or [])]
-        app.state.server = Server(services, limiter_factory(), metrics, hooks, base_model_id(services.settings.model))
+        app.state.pipeline = RequestPipeline(services, limiter_factory(), metrics, hooks,
+                                             base_model_id(services.settings.model))
         try:
             yield
         finally:
-            app.state.server.compositions.shutdown()
+            app.state.pipeline.compositions.shutdown()
             services.shutdown()
 
     app = FastAPI(title="loramux", version="0.1.0", lifespan=lifespan,

@@ -8,7 +8,7 @@ from fastapi.security import HTTPBearer
 
 from loramux.server.http.caller_deps import caller_dependency
 from loramux.server.http.ingress import TENANT_KEYS
-from loramux.server.serving.pipeline import Server
+from loramux.server.serving.pipeline import RequestPipeline
 from loramux.services.container import Services
 from loramux.tenancy.tenants import TenantContext
 
@@ -19,12 +19,12 @@ def get_services(request: Request) -> Services:
     return request.app.state.services
 
 
-def get_server(request: Request) -> Server:
-    return request.app.state.server
+def get_pipeline(request: Request) -> RequestPipeline:
+    return request.app.state.pipeline
 
 
 get_tenant = caller_dependency(TENANT_KEYS, _bearer)  # the calling tenant, from its API key
 
 ServicesDep = Annotated[Services, Depends(get_services)]
-ServerDep = Annotated[Server, Depends(get_server)]
+PipelineDep = Annotated[RequestPipeline, Depends(get_pipeline)]
 TenantDep = Annotated[TenantContext, Depends(get_tenant)]

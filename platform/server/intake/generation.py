@@ -1,4 +1,4 @@
-"""`Intake`: a route's generation request as `Server.start_generation` takes it, with the route's
+"""`Intake`: a route's generation request as `RequestPipeline.start_generation` takes it, with the route's
 defaults (`RouteDefaults`). The route has parsed the body and built the prompt; nothing is tokenized yet."""
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from pydantic import AliasChoices, Field, model_validator
 
 from loramux.engine.outputs import RequestOutput
-from loramux.server.deps import ServerDep, ServicesDep, TenantDep
+from loramux.server.deps import PipelineDep, ServicesDep, TenantDep
 from loramux.server.http.sse import DONE, STREAMED, sse_event
 from loramux.server.intake.body_prechecks import PrecheckedRoute
 from loramux.server.intake.generation import Intake, RouteDefaults
@@ -78,13 +78,13 @@ async def adapters(services: ServicesDep, tenant: TenantDep) -> dict:
 
 
 @router.post("/generate", responses=STREAMED)
-async def generate(body: GenerateRequest, request: Request, tenant: TenantDep, server: ServerDep):
+async def generate(body: GenerateRequest, request: Request, tenant: TenantDep, pipeline: PipelineDep):
     arrival = time.monotonic()
-    # Tokenized once admitted (see Server.start_generation).
+    # Tokenized once admitted (see RequestPipeline.start_generation).
     prompt = (Prompt(text=body.prompt) if body.prompt is not None
               else Prompt(messages=template_messages(body.messages, native=False)))
     structured = from_native(body.response_format, body.regex, body.choice)
-    running = await server.start_generation(tenant, Intake(
+    running = await pipeline.start_generation(tenant, Intake(
         body.adapter_id, prompt, body, arrival, DEFAULTS, max_tokens=body.max_tokens,
         sampling={"structured": structured}, constraints=[(structured, None)]))
 

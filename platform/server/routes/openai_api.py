@@ -13,24 +13,24 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.concurrency import run_in_threadpool
 
-from loramux.server.deps import ServerDep, ServicesDep, TenantDep
+from loramux.server.deps import PipelineDep, ServicesDep, TenantDep
 from loramux.server.routes import openai_chat, openai_completions
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
 
 @router.get("/models")
-async def list_models(services: ServicesDep, tenant: TenantDep, server: ServerDep) -> dict:
+async def list_models(services: ServicesDep, tenant: TenantDep, pipeline: PipelineDep) -> dict:
     """The base model and every adapter this tenant may use (its own, then other tenants' public ones)."""
     versions = await run_in_threadpool(services.registry.list, tenant.tenant_id)
     owners = {}
     for v in versions:
         if v.tenant_id != tenant.tenant_id and v.tenant_id not in owners:
             owners[v.tenant_id] = (await run_in_threadpool(services.tenancy.tenant, v.tenant_id)).name
-    data = [{"id": server.model_id, "object": "model", "created": 0, "owned_by": "loramux"}]
+    data = [{"id": pipeline.model_id, "object": "model", "created": 0, "owned_by": "loramux"}]
     data += [{"id": v.name if v.tenant_id == tenant.tenant_id else f"{owners[v.tenant_id]}/{v.name}",
               "object": "model", "created": int(v.created_at.timestamp()),
-              "owned_by": "you" if v.tenant_id == tenant.tenant_id else "public", "parent": server.model_id,
+              "owned_by": "you" if v.tenant_id == tenant.tenant_id else "public", "parent": pipeline.model_id,
               "loramux": {"adapter_id": v.adapter_id, "version": v.version, "rank": v.rank,
                           "target_modules": list(v.target_modules)}} for v in versions]
     return {"object": "list", "data": data}

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 from pydantic import Field
 
 from loramux.engine.outputs import RequestOutput
-from loramux.server.deps import ServerDep, ServicesDep, TenantDep
+from loramux.server.deps import PipelineDep, ServicesDep, TenantDep
 from loramux.server.http.errors import ApiError
 from loramux.server.http.sse import DONE, STREAMED, sse_event
 from loramux.server.intake.body_prechecks import PrecheckedRoute
@@ -97,7 +97,7 @@ def _prompt(body: ChatCompletionRequest, plan: ToolPlan | None, engine) -> Promp
 
 @router.post("/chat/completions", responses=STREAMED)
 async def chat_completions(body: ChatCompletionRequest, request: Request, services: ServicesDep, tenant: TenantDep,
-                           server: ServerDep):
+                           pipeline: PipelineDep):
     arrival = time.monotonic()
     _check(body, tenant.tier, services.settings.max_n)
     plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
@@ -114,7 +114,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servic
         constraints = [(calls, "tools' parameters schema")]
         structured = calls if plan.forced else None
     top = (body.top_logprobs or 0) if body.logprobs else 0
-    running = await server.start_generation(tenant, Intake(
+    running = await pipeline.start_generation(tenant, Intake(
         body.model, prompt, body, arrival, DEFAULTS, max_tokens=body.max_completion_tokens or body.max_tokens,
         n=body.n, sampling={"structured": structured, "top_logprobs": top},
         logprobs_per_token=logprobs_in_one_answer(body.logprobs, top, body.stream), constraints=constraints,

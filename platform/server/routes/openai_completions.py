@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse
 from pydantic import Field
 
 from loramux.engine.outputs import RequestOutput
-from loramux.server.deps import ServerDep, ServicesDep, TenantDep
+from loramux.server.deps import PipelineDep, ServicesDep, TenantDep
 from loramux.server.http.errors import ApiError
 from loramux.server.http.sse import DONE, STREAMED, sse_event
 from loramux.server.intake.body_prechecks import PrecheckedRoute
@@ -78,14 +78,14 @@ class _Echo:
 
 @router.post("/completions", responses=STREAMED)
 async def completions(body: CompletionRequest, request: Request, services: ServicesDep, tenant: TenantDep,
-                      server: ServerDep):
+                      pipeline: PipelineDep):
     arrival = time.monotonic()
     check_n(body.n, tenant.tier, services.settings.max_n)
     prompt = _prompt(body)
     structured = from_response_format(body.response_format)
     engine = services.engine
     want_logprobs, k = body.logprobs is not None, body.logprobs or 0
-    running = await server.start_generation(tenant, Intake(
+    running = await pipeline.start_generation(tenant, Intake(
         body.model, prompt, body, arrival, DEFAULTS, max_tokens=body.max_tokens, n=body.n,
         sampling={"structured": structured, "top_logprobs": k}, constraints=[(structured, None)],
         logprobs_per_token=logprobs_in_one_answer(want_logprobs, k, body.stream), models=body.models))

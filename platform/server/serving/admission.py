@@ -20,8 +20,9 @@ if TYPE_CHECKING:
 
 @dataclass
 class Admitted:
-    """A request past `Server.admit`: its timeout and its rate-limit admission, held until `Server.launch`
-    hands them to the running request or `release` gives them back (a second release does nothing)."""
+    """A request past `RequestPipeline.admit`: its timeout and its rate-limit admission, held until
+    `RequestPipeline.launch` hands them to the running request or `release` gives them back (a second release
+    does nothing)."""
 
     tenant: TenantContext
     timeout_s: float

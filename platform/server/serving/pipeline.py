@@ -70,7 +70,7 @@ class Target:
     fanout: Sequence[str] | None = None
 
 
-class Server:
+class RequestPipeline:
     """Admission and bookkeeping around the engine for the HTTP routes."""
 
     def __init__(self, services: Services, limiter: RateLimiter, metrics: ServerMetrics,
@@ -93,7 +93,7 @@ class Server:
 
     async def admit(self, tenant: TenantContext, timeout_s: float | None, estimated_tokens: int,
                     arrival: float, slots: int = 1, requests: int = 1) -> Admitted:
-        """`loramux.server.serving.admission.admit` with this server's limiter, metrics and engine."""
+        """`loramux.server.serving.admission.admit` with this pipeline's limiter, metrics and engine."""
         return await admit(self.limiter, self.metrics, self.services.engine, tenant, timeout_s, estimated_tokens,
                            arrival, slots, requests)
 

@@ -180,7 +180,7 @@ class Running:
         except EngineDeadError:
             # The engine (on a cluster: the replica) stopped under the request: the client gets a retriable
             # error and will send it again, so an attempt that sent the client nothing is not billed (see
-            # Server._finished); tokens already streamed to the client are billed, as an error.
+            # RequestPipeline._finished); tokens already streamed to the client are billed, as an error.
             sent = self.streamed and any(o is not None and o.token_ids for o in self.lasts)
             outcome = "error" if sent else LOST
             raise
