@@ -193,8 +193,10 @@ def test_sampling_with_medusa_keeps_the_model_distribution(small_vocab, tokenize
     def joint_at(t: float) -> torch.Tensor:
         return two_token_joint(hf, prompt, t)
 
+    # Every decoding row speculates, however many share the step: with the default cap of 4 rows, how often
+    # rows speculate would hang on how many the step budget (fitted to measured step times) lets decode at once.
     engine = make_engine(path, tokenizer, speculative_tokens=2, speculative_methods="medusa", max_num_seqs=64,
-                         num_blocks=512)
+                         num_blocks=512, speculative_max_batch=64)
     engine.set_medusa_heads(heads)
     n = 2000
     outs = run_to_completion(engine, [(prompt, SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True), None)
