@@ -35,6 +35,10 @@ import logging
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # this module stays torch-free at run time
+    from loramux.adapters.formats.peft import LoRAAdapter
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +52,7 @@ class _Entry:
     digest: str
     name: str
     bucket: Bucket  # the pool's bucket key (its bucket and projections): slots there fit this adapter exactly
-    adapter: object | None  # the host copy (LoRAAdapter); dropped when nothing refers to the version
+    adapter: LoRAAdapter | None  # the host copy; dropped when nothing refers to the version
     state: str = ABSENT
     slot: int = -1
     running: int = 0  # running requests (they lease the slot)
@@ -102,7 +106,7 @@ class AdapterResidency:
             self.entries[old].names -= 1
             self.retire(old)
 
-    def lookup(self, name: str):
+    def lookup(self, name: str) -> LoRAAdapter | None:
         """The host copy of the adapter registered as `name`, or None."""
         digest = self.by_name.get(name)
         return None if digest is None else self.entries[digest].adapter

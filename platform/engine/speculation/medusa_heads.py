@@ -18,6 +18,9 @@ __all__ = ["MedusaHeads"]
 class MedusaHeads(nn.Module):
     """Heads made from validated weights: `weight` [K, H, H] (out, in), `bias` [K, H]."""
 
+    weight: torch.Tensor  # [K, H, H] and [K, H] buffers (registered in __init__)
+    bias: torch.Tensor
+
     def __init__(self, weights: MedusaHeadsWeights, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
         self.digest = weights.digest

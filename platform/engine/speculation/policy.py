@@ -15,8 +15,9 @@ the tokens it gains, and speculation turns itself off.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from loramux.engine.scheduling.step_budget import StepWork
 
@@ -75,13 +76,16 @@ class AcceptanceStats:
                 for m in METHODS}
 
 
+K = TypeVar("K", bound=Hashable)  # what identifies a row (the engine's Sequence)
+
+
 @dataclass
-class Candidate:
+class Candidate(Generic[K]):
     """One decoding row's options: `drafts` maps a method to the number of tokens it can propose (known for
     prompt lookup and Medusa, whose drafts exist before the step; the configured length for a draft model,
     which runs only for the rows that choose it). `context` is the row's cached context length."""
 
-    key: object
+    key: K
     adapter: str
     context: int
     drafts: dict[str, int]
@@ -117,7 +121,7 @@ class SpecPolicy:
             old = self.draft_seconds_per_token
             self.draft_seconds_per_token = per if old == 0.0 else old + 0.2 * (per - old)
 
-    def choose(self, rows: list[Candidate], plain_rows: int = 0) -> dict[object, tuple[str, int]]:
+    def choose(self, rows: list[Candidate[K]], plain_rows: int = 0) -> dict[K, tuple[str, int]]:
         """{row key: (method, draft length)} for the rows that should speculate this step; the others decode
         plainly. `plain_rows`: decoding rows with no candidate at all (they still share the step)."""
         best = []
@@ -138,7 +142,8 @@ class SpecPolicy:
         for _ in range(plain_rows):
             base.add(1, 0)
         plain_rate = total_rows / max(self.predict(base), 1e-9)
-        chosen, best_rate, best_n = [], plain_rate * (1 + self.margin), 0
+        chosen: list[tuple[K, tuple[str, int]]] = []
+        best_rate, best_n = plain_rate * (1 + self.margin), 0
         work = StepWork(base.seqs, base.chunks, base.tokens, base.attended)
         gained, draft_tokens = 0.0, 0
         for gain, method, k, row in best:

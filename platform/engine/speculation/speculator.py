@@ -107,7 +107,9 @@ class Speculator:
                 method, k = chosen[seq]
                 seq.spec_method = method
                 if method != "draft":
-                    seq.draft_token_ids = list(drafts[method])[:k]
+                    draft = drafts[method]
+                    assert isinstance(draft, list)  # proposed tokens; only the draft model's entry is a length
+                    seq.draft_token_ids = list(draft)[:k]
         self._run_draft_model({seq: k for seq, (method, k) in chosen.items() if method == "draft"}, constraint_of)
         self._want_medusa(decoding, prefilling, medusa_capable, heads_of)
 
@@ -129,6 +131,7 @@ class Speculator:
         if not seqs:
             return
         k = max(seqs.values())
+        assert self.draft is not None  # rows choose the draft model only when there is one
         t0 = time.perf_counter()
         drafts = self.draft.propose([(seq.request_id, seq.token_ids, n) for seq, n in seqs.items()])
         self.policy.observe_draft_cost(k, time.perf_counter() - t0)
