@@ -162,3 +162,16 @@ def test_imports_down_the_stack_pass(tmp_path):
         "from loramux.services import tenants\nfrom loramux.server.http.errors import ApiError\nimport loramux.db\n"
         "from loramux.engine.outputs import RequestOutput\n")
     assert violations(tmp_path) == []
+
+
+def test_the_architecture_page_shows_these_layers():
+    """docs/architecture.md's layer table names the same layers, in the same order, with the same modules."""
+    page = (REPO / "docs" / "architecture.md").read_text()
+    table = page[page.index("| layer | packages | holds |"):].split("\n\n", 1)[0].splitlines()[2:]
+    documented = []
+    for row in table:
+        layer, packages = (cell.strip() for cell in row.strip("|").split("|")[:2])
+        documented.append((layer, tuple(p.strip("`") for p in packages.split(", ") if p.startswith("`"))))
+    expected = [(name, prefixes + (BASE_PACKAGES if name == "base" else ())) for name, prefixes in LAYERS]
+    expected = [(name, tuple(p for p in prefixes if p != "loramux")) for name, prefixes in expected]
+    assert documented == expected
