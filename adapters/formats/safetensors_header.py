@@ -164,6 +164,7 @@ def parse_header(src: ByteSource, limits: UploadLimits) -> tuple[list[TensorEntr
     covered, previous = 0, None
     for entry in sorted(entries, key=lambda e: (e.begin, e.end)):
         if entry.begin < covered:
+            assert previous is not None  # something covered those bytes
             raise fail("overlapping_tensors", f"{_NOT_SAFETENSORS}: tensors {show(previous.name)} and "
                                                f"{show(entry.name)} share bytes of the data section")
         if entry.begin > covered:
@@ -176,7 +177,7 @@ def parse_header(src: ByteSource, limits: UploadLimits) -> tuple[list[TensorEntr
     return entries, data_start
 
 
-def looks_like_pickle(head: bytes) -> str | None:
+def looks_like_pickle(head: bytes | bytearray) -> str | None:
     """'pickle' / 'zip' when the first bytes are a pickle protocol 2-5 or a zip (torch.save) file; a
     safetensors file whose header length happens to start with those bytes has '{' at byte 8."""
     if len(head) >= 9 and head[8:9] == b"{":

@@ -72,6 +72,7 @@ from loramux.adapters.formats.heads import (
     plan_heads,
 )
 from loramux.adapters.formats.module_selection import (
+    ClientRegex,
     check_pattern_values,
     check_selection_options,
     compile_client_regex,
@@ -231,7 +232,7 @@ class _TargetPattern:
     """A `target_modules` regex string, compiled with RE2."""
 
     source: str
-    compiled: object
+    compiled: ClientRegex
 
     def matches(self, name: str) -> bool:
         return self.compiled.fullmatch(name) is not None
@@ -273,7 +274,7 @@ def _find_code_hook(value, depth: int = 0) -> str | None:
     return None
 
 
-def validate_config(raw: bytes | str, max_rank: int | None = None) -> dict:
+def validate_config(raw: bytes | bytearray | str, max_rank: int | None = None) -> dict:
     """Check `adapter_config.json` (given as its bytes or text) and return it parsed."""
     try:  # UTF-8 only (RFC 8259, and what PEFT's `open()` reads): json.loads(bytes) would also take UTF-16/32
         config = json.loads(raw.decode("utf-8") if isinstance(raw, (bytes, bytearray)) else raw)
