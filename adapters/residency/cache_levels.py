@@ -21,7 +21,7 @@ from abc import ABC, abstractmethod
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from loramux.adapters.formats.peft import LoRAAdapter
 from loramux.adapters.formats.validation_common import AdapterFormatError
@@ -142,14 +142,17 @@ class HostCache(LeaseTable):
     (LORAMUX_MEDUSA_CACHE_BYTES)."""
 
 
+T = TypeVar("T")  # what a blob becomes in host RAM: a LoRAAdapter, Medusa heads
+
+
 @dataclass(frozen=True)
-class Acquired:
-    adapter: LoRAAdapter  # what was brought into host RAM (Medusa heads too, for `load_blob`)
+class Acquired(Generic[T]):
+    adapter: T  # what was brought into host RAM (Medusa heads too, for `load_blob`)
     level: str  # where it came from: "ram", "disk" or "store"
     load_ms: float
 
 
-class StoredBlob(ABC):
+class StoredBlob(ABC, Generic[T]):
     """One stored blob for the loader: where it is (the registry's `record`: an AdapterVersionInfo or a
     MedusaHeadsInfo), what names it, what it becomes in host RAM. Read lazily: a host RAM hit only reads
     `digest` (and `kind`)."""
@@ -173,7 +176,7 @@ class StoredBlob(ABC):
         """What names it in messages and logs: "adapter bot@1", "Medusa heads md_..."."""
 
     @abstractmethod
-    def parse(self, data: bytes) -> Any:
+    def parse(self, data: bytes) -> T:
         """The verified bytes -> the host RAM item (with `digest` and `nbytes`); AdapterFormatError if bad."""
 
     @abstractmethod
@@ -181,7 +184,7 @@ class StoredBlob(ABC):
         """What the waiters get when the load fails."""
 
 
-class _AdapterBlob(StoredBlob):
+class _AdapterBlob(StoredBlob[LoRAAdapter]):
     record: AdapterVersionInfo
 
     @property
@@ -316,7 +319,7 @@ class AdapterCache:
                 self.host.insert_leased(item, blob.kind)
                 self.host.release(item.digest)
 
-    def _lease_or_load(self, blob: StoredBlob, lease: bool) -> Acquired | concurrent.futures.Future:
+    def _lease_or_load(self, blob: StoredBlob[T], lease: bool) -> Acquired[T] | concurrent.futures.Future:
         """A RAM hit (leased when `lease`); or the (shared) load to wait for."""
         with self._lock:
             item = self.host.lease(blob.digest) if lease else self.host.touch(blob.digest)
@@ -326,7 +329,7 @@ class AdapterCache:
             future, started = self._start(blob)
         return self._watched(blob, future, started)
 
-    def _loaded(self, blob: StoredBlob, result, lease: bool) -> Acquired:
+    def _loaded(self, blob: StoredBlob[T], result, lease: bool) -> Acquired[T]:
         item, level, load_ms = result
         with self._lock:
             if lease:
@@ -334,7 +337,8 @@ class AdapterCache:
             self.counters[blob.kind].hits[level] += 1
         return Acquired(item, level, load_ms)
 
-    async def load_blob(self, blob: StoredBlob, timeout: float | None = None, lease: bool = True) -> Acquired:
+    async def load_blob(self, blob: StoredBlob[T], timeout: float | None = None, lease: bool = True
+                        ) -> Acquired[T]:
         """`blob` in host RAM, leased when `lease` (give it back with `release`); raise `blob.error`'s error (or
         TimeoutError after `timeout` seconds: the shared load goes on for the other waiters)."""
         hit = self._lease_or_load(blob, lease)
@@ -346,7 +350,8 @@ class AdapterCache:
             raise TimeoutError(f"{blob.label} did not load within {timeout:.1f} s") from None
         return self._loaded(blob, result, lease)
 
-    def load_blob_blocking(self, blob: StoredBlob, timeout: float | None = None, lease: bool = True) -> Acquired:
+    def load_blob_blocking(self, blob: StoredBlob[T], timeout: float | None = None, lease: bool = True
+                           ) -> Acquired[T]:
         """`load_blob` for synchronous callers (CLI, scripts); never call it on an event loop thread."""
         hit = self._lease_or_load(blob, lease)
         if isinstance(hit, Acquired):
@@ -375,12 +380,12 @@ class AdapterCache:
             future, started = self._start(blob)
         return self._watched(blob, future, started)
 
-    async def acquire(self, version: AdapterVersionInfo, timeout: float | None = None) -> Acquired:
+    async def acquire(self, version: AdapterVersionInfo, timeout: float | None = None) -> Acquired[LoRAAdapter]:
         """The adapter in host RAM, leased; raise AdapterLoadError (or TimeoutError after `timeout`
         seconds: the shared load goes on for the other waiters)."""
         return await self.load_blob(_AdapterBlob(version), timeout)
 
-    def acquire_blocking(self, version: AdapterVersionInfo, timeout: float | None = None) -> Acquired:
+    def acquire_blocking(self, version: AdapterVersionInfo, timeout: float | None = None) -> Acquired[LoRAAdapter]:
         """`acquire` for synchronous callers (CLI, scripts); never call it on an event loop thread."""
         return self.load_blob_blocking(_AdapterBlob(version), timeout)
 

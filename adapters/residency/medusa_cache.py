@@ -28,7 +28,7 @@ class MedusaLoadError(RuntimeError):
         self.detail = detail
 
 
-class _HeadsBlob(StoredBlob):
+class _HeadsBlob(StoredBlob[MedusaHeadsWeights]):
     kind = MEDUSA
     record: MedusaHeadsInfo
 

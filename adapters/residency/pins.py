@@ -17,7 +17,8 @@ from loramux.adapters.storage.registry import AdapterVersionInfo
 
 __all__ = ["PinnedAdapters", "where_is"]
 
-_DEVICE_STATES = {"device": "resident", "loading": "loading"}  # the engine's answer -> the API's; else "absent"
+# the engine's answer (None: it has no such version) -> the API's; else "absent"
+_DEVICE_STATES: dict[str | None, str] = {"device": "resident", "loading": "loading"}
 
 
 def where_is(version: AdapterVersionInfo, cache: AdapterCache, device_state: Callable[[str], str | None]) -> dict:

@@ -51,6 +51,7 @@ from loramux.adapters.storage.blob_lifecycle import DEFAULT_GC_GRACE_S, BlobList
 from loramux.adapters.storage.registry import AdapterNotFoundError, AdapterVersionInfo, RegistryError
 from loramux.adapters.storage.store import ObjectStore, StoreError
 from loramux.db import Adapter, AdapterVersion, Database
+from loramux.db.database import rowcount
 from loramux.db.models import MedusaHeads, new_id, utcnow
 
 log = logging.getLogger(__name__)
@@ -291,8 +292,9 @@ class MedusaRegistry(BlobListeners):
             if found is None:
                 raise MedusaNotFoundError(f"Medusa heads {heads_id!r} not found (or already deleted)")
             now = utcnow()
-            done = s.execute(update(MedusaHeads).where(MedusaHeads.id == heads_id, MedusaHeads.deleted_at.is_(None))
-                             .values(deleted_at=now).execution_options(synchronize_session=False)).rowcount
+            done = rowcount(s.execute(update(MedusaHeads)
+                                      .where(MedusaHeads.id == heads_id, MedusaHeads.deleted_at.is_(None))
+                                      .values(deleted_at=now).execution_options(synchronize_session=False)))
             if not done:  # replaced or deleted a moment ago by another call
                 raise MedusaNotFoundError(f"Medusa heads {heads_id!r} not found (or already deleted)")
             gone = replace(_info(*found), deleted_at=now)
