@@ -59,6 +59,12 @@ class _Add:
     stream: _Stream
     accepted: asyncio.Future
 
+    @property
+    def heads(self) -> MedusaHeads | None:
+        heads = self.request.medusa
+        assert heads is None or isinstance(heads, MedusaHeads)  # generate put the prepared heads there
+        return heads
+
 
 class _Stream:
     """One request's outputs its reader has not taken yet: the engine thread appends, the reader's event
@@ -196,6 +202,7 @@ class AsyncEngine(TokenizerMethods):
                 if stream.items:
                     item = stream.items.popleft()
                     if not stream.items and stream.pieces is not None:  # the coalesced last output
+                        assert isinstance(item, RequestOutput)  # pieces fold only into an output
                         item.delta_text = "".join(stream.pieces)
                         stream.pieces = None
                     stream.since = time.monotonic() if stream.items else None
@@ -309,7 +316,7 @@ class AsyncEngine(TokenizerMethods):
             dead = EngineDeadError("the engine has stopped")
             for item in pending:
                 if isinstance(item, _Add):
-                    self._release_heads(item.request.medusa)
+                    self._release_heads(item.heads)
                     _post_to(item.loop, _settle, item.accepted, dead)
             self._fail_all(dead)
 
@@ -318,7 +325,7 @@ class AsyncEngine(TokenizerMethods):
             try:
                 self.engine.add_request(item.request, grammar=item.grammar)
             except Exception as exc:  # noqa: BLE001 - a refused request (RequestError) or a bug: its caller gets it
-                self._release_heads(item.request.medusa)  # a refused request never took its heads' pin over
+                self._release_heads(item.heads)  # a refused request never took its heads' pin over
                 _post_to(item.loop, _settle, item.accepted, exc)
                 return
             self._streams[item.request.request_id] = item.stream
@@ -356,6 +363,7 @@ class AsyncEngine(TokenizerMethods):
                 tail.absorb(item)
             else:
                 if stream.pieces is not None:
+                    assert isinstance(tail, RequestOutput)  # pieces fold only into an output
                     tail.delta_text = "".join(stream.pieces)
                     stream.pieces = None
                 items.append(item)

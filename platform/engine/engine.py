@@ -102,8 +102,8 @@ class LLMEngine:
         self.grammars = GrammarCache(tokenizer, mcfg.vocab_size, self.eos_token_ids)  # built on first use
         self.requests: dict[str, _Request] = {}
         self.counters = EngineCounters()
-        adaptive = config.speculative_adaptive and self.step_budget is not None
-        policy = SpecPolicy(self.step_budget.model.predict if adaptive else None)
+        adaptive = self.step_budget if config.speculative_adaptive else None  # the budget's step-time model
+        policy = SpecPolicy(adaptive.model.predict if adaptive is not None else None)
         self.speculator = Speculator(config, self.max_model_len, policy)
         self.medusa_base: MedusaHeads | None = None  # heads for requests that bring none (set_medusa_heads)
         # Requests' own heads on the device, by digest, within LORAMUX_MEDUSA_DEVICE_BYTES (prepare_medusa).
@@ -161,7 +161,9 @@ class LLMEngine:
     def register_adapter(self, adapter: LoRAAdapter) -> None:
         """Make `adapter` servable under `adapter.name`; a new version under the same name replaces it
         for later requests (running ones finish on the version they started with)."""
-        self.adapters.register(check_servable(adapter, self.adapters, self.config.max_lora_rank))
+        adapter = check_servable(adapter, self.adapters, self.config.max_lora_rank)
+        assert self.adapters is not None  # check_servable refuses every adapter when LoRA is off
+        self.adapters.register(adapter)
 
     def evict_adapter(self, digest: str) -> None:
         """A version was replaced or deleted: its device slot is freed once no request uses it."""
@@ -219,10 +221,11 @@ class LLMEngine:
         prompt = request.prompt
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         check_prompt(ids, params, self.model.config.vocab_size, self.max_model_len, self.block_manager)
+        arrival: dict[str, Any] = {"arrival": request.arrival} if request.arrival is not None else {}
         seq = Sequence(request_id, ids, params, priority=request.priority, adapter=lora.digest if lora else None,
                        tenant=request.tenant, share_weight=request.share_weight,
                        cache_salt=f"{lora.digest if lora else 'base'}|{request.cache_salt or ''}",
-                       **({"arrival": request.arrival} if request.arrival is not None else {}))
+                       **arrival)
         if self.long_rope_after is not None and len(ids) > self.long_rope_after:
             # LongRoPE computes a prompt past the original context with the long factors throughout (as HF
             # does): its blocks never mix with those of a shorter prompt, computed with the short ones.
@@ -243,6 +246,7 @@ class LLMEngine:
         seq.medusa_wanted = (params.speculative and self.config.speculative_tokens > 0
                              and self._medusa_of(seq) is not None)
         if lora is not None:
+            assert self.adapters is not None  # resolve_adapter finds adapters only when LoRA is on
             self.adapters.add_waiting(lora)  # the residency holds the host copy until the request ends
         self.scheduler.add(seq)
         return seq
@@ -455,5 +459,6 @@ class LLMEngine:
     def adapter_residency(self, digest: str) -> str | None:
         """Where an adapter version is on this engine: "device", "loading" (being copied there) or None.
         Safe to call from any thread."""
-        state = self.adapters.state(digest) if self.adapters is not None else None
-        return {RESIDENT: "device", LOADING: "loading"}.get(state)
+        if self.adapters is None:
+            return None
+        return {RESIDENT: "device", LOADING: "loading"}.get(self.adapters.state(digest))

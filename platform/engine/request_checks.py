@@ -10,6 +10,7 @@ from loramux.engine.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
     from loramux.adapters.residency.locations import AdapterResidency
+    from loramux.engine.request import HeldAdapter
     from loramux.engine.scheduling.block_manager import BlockManager
 
 __all__ = ["check_prompt", "check_servable", "resolve_adapter"]
@@ -30,7 +31,7 @@ def check_servable(adapter: LoRAAdapter, residency: AdapterResidency | None, max
     return adapter
 
 
-def resolve_adapter(adapter: str | LoRAAdapter | None, residency: AdapterResidency | None,
+def resolve_adapter(adapter: str | HeldAdapter | None, residency: AdapterResidency | None,
                     max_lora_rank: int) -> LoRAAdapter | None:
     """The adapter a request runs with: None for the base model, the object itself (checked as above) when
     the caller holds one, else the adapter registered under that name (RequestError when there is none)."""
@@ -38,6 +39,8 @@ def resolve_adapter(adapter: str | LoRAAdapter | None, residency: AdapterResiden
         return check_servable(adapter, residency, max_lora_rank)
     if adapter is None:
         return None
+    if not isinstance(adapter, str):  # held, but not in this process's host RAM: nothing serves it here
+        raise RequestError(f"unknown adapter {adapter!r}")
     lora = residency.lookup(adapter) if residency is not None else None
     if lora is None:
         raise RequestError(f"unknown adapter {adapter!r}")

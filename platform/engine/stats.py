@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from loramux.engine.sequence import FinishReason, Sequence
 
 if TYPE_CHECKING:
-    from loramux.engine.engine import LLMEngine
+    from loramux.adapters.residency.locations import AdapterResidency
+    from loramux.engine.scheduling.block_manager import BlockManager
+    from loramux.engine.scheduling.scheduler import Scheduler
+    from loramux.engine.scheduling.step_budget import StepBudget
+    from loramux.engine.speculation.medusa_device_cache import MedusaDeviceCache
+    from loramux.engine.speculation.speculator import Speculator
+    from loramux.histogram import DurationHistogram
 
-__all__ = ["EngineCounters", "engine_stats", "lora_stats"]
+__all__ = ["EngineCounters", "EngineParts", "engine_stats", "lora_stats"]
 
 @dataclass
 class EngineCounters:
@@ -41,7 +47,35 @@ class EngineCounters:
         return batches_ahead * self.service_s_ewma
 
 
-def engine_stats(engine: LLMEngine) -> dict:
+class EngineParts(Protocol):
+    """What the stats read of an LLMEngine (a Protocol: no import of the engine, which imports this module)."""
+
+    @property
+    def scheduler(self) -> Scheduler: ...
+
+    @property
+    def block_manager(self) -> BlockManager: ...
+
+    @property
+    def counters(self) -> EngineCounters: ...
+
+    @property
+    def speculator(self) -> Speculator: ...
+
+    @property
+    def step_budget(self) -> StepBudget | None: ...
+
+    @property
+    def medusa_device(self) -> MedusaDeviceCache: ...
+
+    @property
+    def adapters(self) -> AdapterResidency | None: ...
+
+    @property
+    def load_histogram(self) -> DurationHistogram: ...
+
+
+def engine_stats(engine: EngineParts) -> dict:
     """The engine's counters and gauges: running / waiting requests, KV blocks used / free / total,
     prefix-cache blocks and hits, speculative tokens proposed / accepted (in all and per method: `speculation`),
     preemptions, adapter slots leased by running requests (`adapter_slots_pinned`: the key keeps its published
@@ -71,7 +105,7 @@ def engine_stats(engine: LLMEngine) -> dict:
     }
 
 
-def lora_stats(engine: LLMEngine) -> dict:
+def lora_stats(engine: EngineParts) -> dict:
     """Adapter residency: running / waiting: sorted names of adapters with running / waiting requests;
     max_lora: the most distinct adapters one batch may hold (LORAMUX_MAX_LORAS, or an estimate of what
     the pool holds when uncapped); device_adapters / device_bytes / device_budget_bytes; loading:
