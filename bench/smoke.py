@@ -1,6 +1,6 @@
 """Helper, not a benchmark: the tiny random model of the bench scripts' `--smoke` runs.
 
-`--smoke` is each script's smallest run, the one the tests make (tests/test_bench_scripts.py): the same code
+`--smoke` is each script's smallest run, the one the tests make (tests/system/test_bench_scripts.py): the same code
 paths and output lines as a real run, FIGURE lines included, in seconds, on a tiny random Llama with SmolLM2's
 tokenizer in place of the embedded SmolLM2. Its figures measure nothing worth recording.
 """

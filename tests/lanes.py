@@ -36,22 +36,22 @@ MARKER_FIXTURES = {
 # no marker above already sends out of the fast lane; the total each took there, in the comment. Re-measure
 # with `make test-fast` plus `--durations=40` when the lane nears its budget.
 SLOW = (
-    "tests/test_ledger.py::test_a_hundred_thousand_micro_charges_sum_to_exactly_ten_cents",  # 37 s
-    "tests/test_model.py::test_logits_match_hf",  # 15 s, 15 model families against HF
-    "tests/test_medusa.py::test_training_recovers_a_teacher_head",  # 11 s
-    "tests/test_billing.py::test_export_streams_in_batches_with_modest_memory",  # 10 s
-    "tests/test_ledger.py::test_writer_keeps_records_while_the_database_is_down",  # 9 s
-    "tests/test_spec_decode.py::test_two_token_joint_distribution_is_target",  # 8 s
-    "tests/test_object_store.py::test_s3_server_slower_than_the_read_timeout_is_unavailable",  # 6 s of timeouts
-    "tests/test_adapter_families.py::test_fused_phi3_lora_equals_peft_delta_per_sub_projection",  # 5 s
-    "tests/test_spec_decode.py::test_first_token_distribution_is_target",  # 4 s
-    "tests/test_spec_decode.py::test_probs_match_call_sampling",  # 3 s
-    "tests/test_ledger.py::test_unpriced_requests_cost_zero_and_replays_write_nothing",  # 3 s
-    "tests/test_registry.py::test_migrations_match_the_models_and_downgrade_cleanly",  # 3 s
-    "tests/test_python_version.py::test_no_regex_needs_a_newer_python_than_requires_python_allows",  # 2 s
-    "tests/test_quantization.py::test_choose_kernel_follows_the_rule_and_probes",  # 1.6 s
-    "tests/test_adapter_validation.py::test_hundred_thousand_tiny_tensors_are_refused_fast_in_bounded_memory",
-    "tests/test_object_store.py::test_s3_store_recovers_after_the_server_restarts",  # 1.5 s
+    "tests/unit/test_ledger.py::test_a_hundred_thousand_micro_charges_sum_to_exactly_ten_cents",  # 37 s
+    "tests/unit/test_model.py::test_logits_match_hf",  # 15 s, 15 model families against HF
+    "tests/unit/test_medusa.py::test_training_recovers_a_teacher_head",  # 11 s
+    "tests/unit/test_billing.py::test_export_streams_in_batches_with_modest_memory",  # 10 s
+    "tests/unit/test_ledger.py::test_writer_keeps_records_while_the_database_is_down",  # 9 s
+    "tests/unit/test_spec_decode.py::test_two_token_joint_distribution_is_target",  # 8 s
+    "tests/unit/test_object_store.py::test_s3_server_slower_than_the_read_timeout_is_unavailable",  # 6 s of timeouts
+    "tests/unit/test_adapter_families.py::test_fused_phi3_lora_equals_peft_delta_per_sub_projection",  # 5 s
+    "tests/unit/test_spec_decode.py::test_first_token_distribution_is_target",  # 4 s
+    "tests/unit/test_spec_decode.py::test_probs_match_call_sampling",  # 3 s
+    "tests/unit/test_ledger.py::test_unpriced_requests_cost_zero_and_replays_write_nothing",  # 3 s
+    "tests/unit/test_registry.py::test_migrations_match_the_models_and_downgrade_cleanly",  # 3 s
+    "tests/unit/test_python_version.py::test_no_regex_needs_a_newer_python_than_requires_python_allows",  # 2 s
+    "tests/unit/test_quantization.py::test_choose_kernel_follows_the_rule_and_probes",  # 1.6 s
+    "tests/unit/test_adapter_validation.py::test_hundred_thousand_tiny_tensors_are_refused_fast_in_bounded_memory",
+    "tests/unit/test_object_store.py::test_s3_store_recovers_after_the_server_restarts",  # 1.5 s
 )
 
 STARTS_A_PROCESS = re.compile(r"\bsubprocess\.|\bPopen\(|\bsys\.executable\b|\bcreate_subprocess_exec\b")

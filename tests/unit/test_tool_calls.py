@@ -231,7 +231,7 @@ def test_a_compile_that_takes_too_long_is_a_400_and_a_bad_spec_a_400_with_its_me
     from loramux.server.http.errors import ApiError
     from loramux.server.intake.response_format import compile_structured
 
-    def stopped(spec):  # the engine stopped the compile at its time limit (see tests/test_compile_bounds.py)
+    def stopped(spec):  # the engine stopped the compile at its time limit (see tests/http/test_compile_bounds.py)
         raise StructuredOutputTooComplex("response_format json_schema: too complex to compile")
 
     with pytest.raises(ApiError, match=r"JSON schema is too complex to compile within 0.05 s") as info:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PACKAGES = {"platform": "loramux", "adapters": "loramux.adapters", "kernels": "loramux.kernels",
             "admin": "loramux.admin"}
 
@@ -118,7 +118,7 @@ def violations(root: Path) -> list[str]:
 
 def test_imports_run_down_the_stack():
     problems = violations(REPO)
-    assert not problems, "imports against the layers (tests/test_import_layers.py):\n" + "\n".join(problems)
+    assert not problems, "imports against the layers (tests/unit/test_import_layers.py):\n" + "\n".join(problems)
 
 
 def test_every_module_has_a_layer_and_the_layers_name_real_modules():

@@ -12,7 +12,7 @@ from loramux.cluster.remote_engine import RemoteEngine
 from loramux.engine.async_engine import AsyncEngine
 from loramux.engine.client import EngineClient
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MEMBERS = sorted(name for name in vars(EngineClient) if not name.startswith("_"))
 
 

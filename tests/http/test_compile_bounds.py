@@ -4,7 +4,7 @@ request is refused, so a flood of new pathological specs never stacks up running
 thread never compiles, not even for a spec the LRU evicted after the server checked it; on Ray the ingress
 checks specs locally and the serving replica compiles as its `generate` starts.
 
-The hostile shape (a flood of new pathological specs) is in tests/test_hostile_requests.py."""
+The hostile shape (a flood of new pathological specs) is in tests/http/test_hostile_requests.py."""
 from __future__ import annotations
 
 import asyncio

@@ -1,6 +1,6 @@
 """Authentication hardening against the real ASGI app: forwarded addresses are
 believed from trusted proxies only; a flood of unknown keys never evicts real keys' cached answers (the
-per-address cut-off of a random-key flood is in tests/test_hostile_requests.py); /metrics can be closed
+per-address cut-off of a random-key flood is in tests/http/test_hostile_requests.py); /metrics can be closed
 with a key and shows adapter ids, never names; non-ASCII credentials and CSRF tokens are refusals, not
 500s; sign-out revokes the session server-side; console cookies are Secure behind a trusted TLS proxy."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The operator console's security over HTTP (no browser): sessions, CSRF, cookie flags, keys never shown
-twice, and every page rendering for a signed-in operator. tests/test_console_browser.py drives it in Chromium."""
+twice, and every page rendering for a signed-in operator. tests/system/test_console_browser.py drives it in Chromium."""
 from __future__ import annotations
 
 import re

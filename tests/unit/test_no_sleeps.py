@@ -6,14 +6,14 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).parents[1]
 
 # (file, innermost enclosing function) -> why a sleep is right there.
 ALLOWED = {
     ("polling.py", "wait_until"): "the polling helper: sleeps between checks of the awaited state",
     ("polling.py", "wait_until_async"): "the polling helper, inside an event loop",
     ("conftest.py", "start_redis_server"): "polls redis-server until it answers a ping",
-    ("test_ledger_durability.py", "slow_sync"): "a slow disk is the condition under test: records that arrive "
+    ("unit/test_ledger_durability.py", "slow_sync"): "a slow disk is the condition under test: records that arrive "
                                                 "during one fsync share the next",
 }
 SLEEPY_MODULES = {"time", "asyncio", "anyio", "trio"}

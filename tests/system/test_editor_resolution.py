@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LANGSERVER = Path(sys.executable).parent / "basedpyright-langserver"
 PROBE = """\
 from loramux.engine.engine import LLMEngine

@@ -14,7 +14,7 @@ import pytest
 from loramux.cli import build_parser, main
 from loramux.settings import Settings
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 PAGE_IDS = [page.relative_to(ROOT).as_posix() for page in PAGES]
 # LORAMUX_* names in the pages that are no setting: the shell variable of the examples, the test suite's own.

@@ -2,7 +2,7 @@
 `add_weighted_adapter(..., combination_type="cat")`: the composite's A and B equal PEFT's to the bit (its
 zero padding aside), and the engine serving it generates PEFT's greedy tokens, alone and in one mixed batch
 with plain adapters and the base model; refusals name the component.
-How composites are bounded in host RAM and built: tests/test_composition_bounds.py."""
+How composites are bounded in host RAM and built: tests/unit/test_composition_bounds.py."""
 from __future__ import annotations
 
 import dataclasses

@@ -456,7 +456,7 @@ def test_hostile_a_flood_of_new_pathological_regexes_is_refused_and_leaves_no_co
 
 @pytest.fixture(scope="module")
 def behind_proxy(tiny_dir, tokenizer, tmp_path_factory):
-    """tests/test_auth_hardening.py's app behind a trusted proxy, its own instance here."""
+    """tests/http/test_auth_hardening.py's app behind a trusted proxy, its own instance here."""
     with proxied_client(tiny_dir, tokenizer, tmp_path_factory.mktemp("hostile-keys")) as c:
         yield c
 

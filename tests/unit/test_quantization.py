@@ -35,8 +35,8 @@ KERNELS = [k for k in quantization.KERNELS if quantization.kernel_works(k, "cpu"
 # Relative error bounds against the dequantised float reference: int8pack and dequant compute in float; the
 # two-pass kernels also round activations to ~15 bits per row (~13 with 7-bit passes).
 TOL = {"onednn": 1e-3, "fbgemm": 1e-3, "int8pack": 1e-5, "dequant": 1e-5}
-LLAMA2 = Path(__file__).parent / "data" / "llama2-7b-config.json"
-ROOT = Path(__file__).resolve().parents[1]
+LLAMA2 = Path(__file__).parents[1] / "data" / "llama2-7b-config.json"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:

@@ -31,7 +31,7 @@ def fuzz_stack(tiny_dir, tokenizer, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("api-fuzz")
     cfg, _ = read_model_config(tiny_dir)
     # Fuzzed headers carry bad keys: with the per-address failed-authentication limit on, the rest of the
-    # fuzz would meet only 429s. It is off here (tests/test_auth_hardening.py covers it).
+    # fuzz would meet only 429s. It is off here (tests/http/test_auth_hardening.py covers it).
     with live_stack(tmp, tiny_dir, tokenizer, engine=dict(max_loras=2, max_lora_rank=8),
                     auth_failures_per_min=0) as server:
         key = new_tenant_key(server.services, "fuzz-co", "premium")

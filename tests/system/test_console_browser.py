@@ -29,7 +29,7 @@ sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in t
 openai = pytest.importorskip("openai")
 
 ADMIN_KEY = "lmxa-console-browser-key-0123456789abcdefghijkl"
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = Path(os.environ.get("LORAMUX_TEST_ARTIFACTS", ROOT / "test-artifacts")) / "console"
 PAGES = ("tenants", "adapters", "prices", "usage", "engine")
 

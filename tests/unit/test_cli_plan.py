@@ -11,7 +11,7 @@ from loramux.model.config import ModelConfig
 from loramux.model.loader import read_model_config
 from loramux.plan import fmt_bytes, parse_bytes, plan_memory
 
-CONFIG = Path(__file__).parent / "data" / "llama2-7b-config.json"
+CONFIG = Path(__file__).parents[1] / "data" / "llama2-7b-config.json"
 
 
 def test_llama2_7b_numbers():

@@ -1,6 +1,6 @@
 """One Settings: every LORAMUX_* variable is read there, taken by the engine's configuration under the same
 name, and a setting that cannot work stops `loramux serve` with one line that names it. (That
-docs/configuration.md lists every setting: tests/test_docs.py.)"""
+docs/configuration.md lists every setting: tests/unit/test_docs.py.)"""
 from __future__ import annotations
 
 import re
@@ -11,7 +11,7 @@ import pytest
 from loramux.cli import main
 from loramux.settings import Settings
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("platform", "adapters", "admin", "kernels")
 ENV_READ = re.compile(r"os\.environ|getenv")
 

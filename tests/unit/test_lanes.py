@@ -9,7 +9,7 @@ import pytest
 
 from lanes import SLOW, over_budget
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 pytest_plugins = ["pytester"]
 
