@@ -29,7 +29,7 @@ The bound (VTC's theorem 4.3, restated for continuous batching): while two tenan
 backlogged, the weighted service they receive over any interval differs by at most
 `2 * U`, `U = input_weight * P + output_weight * N * G` (P the longest prompt, G the most new tokens of a
 request, N the most sequences in a batch): an admission decision goes to the smaller counter, and what can
-be in flight when it is made is one prompt plus a full batch of decodes. tests/test_fair_share.py checks it
+be in flight when it is made is one prompt plus a full batch of decodes. tests/unit/test_fair_share.py checks it
 at every step of a simulated run.
 """
 from __future__ import annotations
