@@ -54,14 +54,16 @@ typecheck: install
 	cd $(ROOT) && $(VENV)/bin/basedpyright --pythonpath $(PY)
 
 test: lint typecheck browser
-	cd $(ROOT) && $(PY) -m pytest -q
+	cd $(ROOT) && $(VENV)/bin/pytest -q
 
 # The inner loop (docs/development.md, "Test lanes"): no real model, Ray, browser, subprocess or slow test;
 # it fails when it takes longer than FAST_BUDGET seconds (tests/lanes.py), so the lane stays fast.
 FAST_LANE   := not slow and not ray and not browser and not subprocess and not real_model
 FAST_BUDGET ?= 180
+# pytest's own script, not `python -m pytest`: -m would put the repo root on sys.path, where the kernels/
+# folder shadows Hugging Face's `kernels` (docs/development.md, "The `kernels` name clash").
 test-fast: install
-	cd $(ROOT) && $(PY) -m pytest -q -m "$(FAST_LANE)" --lane-budget $(FAST_BUDGET)
+	cd $(ROOT) && $(VENV)/bin/pytest -q -m "$(FAST_LANE)" --lane-budget $(FAST_BUDGET)
 
 # `make bench`: the bench scripts, one line each (bench/README.md says more); `make bench BENCH=structured
 # ARGS=--tiny` runs bench/structured.py --tiny.

@@ -56,9 +56,11 @@ def ensure_adapter(cfg) -> Path:
 
 def ensure(what: str, path: Path, command: list[str]) -> Path:
     """Make a speculator once with the project's own command (long the first time; cached after)."""
+    from loramux.child_python import python_command
+
     if not path.is_dir():
         print(f"making the {what} once: {' '.join(command)} (cached in {path})", flush=True)
-        subprocess.run([sys.executable, "-m", "loramux.cli", *command, "--out", str(path)], check=True)
+        subprocess.run(python_command("-m", "loramux.cli", *command, "--out", str(path)), check=True)
     return path
 
 

@@ -59,7 +59,6 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -76,6 +75,7 @@ from loramux.adapters.formats.validation import (
     checkpoint_shapes,
     module_names,
 )
+from loramux.child_python import python_command
 from loramux.model.config import ModelConfig
 
 __all__ = ["EXACT_METHODS", "METHODS", "MAX_COMPONENTS", "WORKER_METHODS", "MergeBusy", "MergeComponent",
@@ -532,7 +532,7 @@ class MergePool:
         from loramux.engine.structured.compile_pool import kill_worker, read_frame, write_frame
 
         deadline = time.monotonic() + self.limits.timeout_s
-        proc = subprocess.Popen([sys.executable, "-m", "loramux.adapters.composition.merge_worker"],
+        proc = subprocess.Popen(python_command("-m", "loramux.adapters.composition.merge_worker"),
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
         with self._lock:
             self._live.add(proc.pid)

@@ -4,10 +4,10 @@ moto, boto3 and redis are imported inside the functions: `loramux.testing` impor
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 from typing import NamedTuple
 
+from loramux.child_python import python_command
 from loramux.testing.ports import free_port, wait_for_port
 
 # moto accepts any credentials; these dummies go to each client explicitly (the environment is left alone).
@@ -68,7 +68,7 @@ def start_moto_process() -> tuple[subprocess.Popen, str]:
     """moto's S3 server in a subprocess (a remote service does not share the caller's GIL, which a bench
     measuring latency needs); (process, endpoint URL) once it accepts connections. The caller terminates it."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+    proc = subprocess.Popen(python_command("-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_for_port(port)
     return proc, f"http://127.0.0.1:{port}"

@@ -317,14 +317,15 @@ def test_a_merge_whose_store_write_fails_leaves_no_rows_or_blob(served, monkeypa
 def test_the_cli_merges(served):
     import os
     import subprocess
-    import sys
+
+    from loramux.child_python import python_command
 
     server = served[0]
     env = {**os.environ, "LORAMUX_ADMIN_KEY": ADMIN_KEY, "PYTHONUNBUFFERED": "1"}
 
     def cli(*args) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "loramux.cli", "admin", "--url", server.url, "adapters", "merge",
-                               *args], capture_output=True, text=True, timeout=120, env=env)
+        return subprocess.run(python_command("-m", "loramux.cli", "admin", "--url", server.url, "adapters", "merge",
+                                             *args), capture_output=True, text=True, timeout=120, env=env)
 
     done = cli("acme", "cli-blend", "a@1", "c=0.25", "--method", "svd", "--svd-rank", "4")
     assert done.returncode == 0, done.stderr

@@ -295,7 +295,8 @@ def test_raw_keys_are_stored_and_logged_nowhere(stack, admin, caplog):
 def test_admin_cli_mirrors_the_api(stack, tmp_path):
     import os
     import subprocess
-    import sys
+
+    from loramux.child_python import python_command
 
     server = stack[0]
     # `admin tenants|keys` are `loramux tenants|keys`: they work on the database, like before a server runs.
@@ -303,7 +304,7 @@ def test_admin_cli_mirrors_the_api(stack, tmp_path):
            "LORAMUX_DATABASE_URL": server.services.db.url}
 
     def cli(*args) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "loramux.cli", "admin", "--url", server.url, *args],
+        return subprocess.run(python_command("-m", "loramux.cli", "admin", "--url", server.url, *args),
                               capture_output=True, text=True, timeout=120, env=env)
 
     created = cli("tenants", "create", "cli-co", "--tier", "free")
@@ -319,6 +320,6 @@ def test_admin_cli_mirrors_the_api(stack, tmp_path):
     assert cli("billing", "export", "--format", "csv", "--out", str(out)).returncode == 0
     header, *rows = csv.reader(io.StringIO(out.read_text()))
     assert tuple(header) == COLUMN_NAMES and all(len(row) == len(COLUMN_NAMES) for row in rows)
-    denied = subprocess.run([sys.executable, "-m", "loramux.cli", "admin", "--url", server.url, "--key",
-                             key["key"], "adapters", "list"], capture_output=True, text=True, timeout=120)
+    denied = subprocess.run(python_command("-m", "loramux.cli", "admin", "--url", server.url, "--key",
+                                           key["key"], "adapters", "list"), capture_output=True, text=True, timeout=120)
     assert denied.returncode == 1 and "403" in denied.stderr

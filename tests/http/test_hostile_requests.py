@@ -7,7 +7,6 @@ import asyncio
 import json
 import statistics
 import string
-import sys
 import threading
 import time
 
@@ -21,6 +20,7 @@ from test_auth_hardening import chat as keyed_chat
 from test_compile_bounds import TIMEOUT_S, compiles_still_running, grammars_of, slow_regex
 
 from conftest import adapter_files, live_stack, new_tenant_key
+from loramux.child_python import python_command
 from loramux.db.models import LedgerEntry
 from loramux.tenancy.tenants import TierInfo
 from polling import wait_until, wait_until_async
@@ -689,7 +689,7 @@ def test_a_flood_of_distinct_compositions_stays_in_the_host_budget_and_starves_n
 
     async def during_flood(client: httpx.AsyncClient, mode: str) -> tuple[float, list]:
         """The quiet tenant's median latency while the flooding tenant sends 200 requests of `mode`."""
-        flood = await asyncio.create_subprocess_exec(sys.executable, "-c", FLOOD_CLIENT, server.url, keys["flood"],
+        flood = await asyncio.create_subprocess_exec(*python_command("-c", FLOOD_CLIENT), server.url, keys["flood"],
                                                      "200", mode, stdout=asyncio.subprocess.PIPE)
         await wait_until_async(lambda: services.engine.stats()["running"] >= 2, "the flood to reach the engine")
         during = statistics.median(await quiet_latencies(client, 9))

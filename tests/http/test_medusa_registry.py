@@ -464,14 +464,15 @@ def test_admin_api_refuses_bad_uploads_and_leaves_nothing(app_client, tiny_cfg, 
 def test_admin_cli_uploads_lists_and_deletes_heads(tiny_dir, tokenizer, tmp_path, tiny_cfg):
     import os
     import subprocess
-    import sys
+
+    from loramux.child_python import python_command
 
     env = {**os.environ, "LORAMUX_ADMIN_KEY": ADMIN_KEY, "PYTHONUNBUFFERED": "1"}
     directory = heads_dir(tmp_path / "heads", tiny_cfg.hidden_size)
     with live_stack(tmp_path, tiny_dir, tokenizer, admin_key=ADMIN_KEY, max_upload_bytes=256 * 1024,
                     auth_failures_per_min=0) as server:
         def cli(*args) -> subprocess.CompletedProcess:
-            return subprocess.run([sys.executable, "-m", "loramux.cli", "admin", "--url", server.url, "medusa", *args],
+            return subprocess.run(python_command("-m", "loramux.cli", "admin", "--url", server.url, "medusa", *args),
                                   capture_output=True, text=True, timeout=120, env=env)
 
         up = cli("upload", str(directory))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 
@@ -19,6 +18,7 @@ import httpx  # noqa: E402
 from test_medusa_registry import heads_dir, heads_files, heads_rows, medusa_keys, post_heads  # noqa: E402
 
 from conftest import adapter_files, new_tenant_key  # noqa: E402
+from loramux.child_python import python_command
 from loramux.db import Database  # noqa: E402
 from loramux.settings import Settings  # noqa: E402
 from loramux.testing import LiveServer, save_tiny_hf_model, write_peft_adapter  # noqa: E402
@@ -73,8 +73,8 @@ def test_medusa_heads_upload_is_a_409_that_stores_nothing(ingress, tiny_cfg):
         ops.upload_heads(services, {}, {name: directory / name for name in heads_files(directory)})
     # The CLI prints the answer and fails.
     env = {**os.environ, "LORAMUX_ADMIN_KEY": ADMIN_KEY, "PYTHONUNBUFFERED": "1"}
-    cli = subprocess.run([sys.executable, "-m", "loramux.cli", "admin", "--url", server.url, "medusa", "upload",
-                          str(directory)], capture_output=True, text=True, timeout=120, env=env)
+    cli = subprocess.run(python_command("-m", "loramux.cli", "admin", "--url", server.url, "medusa", "upload",
+                                        str(directory)), capture_output=True, text=True, timeout=120, env=env)
     assert cli.returncode == 1 and "409" in cli.stderr and NOT_SERVED in cli.stderr, cli.stderr
 
     assert heads_rows(services.medusa) == 0 and medusa_keys(services.medusa) == []

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
+from loramux.child_python import python_command
 from loramux.model.loader import ModelNotFoundError, build_model
 from loramux.testing import save_tiny_hf_model
 
@@ -76,7 +76,7 @@ def test_loading_peaks_near_the_model_plus_one_shard(tmp_path, dtype):
     shard_bytes = 32 * 1024**2
     model.save_pretrained(tmp_path, max_shard_size=shard_bytes)
     del model
-    out = subprocess.run([sys.executable, "-c", MEASURE, str(tmp_path), dtype], capture_output=True, text=True,
+    out = subprocess.run(python_command("-c", MEASURE, str(tmp_path), dtype), capture_output=True, text=True,
                          timeout=300, check=True).stdout.split()
     extra, size = int(out[-2]), int(out[-1])
     assert extra < size + shard_bytes + 40 * 1024**2, (extra, size)

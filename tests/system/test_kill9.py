@@ -11,13 +11,13 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 from sqlalchemy import func, select
 
+from loramux.child_python import python_command
 from loramux.db import Database, LedgerEntry
 from loramux.model.loader import read_model_config
 from loramux.tenancy.tenants import Tenancy
@@ -31,7 +31,7 @@ MODELS = ("base", "alpha", "beta")
 
 
 def start_server(env: dict, port: int) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "loramux.cli", "serve", "--port", str(port)], env=env,
+    proc = subprocess.Popen(python_command("-m", "loramux.cli", "serve", "--port", str(port)), env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
 
     def ready() -> bool:

@@ -7,6 +7,8 @@ import sysconfig
 import zipfile
 from pathlib import Path
 
+from loramux.child_python import python_command
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -41,8 +43,8 @@ def test_stdlib_platform_wins_from_the_repo_root():
 
 
 def test_wheel_contains_every_package_and_runs_from_elsewhere(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(tmp_path / "dist"), str(ROOT)], check=True, capture_output=True)
+    subprocess.run(python_command("-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                                  "-w", str(tmp_path / "dist"), str(ROOT)), check=True, capture_output=True)
     wheel = next((tmp_path / "dist").glob("loramux-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     for module in ("loramux/cli.py", "loramux/engine/engine.py", "loramux/model/llama.py",

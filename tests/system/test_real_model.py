@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 from test_model import run_chunks
 
+from loramux.child_python import python_command
 from loramux.engine.config import EngineConfig
 from loramux.engine.engine import LLMEngine
 from loramux.engine.sampling.params import SamplingParams
@@ -89,7 +89,7 @@ def test_last_position_logits_match_hf(smol, hf_model, question):
 
 def test_cli_generate_answers_paris():
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, "-m", "loramux.cli", "generate", "--chat", "What is the capital of France?"],
+    proc = subprocess.run(python_command("-m", "loramux.cli", "generate", "--chat", "What is the capital of France?"),
                           capture_output=True, text=True, timeout=300, env=env, cwd="/")
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
@@ -102,13 +102,14 @@ def test_cli_generate_with_adapter(tmp_path, smol_dir):
 
     cfg, _ = read_model_config(smol_dir)
     adapter = write_peft_adapter(tmp_path / "strong", cfg, 8, ["q_proj", "v_proj", "down_proj"], seed=5, b_std=0.5)
-    cmd = [sys.executable, "-m", "loramux.cli", "generate", "--max-tokens", "12", "--chat",
-           "What is the capital of France?"]
-    base = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    tuned = subprocess.run(cmd[:4] + ["--adapter", str(adapter)] + cmd[4:], capture_output=True, text=True, timeout=300)
+    generate = python_command("-m", "loramux.cli", "generate")
+    options = ["--max-tokens", "12", "--chat", "What is the capital of France?"]
+    base = subprocess.run(generate + options, capture_output=True, text=True, timeout=300)
+    tuned = subprocess.run(generate + ["--adapter", str(adapter)] + options, capture_output=True, text=True,
+                           timeout=300)
     assert base.returncode == 0 and tuned.returncode == 0, tuned.stderr
     assert tuned.stdout != base.stdout  # the adapter changes the answer
-    bad = subprocess.run(cmd[:4] + ["--adapter", str(tmp_path / "missing")] + cmd[4:], capture_output=True, text=True,
+    bad = subprocess.run(generate + ["--adapter", str(tmp_path / "missing")] + options, capture_output=True, text=True,
                          timeout=300)
     assert bad.returncode == 2 and "adapter_config.json is missing" in bad.stderr
 

@@ -4,7 +4,6 @@ while the log cannot be written."""
 from __future__ import annotations
 
 import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -15,6 +14,7 @@ from loramux.billing import ledger_wal
 from loramux.billing.ledger import LedgerBacklogError, LedgerWriter
 from loramux.billing.ledger_wal import WAL_NAME, LogInUseError
 from loramux.billing.recovery import adopt_orphans, claim_ledger
+from loramux.child_python import python_command
 from loramux.db import LedgerEntry
 from polling import wait_until
 
@@ -42,13 +42,13 @@ def test_a_second_writer_on_the_same_log_is_refused_until_the_first_closes(datab
 
 def test_the_lock_of_a_killed_process_is_free_at_once(database, tmp_path):
     spool = tmp_path / WAL_NAME
-    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+    holder = subprocess.Popen(python_command("-c", textwrap.dedent(f"""
         import sys
         from loramux.billing.ledger_wal import WriteAheadLog
         WriteAheadLog({str(spool)!r}).open()
         print("locked", flush=True)
         sys.stdin.read()
-        """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        """)), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(LogInUseError):

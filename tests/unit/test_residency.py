@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import subprocess
-import sys
 from dataclasses import dataclass
 
 import pytest
 
 from loramux.adapters.residency.locations import ABSENT, LOADING, RESIDENT, AdapterResidency
+from loramux.child_python import python_command
 
 BYTES_PER_RANK = 10
 
@@ -105,7 +105,7 @@ def check_prefix(res: AdapterResidency, pool: FakePool) -> None:
 
 def test_module_is_torch_free():
     code = "import sys, loramux.adapters.residency.locations; assert 'torch' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True)
+    subprocess.run(python_command("-c", code), check=True)
 
 
 def test_each_adapter_takes_its_own_rank_of_the_budget():

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import random
-import sys
 
 import pytest
 
+from loramux.child_python import python_command
 from loramux.engine.sampling.params import SamplingParams
 from loramux.engine.scheduling.block_manager import BlockManager, OutOfBlocksError
 from loramux.engine.scheduling.scheduler import Scheduler
@@ -34,7 +34,7 @@ def test_scheduler_block_manager_sequence_and_residency_are_torch_free():
     modules = ["loramux.engine.scheduling.scheduler", "loramux.engine.scheduling.block_manager",
                "loramux.engine.sequence", "loramux.adapters.residency.locations"]
     code = f"import sys; import {', '.join(modules)}; assert 'torch' not in sys.modules, 'torch was imported'"
-    subprocess.run([sys.executable, "-c", code], check=True)
+    subprocess.run(python_command("-c", code), check=True)
 
 
 def test_engine_step_reads_schedule_run_postprocess_in_a_few_lines():

@@ -3,7 +3,6 @@ stream's wire format, and the single-process server without Ray."""
 from __future__ import annotations
 
 import subprocess
-import sys
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -11,6 +10,7 @@ import pytest
 
 pytest.importorskip("limits", reason="the ray extra is not installed")
 
+from loramux.child_python import python_command
 from loramux.tenancy.rate_limits import RateLimited, RequestTooLarge, TierLimits  # noqa: E402
 from loramux.tenancy.shared_rate_limits import SharedRateLimiter  # noqa: E402
 
@@ -164,7 +164,7 @@ def test_the_single_process_server_needs_no_ray():
             "    serve_on_ray(type('A', (), {'replicas': 2})(), Settings())\n"
             "except ConfigError as exc:\n"
             "    print('refused:', exc)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(python_command("-c", code), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "refused: --ray needs the ray extra" in out.stdout
 

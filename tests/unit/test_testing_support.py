@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import math
 import subprocess
-import sys
 
 import pytest
 
+from loramux.child_python import python_command
 from loramux.testing import percentile
 
 
@@ -29,5 +29,5 @@ def test_percentile_is_nearest_rank(values, q, expected):
 def test_importing_it_loads_no_test_only_package():
     code = ("import sys, loramux.testing; "
             "print(sorted(m for m in ('moto', 'boto3', 'redis', 'httpx', 'uvicorn', 'pytest') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run(python_command("-c", code), capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out

@@ -19,12 +19,13 @@ import os
 import select
 import struct
 import subprocess
-import sys
 import threading
 import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
+
+from loramux.child_python import python_command
 
 __all__ = ["CompileLimits", "CompilePool", "CompileBusy", "CompileTooComplex", "CompileRefused"]
 
@@ -183,7 +184,7 @@ class CompilePool:
         raise CompileRefused(payload.decode(errors="replace"))
 
     def _start(self) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, "-m", "loramux.engine.structured.compile_worker"],
+        proc = subprocess.Popen(python_command("-m", "loramux.engine.structured.compile_worker"),
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
         assert proc.stdin is not None and proc.stdout is not None  # pipes (PIPE)
         try:
