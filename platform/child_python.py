@@ -11,5 +11,5 @@ SAFE_PATH: tuple[str, ...] = ("-P",) if sys.version_info >= (3, 11) else ()
 
 
 def python_command(*args: str) -> list[str]:
-    """[this interpreter, -P, *args], e.g. python_command("-m", "loramux.engine.compile_worker")."""
+    """[this interpreter, -P, *args], e.g. python_command("-m", "loramux.engine.structured.compile_worker")."""
     return [sys.executable, *SAFE_PATH, *args]
