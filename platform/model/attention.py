@@ -9,7 +9,8 @@ sequence). Prefills run one sequence at a time; decodes run together, gathering 
 and masking the padding.
 
 Per layer, attention may be limited to a sliding window (token i sees keys j with i - j < window, as HF's
-`sliding_window_overlay`) and its scores soft-capped (cap * tanh(scores / cap), Gemma 2); both apply on every
+`sliding_window_overlay`), its scores soft-capped (cap * tanh(scores / cap), Gemma 2), and each head's softmax
+given a learned "sink" logit in its denominator that no value stands behind (gpt-oss); all apply on every
 path: fresh prefill, prefill over a cached prefix, speculative verification, decode.
 """
 from __future__ import annotations
@@ -83,10 +84,10 @@ class KVCache:
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, D], k/v [T, KVH, D] (already rotated) -> output [T, H, D]; writes k/v into the cache.
     `window`: each query sees only the `window` latest keys (itself included); `softcap`: scores are
-    soft-capped before the softmax."""
+    soft-capped before the softmax; `sinks` [H]: each head's sink logit (see the module docstring)."""
     num_blocks, block_size, kv_heads, head_dim = k_cache.shape
     flat_k = k_cache.view(num_blocks * block_size, kv_heads, head_dim)
     flat_v = v_cache.view(num_blocks * block_size, kv_heads, head_dim)
@@ -95,12 +96,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
     d0 = meta.num_prefill_tokens
     if not meta.prefills:  # pure decode step: no scatter into a shared output buffer needed
-        return _decode_attention(q, k_cache, v_cache, meta, scale, window, softcap)
+        return _decode_attention(q, k_cache, v_cache, meta, scale, window, softcap, sinks)
     out = torch.empty_like(q)
     for chunk in meta.prefills:
         # 4-D [1, H, L, D]: with 3-D input CPU SDPA falls back to its unfused math path (about 3x slower).
         qs = q[chunk.start:chunk.end].transpose(0, 1)[None]
-        if chunk.fresh and window is None and softcap is None:
+        if chunk.fresh and window is None and softcap is None and sinks is None:
             ks = k[chunk.start:chunk.end].transpose(0, 1)[None]
             vs = v[chunk.start:chunk.end].transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
@@ -108,17 +109,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             ks = k[chunk.start:chunk.end].transpose(0, 1)[None]
             vs = v[chunk.start:chunk.end].transpose(0, 1)[None]
             length = chunk.end - chunk.start
-            o = attend(qs, ks, vs, _causal_mask(length, length, window, q.device), scale, softcap)
+            o = attend(qs, ks, vs, _causal_mask(length, length, window, q.device), scale, softcap, sinks)
         else:
             # Earlier tokens are in the cache: query i sits at absolute position ctx - L + i.
             n = chunk.context_len
             ks = gather_blocks(k_cache, chunk.block_table, "k").view(-1, kv_heads, head_dim)[:n].transpose(0, 1)[None]
             vs = gather_blocks(v_cache, chunk.block_table, "v").view(-1, kv_heads, head_dim)[:n].transpose(0, 1)[None]
-            o = attend(qs, ks, vs, _causal_mask(chunk.end - chunk.start, n, window, q.device), scale, softcap)
+            o = attend(qs, ks, vs, _causal_mask(chunk.end - chunk.start, n, window, q.device), scale, softcap, sinks)
         out[chunk.start:chunk.end] = o[0].transpose(0, 1)
 
     if meta.has_decodes and d0 < q.shape[0]:
-        out[d0:] = _decode_attention(q[d0:], k_cache, v_cache, meta, scale, window, softcap)
+        out[d0:] = _decode_attention(q[d0:], k_cache, v_cache, meta, scale, window, softcap, sinks)
     return out
 
 
@@ -133,22 +134,30 @@ def _causal_mask(num_queries: int, num_keys: int, window: int | None, device) ->
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-           softcap: float | None = None) -> torch.Tensor:
+           softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of q [B, H, L, D] over k/v [B, KVH, n, D] (grouped heads) with a bool or additive mask.
-    Without `softcap` this is SDPA; with it, the scores are soft-capped first, computed as HF's eager path does
-    (scores x scale, / cap, tanh, x cap, + mask, softmax in float32)."""
-    if softcap is None:
+    Without `softcap` and `sinks` this is SDPA; with them it is computed as HF's eager paths do: scores x scale,
+    soft-capped (/ cap, tanh, x cap), + mask, softmax in float32; with `sinks` [H] each head's sink logit joins
+    the softmax as one more column (after subtracting the row maximum, as gpt-oss does) and is then dropped."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask.dtype == torch.bool:
         scores = scores.masked_fill(~mask, float("-inf"))
     else:
         scores = scores + mask
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+    logits = torch.cat((scores, sink), dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)
 
 
 class _Scratch(threading.local):
@@ -186,18 +195,20 @@ def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, which: str = "k") -
 
 
 def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None,
-                      softcap: float | None) -> torch.Tensor:
+                      softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence against its gathered blocks; q [D, H, Dh] -> [D, H, Dh]."""
     if window in meta.window_decodes:
         tables, mask, lens = meta.window_decodes[window]
-        return _attend_blocks(q, k_cache, v_cache, tables, _windowed(meta, "cut", mask, lens, window), scale, softcap)
+        mask = _windowed(meta, "cut", mask, lens, window)
+        return _attend_blocks(q, k_cache, v_cache, tables, mask, scale, softcap, sinks)
     if not meta.decode_groups:
         mask = _windowed(meta, -1, meta.decode_mask, meta.decode_context_lens, window)
-        return _attend_blocks(q, k_cache, v_cache, meta.decode_block_tables, mask, scale, softcap)
+        return _attend_blocks(q, k_cache, v_cache, meta.decode_block_tables, mask, scale, softcap, sinks)
     out = torch.empty_like(q)
     for index, group in enumerate(meta.decode_groups):
         mask = _windowed(meta, index, group.mask, group.context_lens, window)
-        o = _attend_blocks(q.index_select(0, group.rows), k_cache, v_cache, group.block_tables, mask, scale, softcap)
+        o = _attend_blocks(q.index_select(0, group.rows), k_cache, v_cache, group.block_tables, mask, scale, softcap,
+                           sinks)
         out.index_copy_(0, group.rows, o)
     return out
 
@@ -218,10 +229,10 @@ def _windowed(meta: AttentionMetadata, group: int, mask: torch.Tensor, context_l
 
 
 def _attend_blocks(q, k_cache, v_cache, tables: torch.Tensor, mask: torch.Tensor, scale: float,
-                   softcap: float | None = None) -> torch.Tensor:
+                   softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     _, _, kv_heads, head_dim = k_cache.shape
     num_seqs = tables.shape[0]
     flat_tables = tables.view(-1)
     ks = gather_blocks(k_cache, flat_tables, "k").view(num_seqs, -1, kv_heads, head_dim).transpose(1, 2)
     vs = gather_blocks(v_cache, flat_tables, "v").view(num_seqs, -1, kv_heads, head_dim).transpose(1, 2)
-    return attend(q.unsqueeze(2), ks, vs, mask, scale, softcap).squeeze(2)
+    return attend(q.unsqueeze(2), ks, vs, mask, scale, softcap, sinks).squeeze(2)

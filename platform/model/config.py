@@ -12,14 +12,22 @@ what a family changes relative to Llama, so a family is a few fields here rather
 |                     | MLP, `query_pre_attn_scalar`, attention and final logit soft-capping, sliding layers  |
 | gemma3_text         | as Gemma 2 plus q/k norms, 5 sliding layers to 1 global with their own RoPE bases      |
 | phi3                | fused `qkv_proj` / `gate_up_proj` in checkpoint and adapters, LongRoPE, partial rotary |
+| qwen3_moe           | as Qwen3, with routed experts (`MoESpec`) in the layers `decoder_sparse_step` /       |
+|                     | `mlp_only_layers` leave sparse                                                        |
+| qwen2_moe           | q/k/v bias, routed experts plus a shared expert behind a sigmoid gate                  |
+| mixtral             | routed experts (top-k renormalised), optional sliding window                           |
+| olmoe               | q/k RMSNorm over the whole projection (not per head), routed experts                  |
+| gpt_oss             | q/k/v/o bias, attention sinks, sliding / full layers, YaRN RoPE, routed experts with   |
+|                     | biases, router bias and softmax after top-k, clamped SwiGLU with interleaved gate/up  |
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", *MOE_MODEL_TYPES)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 GEMMA_FAMILIES = ("gemma2", "gemma3_text")
 # The activation of the MLP's gate, by HF name.
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu_tanh")
@@ -40,6 +48,40 @@ class RopeSpec:
 
     def __hash__(self) -> int:
         return hash((self.theta, repr(self.scaling), self.rotary_dim))
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The routed experts of a mixture-of-experts family (see loramux.model.moe for the computation).
+
+    Each sparse layer's MLP is `num_experts` SwiGLU experts of width `intermediate_size`; a router picks
+    `top_k` of them per token and the layer returns the routing-weighted sum of their outputs.
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # one expert's hidden width (`moe_intermediate_size`, or `intermediate_size`)
+    sparse_layers: tuple[bool, ...]  # per layer: routed experts (True) or the family's dense MLP
+    norm_topk_prob: bool = False  # renormalise the top-k softmax probabilities to sum to 1
+    # gpt-oss: top-k of the router logits first, then a softmax over those k (in the logits' dtype)
+    softmax_after_topk: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False  # gpt-oss: a bias per expert on gate_up and on down
+    # The expert activation: "silu" (act(gate) * up) or "swiglu_clamp" (gpt-oss's clamped SwiGLU:
+    # gate clamped to <= limit, up to [-limit, limit], gate * sigmoid(alpha * gate) * (up + 1))
+    activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    shared_expert_size: int = 0  # Qwen2-MoE / Qwen3-Next: a dense expert every token takes, sigmoid-gated
+    router_name: str = "gate"  # the router's module name in checkpoints (`mlp.gate`, gpt-oss `mlp.router`)
+
+    @property
+    def num_sparse_layers(self) -> int:
+        return sum(self.sparse_layers)
+
+    def expert_parameters(self, hidden: int) -> int:
+        """Weights (and biases) of one expert."""
+        return 3 * hidden * self.intermediate_size + (2 * self.intermediate_size + hidden if self.expert_bias else 0)
 
 
 @dataclass(frozen=True)
@@ -71,6 +113,11 @@ class ModelConfig:
     layer_windows: tuple[int | None, ...] = ()  # per layer: sliding window (tokens seen, itself included)
     layer_ropes: tuple[RopeSpec, ...] = ()  # per layer: its rotary embedding
     fused_projections: bool = False  # Phi-3: `qkv_proj` and `gate_up_proj` in checkpoint and adapters
+    o_bias: bool = False  # a bias on the attention's output projection too (gpt-oss)
+    attention_sinks: bool = False  # a learned per-head logit in every softmax's denominator (gpt-oss)
+    qk_norm_whole: bool = False  # OLMoE: q/k RMSNorm over the whole projection instead of each head
+    clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip, clip]
+    moe: MoESpec | None = None  # routed experts (mixture-of-experts families); None for dense models
 
     def __post_init__(self) -> None:
         if not self.layer_windows:
@@ -106,14 +153,38 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
     def num_parameters(self) -> int:
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        h, v = self.hidden_size, self.vocab_size
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         if self.attention_bias:
             attn += self.q_size + 2 * self.kv_size
-        norms = (4 if self.sandwich_norms else 2) * h + (2 * self.head_dim if self.qk_norm else 0)
-        per_layer = attn + 3 * h * i + norms
+        if self.o_bias:
+            attn += h
+        if self.attention_sinks:
+            attn += self.num_heads
+        qk_norms = (self.q_size + self.kv_size if self.qk_norm_whole else 2 * self.head_dim) if self.qk_norm else 0
+        norms = (4 if self.sandwich_norms else 2) * h + qk_norms
         head = 0 if self.tie_word_embeddings else v * h
-        return v * h + self.num_layers * per_layer + h + head
+        total = v * h + self.num_layers * (attn + norms) + h + head
+        for layer in range(self.num_layers):
+            total += self._mlp_parameters(layer, active=False)
+        return total
+
+    def active_parameters(self) -> int:
+        """Parameters one token's forward pass uses: every weight except the experts its router does not pick."""
+        if self.moe is None:
+            return self.num_parameters()
+        unused = sum(self._mlp_parameters(layer, active=False) - self._mlp_parameters(layer, active=True)
+                     for layer in range(self.num_layers))
+        return self.num_parameters() - unused
+
+    def _mlp_parameters(self, layer: int, active: bool) -> int:
+        h, moe = self.hidden_size, self.moe
+        if moe is None or not moe.sparse_layers[layer]:
+            return 3 * h * self.intermediate_size
+        experts = moe.top_k if active else moe.num_experts
+        router = moe.num_experts * h + (moe.num_experts if moe.router_bias else 0)
+        shared = 3 * h * moe.shared_expert_size + h if moe.shared_expert_size else 0
+        return router + experts * moe.expert_parameters(h) + shared
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -144,6 +215,7 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         global_rope = ropes.get("full_attention") or _rope_spec(cfg, model_type, "full_attention", head_dim)
+        gpt_oss = model_type == "gpt_oss"
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -157,11 +229,11 @@ class ModelConfig:
             rope_theta=global_rope.theta,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
-            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", model_type in ("qwen2", "qwen2_moe")))),
             rope_scaling=global_rope.scaling,
             eos_token_ids=eos_ids,
             hidden_act=act,
-            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe", "olmoe"),
             norm_offset=1.0 if gemma else 0.0,
             embed_scale=cfg["hidden_size"] ** 0.5 if gemma else None,
             sandwich_norms=gemma,
@@ -171,7 +243,45 @@ class ModelConfig:
             layer_windows=layer_windows,
             layer_ropes=layer_ropes,
             fused_projections=model_type == "phi3",
+            o_bias=gpt_oss and bool(cfg.get("attention_bias", True)),
+            attention_sinks=gpt_oss,
+            qk_norm_whole=model_type == "olmoe",
+            clip_qkv=cfg.get("clip_qkv") if model_type == "olmoe" else None,
+            moe=_moe_spec(cfg, model_type, num_layers),
         )
+
+
+def _moe_spec(cfg: dict[str, Any], model_type: str, num_layers: int) -> MoESpec | None:
+    """The routed experts of a mixture-of-experts config, read as transformers' modeling code reads it."""
+    if model_type not in MOE_MODEL_TYPES:
+        return None
+    num_experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    top_k = cfg.get("num_experts_per_tok")
+    if not num_experts or not top_k or top_k > num_experts:
+        raise UnsupportedModelError(f"a {model_type} config needs num_experts (or num_local_experts) and "
+                                    f"num_experts_per_tok <= it; got {num_experts!r} and {top_k!r}")
+    if model_type in ("qwen3_moe", "qwen2_moe"):
+        # transformers: layer i is sparse unless listed in mlp_only_layers, when (i + 1) % decoder_sparse_step == 0
+        step = cfg.get("decoder_sparse_step") or 1
+        dense = set(cfg.get("mlp_only_layers") or [])
+        sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    else:
+        sparse = (True,) * num_layers
+    act = cfg.get("hidden_act") or "silu"
+    if model_type != "gpt_oss" and act != "silu":
+        raise UnsupportedModelError(f"expert activation {act!r} is not supported; supported: silu")
+    gpt_oss = model_type == "gpt_oss"
+    return MoESpec(
+        num_experts=int(num_experts), top_k=int(top_k),
+        intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+        sparse_layers=sparse,
+        norm_topk_prob=True if model_type == "mixtral" else bool(cfg.get("norm_topk_prob", False)),
+        softmax_after_topk=gpt_oss, router_bias=gpt_oss, expert_bias=gpt_oss,
+        activation="swiglu_clamp" if gpt_oss else "silu",
+        swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)), swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+        shared_expert_size=int(cfg.get("shared_expert_intermediate_size") or 0) if model_type == "qwen2_moe" else 0,
+        router_name="router" if gpt_oss else "gate",
+    )
 
 
 def _layer_types(cfg: dict[str, Any], model_type: str, num_layers: int) -> list[str]:
@@ -188,7 +298,7 @@ def _layer_types(cfg: dict[str, Any], model_type: str, num_layers: int) -> list[
     if model_type == "gemma3_text":
         pattern = cfg.get("sliding_window_pattern", 6)
         return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
-    if model_type in ("qwen2", "qwen3"):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe"):
         if not cfg.get("use_sliding_window") or not window:
             return ["full_attention"] * num_layers
         first = cfg.get("max_window_layers", num_layers)
@@ -226,8 +336,17 @@ def _rope_spec(cfg: dict[str, Any], model_type: str, layer_type: str, head_dim: 
         else:
             scaling = {k: v for k, v in scaling.items() if k not in ("rope_theta", "partial_rotary_factor")}
             scaling["rope_type"] = rope_type
-            if rope_type == "longrope":
-                scaling.setdefault("original_max_position_embeddings",
-                                   cfg.get("original_max_position_embeddings", cfg.get("max_position_embeddings")))
-                scaling.setdefault("max_position_embeddings", cfg.get("max_position_embeddings", 4096))
+            _context_defaults(cfg, scaling)
     return RopeSpec(float(theta), scaling, rotary_dim)
+
+
+def _context_defaults(cfg: dict[str, Any], scaling: dict[str, Any]) -> None:
+    """Fill what YaRN and LongRoPE read from the config's top level when their parameters leave it out."""
+    if scaling["rope_type"] not in ("yarn", "longrope"):
+        return
+    scaling.setdefault("original_max_position_embeddings",
+                       cfg.get("original_max_position_embeddings", cfg.get("max_position_embeddings")))
+    if scaling["rope_type"] == "yarn" and scaling.get("factor") is None:
+        scaling["factor"] = cfg.get("max_position_embeddings", 4096) / scaling["original_max_position_embeddings"]
+    if scaling["rope_type"] == "longrope":
+        scaling.setdefault("max_position_embeddings", cfg.get("max_position_embeddings", 4096))

@@ -1,4 +1,5 @@
-"""The decoder of every supported family (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3) over a paged KV cache.
+"""The decoder of every supported family (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3 and the mixture-of-experts
+families of loramux.model.moe) over a paged KV cache.
 
 The Llama layer is the default; what a family changes is read from `ModelConfig` (see its table): q/k norms,
 (1 + w) norms, sandwich norms, GeGLU, scaled embeddings, soft-capping, per-layer windows and RoPE.
@@ -20,6 +21,7 @@ from torch import nn
 from loramux.model import cpu_linear, quantization
 from loramux.model.attention import AttentionMetadata, KVCache, paged_attention
 from loramux.model.config import ModelConfig
+from loramux.model.moe import EXPERT_MODULES, ExpertProjection, MoEBlock
 from loramux.model.rope import RotaryEmbedding, apply_rope
 
 if TYPE_CHECKING:
@@ -151,10 +153,15 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qkv_proj = MergedLinear(cfg.hidden_size, (("q", cfg.q_size), ("k", cfg.kv_size), ("v", cfg.kv_size)),
                                      bias=cfg.attention_bias)
-        self.o_proj = MergedLinear(cfg.q_size, (("o", cfg.hidden_size),))
-        # Per-head norms of q and k before RoPE (Qwen3, Gemma 3).
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_offset) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_offset) if cfg.qk_norm else None
+        self.o_proj = MergedLinear(cfg.q_size, (("o", cfg.hidden_size),), bias=cfg.o_bias)
+        # Norms of q and k before RoPE: per head (Qwen3, Gemma 3), or over the whole projection (OLMoE).
+        q_width, k_width = (cfg.q_size, cfg.kv_size) if cfg.qk_norm_whole else (cfg.head_dim, cfg.head_dim)
+        self.q_norm = RMSNorm(q_width, cfg.rms_norm_eps, cfg.norm_offset) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_width, cfg.rms_norm_eps, cfg.norm_offset) if cfg.qk_norm else None
+        self.qk_norm_whole = cfg.qk_norm_whole
+        self.clip_qkv = cfg.clip_qkv
+        # gpt-oss: a learned logit per head joins every softmax's denominator (attention "sinks").
+        self.sinks = nn.Parameter(torch.zeros(cfg.num_heads), requires_grad=False) if cfg.attention_sinks else None
         self.scale = cfg.attn_scale
         self.window = cfg.layer_windows[layer]
         self.softcap = cfg.attn_softcap
@@ -162,25 +169,31 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
         t = x.shape[0]
-        heads = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        if self.qk_norm_whole:  # OLMoE: norm q and k as whole projections, then clip, before the heads split
+            q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+            qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=-1)
+        if self.clip_qkv is not None:
+            qkv = qkv.clamp(min=-self.clip_qkv, max=self.clip_qkv)
+        heads = qkv.view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk = heads[:, : self.num_heads + self.num_kv_heads]
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_whole:
             qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), dim=1)
         # q and k heads are adjacent in the merged output: rotate them in one go.
         qk = apply_rope(qk, cos, sin)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = heads[:, self.num_heads + self.num_kv_heads:]
-        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.window, self.softcap)
+        o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.window, self.softcap, self.sinks)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, (("gate", cfg.intermediate_size),
-                                                            ("up", cfg.intermediate_size)))
-        self.down_proj = MergedLinear(cfg.intermediate_size, (("down", cfg.hidden_size),))
-        self.intermediate_size = cfg.intermediate_size
+        width = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, (("gate", width), ("up", width)))
+        self.down_proj = MergedLinear(width, (("down", cfg.hidden_size),))
+        self.intermediate_size = width
         self.gelu = cfg.hidden_act != "silu"  # GeGLU (Gemma): gelu with the tanh approximation
 
     def forward(self, x):
@@ -199,7 +212,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = norm()
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = norm()
-        self.mlp = MLP(cfg)
+        self.mlp = MoEBlock(cfg, layer) if cfg.moe is not None and cfg.moe.sparse_layers[layer] else MLP(cfg)
         self.sandwich = cfg.sandwich_norms
         if self.sandwich:
             self.pre_feedforward_layernorm = norm()
@@ -246,10 +259,22 @@ class LlamaModel(nn.Module):
         return module
 
     def lora_modules(self) -> Iterator[tuple[int, str, MergedLinear]]:
-        """(layer index, module path, MergedLinear) of every projection an adapter can target."""
+        """(layer index, module path, MergedLinear) of every projection an adapter can target (a sparse layer of
+        a mixture-of-experts model has no dense MLP: see `expert_modules`)."""
         for index in range(len(self.layers)):
             for path in LORA_MODULES:
+                if path.startswith("mlp.") and isinstance(self.layers[index].mlp, MoEBlock):
+                    continue
                 yield index, path, self.projection(index, path)
+
+    def expert_modules(self) -> Iterator[tuple[int, str, ExpertProjection]]:
+        """(layer index, path, ExpertProjection) of every routed-expert projection (sparse layers only)."""
+        for index, layer in enumerate(self.layers):
+            if isinstance(layer.mlp, MoEBlock):
+                for path in EXPERT_MODULES:
+                    module = layer.get_submodule(path)
+                    assert isinstance(module, ExpertProjection), path
+                    yield index, path, module
 
     def untie_embedding(self) -> None:
         """Give a tied embedding its own float rows, so the LM head's W may change layout or be dropped."""

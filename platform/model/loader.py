@@ -22,6 +22,8 @@ from safetensors.torch import save_file
 
 from loramux.model.config import ModelConfig
 from loramux.model.llama import PROJECTION_SLICES, LlamaModel
+from loramux.model.moe import ExpertProjection, MoEBlock
+from loramux.model.moe_loading import complete_experts, load_moe_tensor
 from loramux.model.quantization import check_mode, choose_kernel
 from loramux.settings import DEFAULT_MODEL
 
@@ -182,12 +184,9 @@ def _load_layer_tensor(model: LlamaModel, key: str, tensor, put, loaded: set[str
         raise ValueError(f"checkpoint tensor {key!r} does not name a layer of this {model.config.num_layers}-layer "
                          f"model")
     layer = model.layers[int(parts[1])]
-    if parts[2] in LAYER_NORMS and parts[3] == "weight":
-        norm = getattr(layer, parts[2], None)
-        if norm is None:
-            raise ValueError(f"checkpoint has {key} but model_type {model.config.model_type!r} has no such norm")
-        _put_norm(norm, tensor, put)
-        loaded.add(f"layers.{parts[1]}.{parts[2]}.weight")
+    if isinstance(layer.mlp, MoEBlock) and load_moe_tensor(layer.mlp, int(parts[1]), parts[2:], tensor, put, loaded):
+        return
+    if _load_layer_extra(model, layer, key, parts, tensor, put, loaded):
         return
     if len(parts) != 5:
         return  # e.g. rotary inv_freq buffers in old checkpoints
@@ -218,6 +217,22 @@ def _load_layer_tensor(model: LlamaModel, key: str, tensor, put, loaded: set[str
     loaded.add(f"layers.{parts[1]}.{module_path}.{kind}#{slice_name}")
 
 
+def _load_layer_extra(model: LlamaModel, layer, key: str, parts: list[str], tensor, put, loaded: set[str]) -> bool:
+    """A layer norm or gpt-oss's attention sinks; False for any other tensor."""
+    if parts[2] == "self_attn" and parts[3] == "sinks" and layer.self_attn.sinks is not None:
+        put(layer.self_attn.sinks, tensor)
+        loaded.add(f"layers.{parts[1]}.self_attn.sinks")
+        return True
+    if parts[2] in LAYER_NORMS and parts[3] == "weight":
+        norm = getattr(layer, parts[2], None)
+        if norm is None:
+            raise ValueError(f"checkpoint has {key} but model_type {model.config.model_type!r} has no such norm")
+        _put_norm(norm, tensor, put)
+        loaded.add(f"layers.{parts[1]}.{parts[2]}.weight")
+        return True
+    return False
+
+
 def _put_norm(norm, tensor: torch.Tensor, put) -> None:
     """A norm's weight, with its offset added back (Gemma checkpoints store w - 1), in float32."""
     put(norm.weight, tensor.float() + norm.offset if norm.offset else tensor)
@@ -226,6 +241,9 @@ def _put_norm(norm, tensor: torch.Tensor, put) -> None:
 def _complete(loaded: set[str], model: LlamaModel) -> set[str]:
     done = {n for n in loaded if "#" not in n}
     for name, module in model.named_modules():
+        if isinstance(module, ExpertProjection):
+            done |= complete_experts(name, module, loaded)
+            continue
         slices = getattr(module, "slices", None)
         if slices is None:
             continue

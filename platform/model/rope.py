@@ -1,4 +1,4 @@
-"""Rotary position embeddings (HF `rotate_half` layout): linear, llama3 and LongRoPE frequency scaling, and
+"""Rotary position embeddings (HF `rotate_half` layout): linear, llama3, YaRN and LongRoPE frequency scaling, and
 partial rotary (only the first `rotary_dim` dims of a head rotate, as in Phi-4-mini)."""
 from __future__ import annotations
 
@@ -32,7 +32,46 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         return torch.where(is_medium, smoothed, scaled)
     if kind == "longrope":
         return longrope_inv_freq(head_dim, theta, scaling, long=False)
+    if kind == "yarn":
+        return yarn_inv_freq(head_dim, theta, scaling)
     raise ValueError(f"unsupported rope scaling {kind!r}")
+
+
+def yarn_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN (gpt-oss): interpolated frequencies (divided by `factor`) for long wavelengths, the original ones for
+    short wavelengths, and a linear ramp between the correction dims of beta_fast and beta_slow rotations, as
+    transformers' `_compute_yarn_parameters`."""
+    factor = float(scaling["factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return (head_dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def yarn_attention_factor(scaling: dict[str, Any]) -> float:
+    """YaRN's cos/sin multiplier: given, or 0.1 ln(factor) + 1 (with mscale / mscale_all_dim when both are set)."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(factor, float(scaling["mscale"])) / mscale(factor, float(scaling["mscale_all_dim"]))
+    return mscale(factor)
 
 
 def longrope_inv_freq(rotary_dim: int, theta: float, scaling: dict[str, Any], long: bool) -> torch.Tensor:
@@ -68,6 +107,8 @@ class RotaryEmbedding(torch.nn.Module):
         positions = torch.arange(max_positions, dtype=torch.float32)
         inv_freq = rope_inv_freq(rotary_dim, theta, scaling)
         factor = 1.0
+        if scaling and scaling["rope_type"] == "yarn":
+            factor = yarn_attention_factor(scaling)
         if scaling and scaling["rope_type"] == "longrope":
             factor = longrope_attention_factor(scaling)
             self.long_after = int(scaling["original_max_position_embeddings"])

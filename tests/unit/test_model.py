@@ -43,6 +43,17 @@ FAMILIES = {
                                        "rope_scaling": {"rope_type": "longrope",
                                                         "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
                                                         "long_factor": [1.5, 2.0, 3.0, 4.0, 6.0, 8.0]}}),
+    "llama-yarn": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                              "original_max_position_embeddings": 16}}),
+    "qwen3_moe": ("qwen3_moe", {"head_dim": 16, "moe_intermediate_size": 32, "num_experts": 8,
+                                "num_experts_per_tok": 2, "norm_topk_prob": True}),
+    "qwen2_moe-shared-dense-layer": ("qwen2_moe", {"moe_intermediate_size": 32, "num_experts": 8,
+                                                   "num_experts_per_tok": 2, "shared_expert_intermediate_size": 48,
+                                                   "num_hidden_layers": 3, "mlp_only_layers": [1]}),
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "olmoe-clip": ("olmoe", {"num_experts": 8, "num_experts_per_tok": 3, "clip_qkv": 2.0}),
+    "gpt_oss-window": ("gpt_oss", {"head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2,
+                                   "sliding_window": 8, "intermediate_size": 48}),
 }
 
 
@@ -112,13 +123,13 @@ def test_unsupported_architectures_are_refused_clearly():
     with pytest.raises(UnsupportedModelError) as refused:
         ModelConfig.from_hf({**base, "model_type": "gpt2"})
     assert str(refused.value) == ("model_type 'gpt2' is not supported; supported: llama, mistral, qwen2, qwen3, "
-                                  "gemma2, gemma3_text, phi3")
+                                  "gemma2, gemma3_text, phi3, qwen3_moe, qwen2_moe, mixtral, olmoe, gpt_oss")
     with pytest.raises(UnsupportedModelError, match="gemma3_text"):  # the multimodal checkpoint: name the text one
         ModelConfig.from_hf({**base, "model_type": "gemma3"})
     with pytest.raises(UnsupportedModelError, match="relu2"):
         ModelConfig.from_hf({**base, "model_type": "llama", "hidden_act": "relu2"})
-    with pytest.raises(UnsupportedModelError, match="yarn"):
-        ModelConfig.from_hf({**base, "model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4}})
+    with pytest.raises(UnsupportedModelError, match="dynamic"):
+        ModelConfig.from_hf({**base, "model_type": "llama", "rope_scaling": {"rope_type": "dynamic", "factor": 4}})
 
 
 def test_missing_tensor_is_reported(tmp_path):
