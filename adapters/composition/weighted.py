@@ -20,7 +20,8 @@ Where PEFT differs and loramux does not follow it (both written in docs/tenant-a
   the weighted sum its documentation promises.
 
 Refused (`CompositionError`, naming the component): what `cat` cannot combine into a LoRA of the decoder's
-projections — DoRA magnitudes, LoRA on the embedding, trained heads / modules_to_save.
+projections — DoRA magnitudes, LoRA on the embedding, trained heads / modules_to_save, LoRA on the routed
+experts of a mixture-of-experts base.
 """
 from __future__ import annotations
 
@@ -67,6 +68,8 @@ def refusal_reason(adapter: LoRAAdapter) -> str | None:
     if adapter.heads:
         return ("it trains heads or whole modules (modules_to_save, trainable_token_indices), which a weighted "
                 "sum of deltas cannot combine")
+    if adapter.experts:
+        return "it has LoRA on routed experts; composition of expert LoRA is not supported"
     return None
 
 

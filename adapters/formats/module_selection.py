@@ -6,6 +6,8 @@ Given the base model's LoRA-targetable module names (`model.layers.<i>.self_attn
 
 * `exclude_modules` first: a string is a regex the name must match whole; a list excludes a name equal to
   an entry or ending in `.<entry>`.
+* `target_modules` absent (null) with `target_parameters` set: no module (PEFT allows it; the parameters are
+  the routed experts', see `experts`).
 * `target_modules` as a string: "all-linear" (any case) selects every projection; any other string is a
   regex the name must match whole (`fullmatch`). `layers_to_transform` / `layers_pattern` are refused
   with a string, as PEFT's LoraConfig refuses them.
@@ -152,11 +154,18 @@ def _layer_index(name: str, patterns: list | None) -> int | None:
     return None if index is None else int(index)
 
 
+def _declared_targets(config: Mapping):
+    targets = config.get("target_modules")
+    if targets is None and config.get("target_parameters"):
+        return []  # PEFT: a config may target parameters only (the routed experts; see `experts`)
+    return targets
+
+
 def select_modules(config: Mapping, names: Mapping[tuple[int, str], str]) -> list[tuple[int, str]]:
     """The keys of `names` ((layer, target) -> module name) whose modules PEFT targets, in `names`' order."""
     check_selection_options(config)
     excluded = _exclusion(config)
-    targets = config.get("target_modules")
+    targets = _declared_targets(config)
     deadline = _cpu_clock() + _DEADLINE_S
     if isinstance(targets, str):
         if targets.lower() == "all-linear":

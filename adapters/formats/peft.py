@@ -7,7 +7,9 @@ PEFT's own matching rules (`module_selection`): each module keeps its own rank (
 (`module_scales`); DoRA (use_dora: the magnitude vectors land in `LoRAAdapter.magnitudes`; the device pool
 turns them into DoRA's per-channel scale at load, see `adapters/formats/dora.py`); LoRA on embed_tokens,
 modules_to_save of lm_head / embed_tokens and trainable_token_indices (`embedding` and `heads`: see
-adapters/formats/heads.py). Refused with a clear message for now: LoRA on lm_head (and DoRA on embed_tokens), added
+adapters/formats/heads.py); on a mixture-of-experts base, LoRA on the routed experts (PEFT `target_parameters` on
+`mlp.experts.gate_up_proj` / `down_proj`, or transformers 4.x per-expert modules: `LoRAAdapter.experts`, see
+adapters/formats/experts.py). Refused with a clear message for now: LoRA on lm_head (and DoRA on embed_tokens), added
 tokens (a resized vocabulary), fan_in_fan_out, trained biases.
 Every check lives in `validation.py` (the same path as uploads, base-model rule included: give
 `base_model_id`, the served model's name, to have `base_model_name_or_path` checked exactly as an upload's);
@@ -63,6 +65,9 @@ class LoRAAdapter:
     magnitudes: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict, repr=False)  # DoRA m [d_out]
     embedding: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)  # LoRA on embed_tokens
     heads: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)  # trained heads: adapters/formats/heads.py
+    # LoRA on the routed experts: (layer, "gate_up" | "down") -> (A [E, R, d_in], B [E, d_out, R]), float32; expert
+    # e's delta is B[e] @ A[e] * `scale` (gate_up rows: gate, then up). See adapters/formats/experts.py.
+    experts: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
 
     def scale_of(self, key: tuple[int, str]) -> float:
         """The scale of module `key` = (layer, target): its own under rank/alpha patterns, else `scale`."""
@@ -77,7 +82,8 @@ class LoRAAdapter:
     def nbytes(self) -> int:
         return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values()) \
             + sum(m.numel() * m.element_size() for m in self.magnitudes.values()) \
-            + heads_nbytes(self.embedding, self.heads)
+            + heads_nbytes(self.embedding, self.heads) \
+            + sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.experts.values())
 
 
 def parse_config(raw: bytes | str) -> dict:
@@ -106,7 +112,9 @@ def _to_lora_adapter(name: str, validated: ValidatedAdapter, weights_sha256: byt
                        target_modules=validated.target_modules, weights=weights, digest=digest.hexdigest(),
                        module_scales=dict(validated.module_scales),
                        magnitudes={key: m.float().contiguous() for key, m in validated.magnitudes.items()},
-                       embedding=embedding, heads=heads)
+                       embedding=embedding, heads=heads,
+                       experts={key: (a.float().contiguous(), b.float().contiguous())
+                                for key, (a, b) in validated.experts.items()})
 
 
 def float_heads(embedding, heads):

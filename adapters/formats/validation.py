@@ -20,6 +20,11 @@ with a stable `code`:
              bad_alpha, base_model_mismatch
   weights    unknown_tensor, unsupported_target, layer_out_of_range, shape_mismatch, duplicate_tensor,
              no_lora_weights, target_mismatch, missing_tensor, non_finite
+  experts    expert_shape_mismatch (another number of experts, in / out swapped, any other expert shape),
+             unsupported_expert_lora (an expert scale other than the adapter's, some sparse layers or experts only,
+             DoRA or LoRA biases on experts, both layouts at once); LoRA on the router or the shared expert, and
+             target_parameters other than the experts' gate_up_proj / down_proj, are unsupported_target (see
+             adapters/formats/experts.py)
   heads      vocab_mismatch (an embedding or head with another vocabulary: added tokens), head_too_large
              (above `UploadLimits.max_head_bytes`); embed_tokens / lm_head tensors the config does not ask for
              are unknown_tensor, a LoRA on lm_head unsupported_target (see adapters/formats/heads.py)
@@ -28,6 +33,11 @@ Which modules a config selects, and each one's rank and alpha, follow PEFT's own
 target_modules names or regex, exclude_modules, layers_to_transform / layers_pattern, rank_pattern /
 alpha_pattern). The weights must hold exactly those modules, each at its own rank: every tensor is either
 served or refused by name (`target_mismatch` names a tensor of a module the config does not select).
+
+On a mixture-of-experts base (`ModelConfig.moe`) the attention projections are targetable on every layer and
+the MLP projections only on its dense layers (`module_names`); LoRA on the routed experts, PEFT's
+`target_parameters` layout or transformers 4.x per-expert modules, is read by `experts` into
+`ValidatedAdapter.experts`.
 
 DoRA (`use_dora: true`) is accepted with its magnitude vectors, checked by `validation_dora` (same codes:
 a magnitude without use_dora, on a module without LoRA weights, of the wrong shape, missing or twice is
@@ -59,6 +69,13 @@ from pathlib import Path
 
 import torch
 
+from loramux.adapters.formats.experts import (
+    check_expert_config,
+    check_target_parameters,
+    experts_nbytes,
+    read_experts,
+    split_expert_entries,
+)
 from loramux.adapters.formats.heads import (
     EMBED,
     HEAD,
@@ -151,6 +168,9 @@ class ValidatedAdapter:
     # LoRA on embed_tokens (A [r, vocab], B [hidden, r]) and trained heads: see adapters/formats/heads.py.
     embedding: tuple[torch.Tensor, torch.Tensor] | None = None
     heads: dict[str, torch.Tensor] = field(default_factory=dict)
+    # LoRA on the routed experts of a mixture-of-experts base, in the file's dtype: (layer, "gate_up" | "down") ->
+    # (A [E, R, d_in], B [E, d_out, R]), served at the adapter's scale (adapters/formats/experts.py); else empty
+    experts: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -174,9 +194,13 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 
 
 def module_names(cfg: ModelConfig) -> dict[tuple[int, str], str]:
-    """The base model's own name of each LoRA-targetable module (what PEFT matches a regex against)."""
+    """The base model's own name of each LoRA-targetable module (what PEFT matches a regex against). On a
+    mixture-of-experts base the MLP projections exist only in its dense layers (`MoESpec.sparse_layers`); the
+    routed experts' own modules are `experts.expert_module_names`."""
+    sparse = cfg.moe.sparse_layers if cfg.moe is not None else (False,) * cfg.num_layers
     return {(layer, t): f"model.layers.{layer}.{_SECTIONS[t]}.{t}"
-            for layer in range(cfg.num_layers) for t in base_targets(cfg)}
+            for layer in range(cfg.num_layers) for t in base_targets(cfg)
+            if not (sparse[layer] and _SECTIONS[t] == "mlp")}
 
 
 def split_fused_magnitudes(magnitudes: dict[tuple[int, str], torch.Tensor], cfg: ModelConfig
@@ -244,6 +268,8 @@ def _compile_target_pattern(pattern: str) -> _TargetPattern:
 
 def _targets_from_config(config: Mapping, base: ModelConfig | None = None) -> set[str] | _TargetPattern:
     targets = config.get("target_modules")
+    if targets is None and config.get("target_parameters"):
+        return set()  # parameters only: the routed experts (adapters/formats/experts.py)
     if targets is None:
         raise fail("bad_option", f"{CONFIG_FILE} has no target_modules")
     if isinstance(targets, str):
@@ -312,6 +338,7 @@ def validate_config(raw: bytes | bytearray | str, max_rank: int | None = None) -
         raise fail("bad_alpha", f"lora_alpha must be a positive number, got {show(alpha)}")
     if config.get("use_rslora") not in (None, True, False):
         raise fail("bad_option", f"use_rslora must be true or false, got {show(config.get('use_rslora'))}")
+    check_target_parameters(config)
     _targets_from_config(config)
     check_selection_options(config)  # layers_to_transform, layers_pattern, exclude_modules, patterns
     check_pattern_values(config, max_rank)
@@ -366,8 +393,8 @@ def _check_entries(entries: list[TensorEntry], base: ModelConfig, config: Mappin
                    ) -> tuple[list[str], dict[tuple[int, str], dict[str, TensorEntry]]]:
     """Every tensor against the modules the config selects (`expected`: (layer, target) -> (r, alpha)): each
     is a LoRA A or B of a selected module at that module's rank, and each selected module has both. Head-module
-    tensors are checked by `_head_entries`; `heads_only_ok`: the adapter changes the embedding or head, so it
-    may target no projection at all."""
+    tensors are checked by `_head_entries`; `heads_only_ok`: the adapter changes the embedding or head (or the
+    routed experts), so it may target no projection at all."""
     shapes = checkpoint_shapes(base)
     names = base_targets(base)
     found: dict[tuple[int, str], dict[str, TensorEntry]] = {}
@@ -385,6 +412,10 @@ def _check_entries(entries: list[TensorEntry], base: ModelConfig, config: Mappin
         if layer >= base.num_layers:
             raise fail("layer_out_of_range", f"tensor {show(entry.name)} is for layer {layer}, the base model "
                                               f"has {base.num_layers} layers")
+        if base.moe is not None and base.moe.sparse_layers[layer] and _SECTIONS[target] == "mlp":
+            raise fail("target_mismatch", f"tensor {show(entry.name)} is for layer {layer} {target}, but layer "
+                                           f"{layer} of this base model has routed experts, not a dense MLP: LoRA on "
+                                           "the experts is mlp.experts.* (target_parameters, or per-expert modules)")
         pair = found.setdefault((layer, target), {})
         if kind in pair:
             raise fail("duplicate_tensor", f"layer {layer} {target} has lora_{kind} twice (e.g. with and "
@@ -451,13 +482,15 @@ def validate_adapter_files(files: Mapping[str, bytes | Path], base: ModelConfig,
         claimed_base = check_base_model(config.get("base_model_name_or_path"), base_model_id, allow_base_mismatch)
         rank, names = config["r"], module_names(base)
         expected = module_rank_alpha(config, {key: names[key] for key in select_modules(config, names)})
+        expert_params = check_expert_config(config, base)
 
         entries, data_start = parse_header(weights_src, limits)
         hc = head_config(config, _embedding_targeted(_targets_from_config(config, base)))
         _check_embedding_patterns(config, hc, rank)
         head_entries, entries = _head_entries(entries, hc, rank, base, limits)
+        expert_plan, entries = split_expert_entries(entries, config, base, expert_params)
         entries, magnitude_entries = split_magnitudes(entries, dora_enabled(config))
-        targets, found = _check_entries(entries, base, config, expected, heads_only_ok=hc.any)
+        targets, found = _check_entries(entries, base, config, expected, heads_only_ok=hc.any or expert_plan.any)
         head_tensors = {key: read_tensor(weights_src, data_start, entry) for key, entry in head_entries.items()}
         if dora_enabled(config):
             check_magnitudes(magnitude_entries, set(found), checkpoint_shapes(base), base.num_layers)
@@ -469,6 +502,8 @@ def validate_adapter_files(files: Mapping[str, bytes | Path], base: ModelConfig,
             b = read_tensor(weights_src, data_start, found[key]["B"])
             tensors[key] = (a, b)
             nbytes += a.numel() * a.element_size() + b.numel() * b.element_size()
+        experts = read_experts(expert_plan, base, lambda entry: read_tensor(weights_src, data_start, entry))
+        nbytes += experts_nbytes(experts)
     use_rslora = bool(config.get("use_rslora", False))
     default = scale_of(rank, config["lora_alpha"], use_rslora)
     module_scales = {key: scale_of(r, alpha, use_rslora) for key, (r, alpha) in expected.items()}
@@ -487,7 +522,8 @@ def validate_adapter_files(files: Mapping[str, bytes | Path], base: ModelConfig,
     return ValidatedAdapter(config=config, rank=rank, alpha=float(config["lora_alpha"]), use_rslora=use_rslora,
                             target_modules=tuple(targets), tensors=tensors,
                             nbytes=nbytes + heads_nbytes(embedding, heads), base_model=claimed_base,
-                            module_scales=module_scales, magnitudes=magnitudes, embedding=embedding, heads=heads)
+                            module_scales=module_scales, magnitudes=magnitudes, embedding=embedding, heads=heads,
+                            experts=experts)
 
 
 def _check_embedding_patterns(config: Mapping, hc, rank: int) -> None:
