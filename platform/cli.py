@@ -94,6 +94,7 @@ def cmd_plan(args, settings: Settings) -> int:
     quantization = args.quantization or settings.quantization
     plan = plan_memory(cfg, DTYPE_BYTES[dtype], args.context_len, args.batch_size, pool, args.adapter_rank,
                        quantization, settings.block_size)
+    plan.expert_lora = _expert_lora(cfg, args.expert_lora)
     draft_cfg = None
     if settings.draft_model:
         draft_cfg, _ = read_model_config(resolve_model_dir(settings.draft_model, Path(settings.cache_dir)))
@@ -103,7 +104,10 @@ def cmd_plan(args, settings: Settings) -> int:
     print(f"model: {cfg.model_type}, {cfg.num_parameters() / 1e6:.1f}M parameters, {cfg.num_layers} layers, "
           f"{cfg.num_kv_heads} KV heads x {cfg.head_dim}, dtype {dtype}"
           + (", int8 linear weights" if quantization == "int8" else ""))
-    print(f"weights        {fmt_bytes(plan.weights):>12}")
+    if cfg.moe is not None:
+        print(_experts_line(cfg))
+    print(f"weights        {fmt_bytes(plan.weights):>12}"
+          + ("   (every expert; int8 leaves the experts in the model's dtype)" if cfg.moe is not None else ""))
     print(f"KV cache       {fmt_bytes(plan.kv_cache):>12}   ({fmt_bytes(plan.kv_per_token)}/token x "
           f"{held} tokens x {args.batch_size} sequences)")
     local = sum(w is not None for w in cfg.layer_windows)
@@ -115,8 +119,13 @@ def cmd_plan(args, settings: Settings) -> int:
               f"{max(w for w in cfg.layer_windows if w)}): they attend less, but the cache holds every layer "
               "at every token")
     print(f"adapter pool   {fmt_bytes(plan.adapter_pool):>12}   ({plan.adapters_fit} adapters of rank "
-          f"{args.adapter_rank} on all 7 projections at {fmt_bytes(plan.adapter_bytes)} each; each adapter "
-          f"takes its own rank's share; LORAMUX_ADAPTER_POOL_BYTES, default LORAMUX_KV_CACHE_BYTES)")
+          f"{args.adapter_rank} on {_adapter_targets(cfg, plan.expert_lora)} at {fmt_bytes(plan.slot_bytes)} each; "
+          "each adapter takes its own rank's share; LORAMUX_ADAPTER_POOL_BYTES, default LORAMUX_KV_CACHE_BYTES)")
+    if cfg.moe is not None:
+        print(f"               expert LoRA (PEFT target_parameters on the experts' gate_up_proj and down_proj) adds "
+              f"{fmt_bytes(plan.expert_lora_bytes)} to an adapter of rank {args.adapter_rank}: rank x (in + out) "
+              f"per expert projection, x {cfg.moe.num_experts} experts x {cfg.moe.num_sparse_layers} layers"
+              + ("" if plan.expert_lora else "; --expert-lora counts it in each adapter"))
     print(f"               an adapter with a trained lm_head or embed_tokens (modules_to_save) holds "
           f"{fmt_bytes(plan.head_bytes)} more per head; trainable tokens and an embedding LoRA cost only their "
           "rows")
@@ -137,6 +146,32 @@ def cmd_plan(args, settings: Settings) -> int:
         print(f"{verdict} in {fmt_bytes(budget)} ({fmt_bytes(budget - plan.total)} left)")
         return 0 if plan.total <= budget else 1
     return 0
+
+
+def _expert_lora(cfg, wanted: bool) -> bool:
+    if wanted and cfg.moe is None:
+        raise ConfigError(f"--expert-lora needs a mixture-of-experts base; {cfg.model_type} has no routed experts")
+    return wanted
+
+
+def _experts_line(cfg) -> str:
+    """`loramux plan`'s summary of a mixture-of-experts base: experts, top-k, sparse layers, total and active
+    parameters."""
+    moe = cfg.moe
+    shared = f", plus a shared expert of width {moe.shared_expert_size}" if moe.shared_expert_size else ""
+    return (f"experts        {moe.num_experts} routed experts of width {moe.intermediate_size}, top-{moe.top_k}, "
+            f"in {moe.num_sparse_layers} of {cfg.num_layers} layers{shared}: {cfg.num_parameters() / 1e9:.2f}B "
+            f"parameters, {cfg.active_parameters() / 1e9:.2f}B active per token")
+
+
+def _adapter_targets(cfg, expert_lora: bool) -> str:
+    """What a planned adapter covers: every projection of a dense model; attention (and the dense layers' MLP)
+    of a mixture-of-experts one, whose sparse layers have no dense MLP, plus the experts with --expert-lora."""
+    if cfg.moe is None:
+        return "all 7 projections"
+    dense = cfg.num_layers - cfg.moe.num_sparse_layers
+    return ("attention" + (f" and the MLP of the {dense} dense layers" if dense else "")
+            + (" and the routed experts" if expert_lora else ""))
 
 
 def cmd_serve(args, settings: Settings) -> int:
@@ -294,6 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--adapter-pool", help="adapter pool size, e.g. 2GiB (default: the configured pool)")
     p.add_argument("--adapter-rank", type=int, default=16)
+    p.add_argument("--expert-lora", action="store_true",
+                   help="mixture-of-experts base: plan adapters that also carry LoRA on the routed experts "
+                        "(PEFT target_parameters), at --adapter-rank")
     p.add_argument("--memory", help="memory to fit in, e.g. 24GiB or 80GB")
     p.set_defaults(func=cmd_plan)
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from loramux.model.config import ModelConfig
 
+EXPERT_SCALE_BYTES = 4  # the device pool's float32 LoRA scale per (sparse layer, expert projection, expert)
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "kib": 1024, "mib": 1024**2, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
@@ -32,17 +33,27 @@ class MemoryPlan:
     weights: int
     kv_per_token: int
     kv_cache: int
-    adapter_bytes: int  # one adapter of the planned rank on all 7 projections
+    adapter_bytes: int  # one adapter of the planned rank on every projection (a sparse layer's: attention only)
     adapter_pool: int
     head_bytes: int = 0  # what a fully trained lm_head or embed_tokens (modules_to_save) adds to an adapter
     medusa_bytes: int = 0  # one set of Medusa heads (3 by default), per base model or adapter version using one
     draft_weights: int = 0  # a draft model's weights (LORAMUX_DRAFT_MODEL)
     draft_kv: int = 0  # ... and its own paged KV pool (LORAMUX_DRAFT_KV_CACHE_BYTES)
+    # A mixture-of-experts base: what one adapter's LoRA on the routed experts at the planned rank adds (0 for a
+    # dense model); counted in each adapter (`slot_bytes`) when the plan is for expert LoRA (`expert_lora`).
+    expert_lora_bytes: int = 0
+    expert_lora: bool = False
+
+    @property
+    def slot_bytes(self) -> int:
+        """One planned adapter in the device pool: `adapter_bytes`, plus `expert_lora_bytes` with `expert_lora`."""
+        return self.adapter_bytes + (self.expert_lora_bytes if self.expert_lora else 0)
 
     @property
     def adapters_fit(self) -> int:
-        """Adapters of the planned rank (all 7 projections) the pool holds; more at lower ranks."""
-        return self.adapter_pool // self.adapter_bytes if self.adapter_bytes else 0
+        """Adapters of the planned rank (every projection, and the experts with `expert_lora`) the pool holds;
+        more at lower ranks."""
+        return self.adapter_pool // self.slot_bytes if self.slot_bytes else 0
 
     @property
     def total(self) -> int:
@@ -50,19 +61,50 @@ class MemoryPlan:
 
 
 def weight_bytes(cfg: ModelConfig, dtype_bytes: int, quantization: str = "none") -> int:
-    """Bytes of the base weights: parameters x bytes, or with int8 quantization, 1 byte per linear-layer
-    parameter (the LM head included) plus a float32 scale per output channel, the rest (embedding, norms,
-    biases) at `dtype_bytes`. A tied embedding then counts twice: float rows for the lookup, int8 for the head."""
+    """Bytes of the base weights: parameters x bytes (a mixture-of-experts model's every expert included), or
+    with int8 quantization, 1 byte per linear-layer parameter (the LM head included) plus a float32 scale per
+    output channel, the rest (embedding, norms, biases, routed experts) at `dtype_bytes`. A tied embedding then
+    counts twice: float rows for the lookup, int8 for the head."""
     if quantization == "none":
         return cfg.num_parameters() * dtype_bytes
     if quantization != "int8":
         raise ValueError(f"quantization {quantization!r} is not one of none, int8")
-    h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    outs = [cfg.q_size + 2 * cfg.kv_size, h, 2 * i, h]  # qkv, o, gate_up, down
-    linear = cfg.num_layers * (h * outs[0] + cfg.q_size * h + h * 2 * i + i * h)
-    scales = cfg.num_layers * sum(outs) + v
+    h, v = cfg.hidden_size, cfg.vocab_size
+    linear = scales = 0
+    for layer in range(cfg.num_layers):
+        for d_in, d_out in _int8_linears(cfg, layer):
+            linear += d_in * d_out
+            scales += d_out
     float_params = cfg.num_parameters() - linear - (0 if cfg.tie_word_embeddings else v * h)
-    return float_params * dtype_bytes + linear + v * h + 4 * scales
+    return float_params * dtype_bytes + linear + v * h + 4 * (scales + v)
+
+
+def _int8_linears(cfg: ModelConfig, layer: int) -> list[tuple[int, int]]:
+    """(d_in, d_out) of each linear layer of decoder layer `layer` that int8 quantization converts: attention,
+    and the dense MLP; in a sparse layer the router and the shared expert with its gate instead, the routed
+    experts staying in the model's dtype (they are grouped matmuls, not linear layers)."""
+    h, moe = cfg.hidden_size, cfg.moe
+    out = [(h, cfg.q_size + 2 * cfg.kv_size), (cfg.q_size, h)]  # qkv, o
+    if moe is None or not moe.sparse_layers[layer]:
+        return [*out, (h, 2 * cfg.intermediate_size), (cfg.intermediate_size, h)]  # gate_up, down
+    out.append((h, moe.num_experts))  # router
+    if moe.shared_expert_size:
+        s = moe.shared_expert_size
+        out += [(h, 2 * s), (s, h), (h, 1)]  # shared expert gate_up, down, and its sigmoid gate
+    return out
+
+
+def expert_lora_bytes(cfg: ModelConfig, rank: int, dtype_bytes: int) -> int:
+    """Device bytes of one adapter's LoRA on the routed experts at `rank` (0 for a dense model): per sparse
+    layer and expert, rank x (d_in + d_out) weights of gate_up (H -> 2I) and of down (I -> H), and a float32
+    scale per projection: what the device pool's slot holds (loramux.adapters.residency.expert_slots.slot_bytes,
+    which a test keeps equal to this)."""
+    moe = cfg.moe
+    if moe is None or rank <= 0:
+        return 0
+    h, i = cfg.hidden_size, moe.intermediate_size
+    per_expert = rank * ((h + 2 * i) + (i + h)) * dtype_bytes + 2 * EXPERT_SCALE_BYTES
+    return moe.num_sparse_layers * moe.num_experts * per_expert
 
 
 def kv_tokens_held(cfg: ModelConfig, context_len: int, block_size: int = 16) -> int:
@@ -79,10 +121,15 @@ def plan_memory(cfg: ModelConfig, dtype_bytes: int, context_len: int, batch_size
     """weights: see `weight_bytes`; KV per token = 2 x layers x kv_heads x head_dim x bytes, times the
     tokens a sequence holds (`kv_tokens_held`); an adapter = rank x sum over the 7 projections of
     (d_in + d_out) x layers x bytes (the device pool holds each adapter at its own rank, so this is exact for
-    one targeting every projection)."""
+    one targeting every projection). A mixture-of-experts layer has no dense MLP, so there an adapter covers the
+    4 attention projections only; `expert_lora_bytes` is what LoRA on its routed experts adds (set the plan's
+    `expert_lora` to count it in each adapter)."""
     h, i = cfg.hidden_size, cfg.intermediate_size
-    dims = [(h, cfg.q_size), (h, cfg.kv_size), (h, cfg.kv_size), (cfg.q_size, h), (h, i), (h, i), (i, h)]
-    per_slot = adapter_rank * sum(a + b for a, b in dims) * cfg.num_layers * dtype_bytes
+    attention = [(h, cfg.q_size), (h, cfg.kv_size), (h, cfg.kv_size), (cfg.q_size, h)]
+    mlp = [(h, i), (h, i), (i, h)]
+    dense_layers = cfg.num_layers - (cfg.moe.num_sparse_layers if cfg.moe is not None else 0)
+    per_slot = adapter_rank * dtype_bytes * (sum(a + b for a, b in attention) * cfg.num_layers
+                                             + sum(a + b for a, b in mlp) * dense_layers)
     kv_token = cfg.kv_bytes_per_token(dtype_bytes)
     return MemoryPlan(
         weights=weight_bytes(cfg, dtype_bytes, quantization),
@@ -93,6 +140,7 @@ def plan_memory(cfg: ModelConfig, dtype_bytes: int, context_len: int, batch_size
         # the device pool holds it whole (adapters/residency/head_slots.py)
         head_bytes=cfg.vocab_size * h * dtype_bytes,
         medusa_bytes=medusa_heads_bytes(cfg, dtype_bytes),
+        expert_lora_bytes=expert_lora_bytes(cfg, adapter_rank, dtype_bytes),
     )
 
 

@@ -27,6 +27,8 @@ def calibrate_step_cost(engine, rounds: int = 2, seed: int = 0) -> float:
     long_len = max(1, min(256, engine.max_model_len - 8))
     params = SamplingParams(max_tokens=6, ignore_eos=True, speculative=False)
     counters = dataclasses.replace(engine.counters)
+    experts = counters.expert_tokens  # shared with the copy: set back in place, where the model's MoE blocks count
+    held = experts.snapshot() if experts is not None else None
     for r in range(rounds):
         lengths = [min(24, long_len)] * 8 + [long_len]
         for i, n in enumerate(lengths):
@@ -39,4 +41,6 @@ def calibrate_step_cost(engine, rounds: int = 2, seed: int = 0) -> float:
     budget.model.fit()
     budget.reset_stats()
     engine.counters = counters
+    if experts is not None and held is not None:
+        experts.restore(held)
     return time.monotonic() - t0

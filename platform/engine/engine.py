@@ -28,7 +28,7 @@ from loramux.engine.speculation.medusa_heads import MedusaHeads
 from loramux.engine.speculation.policy import SpecPolicy
 from loramux.engine.speculation.speculator import Speculator
 from loramux.engine.speculation.verification import verify_draft
-from loramux.engine.stats import EngineCounters, engine_stats
+from loramux.engine.stats import EngineCounters, ExpertTokens, engine_stats
 from loramux.engine.structured.constraint import Constraint, batch_masker
 from loramux.engine.structured.grammar import GrammarCache, StructuredOutputError
 from loramux.engine.tokens import chat_template_ids
@@ -101,7 +101,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.grammars = GrammarCache(tokenizer, mcfg.vocab_size, self.eos_token_ids)  # built on first use
         self.requests: dict[str, _Request] = {}
-        self.counters = EngineCounters()
+        self.counters = EngineCounters(expert_tokens=ExpertTokens.attach(model))  # tokens per expert: /metrics
         adaptive = self.step_budget if config.speculative_adaptive else None  # the budget's step-time model
         policy = SpecPolicy(adaptive.model.predict if adaptive is not None else None)
         self.speculator = Speculator(config, self.max_model_len, policy)

@@ -1,6 +1,7 @@
 """Turns a scheduled batch into flat tensors, runs the model and returns the logits to sample from."""
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -17,6 +18,12 @@ from loramux.model.llama import LlamaModel
 if TYPE_CHECKING:
     from loramux.engine.cuda_graphs import DecodeGraphs, GraphBackend
     from loramux.kernels.wrapper import Location, LoRAWrapper
+
+log = logging.getLogger(__name__)
+# Why a mixture-of-experts model never runs decode steps from the fixed-shape buffers (CUDA graphs).
+MOE_NO_GRAPHS = ("mixture-of-experts routing is data-dependent: each layer reads its (token, expert) counts back "
+                 "to the host to size the grouped expert matmuls, which a captured graph cannot replay, and the "
+                 "fixed-shape buffers' padding rows would be routed too; decode steps run eagerly")
 
 
 @dataclass
@@ -64,20 +71,31 @@ class ModelRunner:
         self.medusa_of: Callable[[Sequence], MedusaHeads | None] | None = None  # set by the engine
         self.max_model_len = min(max_model_len or num_blocks * block_size, model.rope.cos.shape[0])
         self.graphs: DecodeGraphs | None = None  # DecodeGraphs when plain decode steps run from fixed-shape buffers
+        self.graphs_refused: str | None = MOE_NO_GRAPHS if cfg.moe is not None else None  # why they never do
+        self._refusal_logged = False
         self.graph_batch = config.max_num_seqs if config is not None else 32
         if config is not None and getattr(config, "cuda_graphs", False) and self.device.type == "cuda":
             self.use_decode_graphs(capture=True)
 
     def use_decode_graphs(self, capture: bool, max_batch: int | None = None,
-                          backend: GraphBackend | None = None) -> None:
+                          backend: GraphBackend | None = None) -> bool:
         """Run plain decode steps of at most `max_batch` sequences from fixed-shape buffers: replayed as CUDA
         graphs with `capture` (CUDA only), else the same path eagerly (CPU tests, bench --tiny). `backend`:
-        what captures and replays (loramux.engine.cuda_graphs.CudaGraphBackend; tests pass a stand-in)."""
+        what captures and replays (loramux.engine.cuda_graphs.CudaGraphBackend; tests pass a stand-in).
+        Returns whether decode steps now take that path: never for a model `graphs_refused` names a reason for
+        (a mixture-of-experts model), which keeps running every step eagerly; the reason is logged once."""
         from loramux.engine.cuda_graphs import DecodeGraphs
 
+        if self.graphs_refused is not None:
+            if not self._refusal_logged:
+                log.info("decode steps run without CUDA graphs: %s", self.graphs_refused)
+                self._refusal_logged = True
+            self.graphs = None
+            return False
         if capture and backend is None and self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device; use capture=False to run the static path eagerly")
         self.graphs = DecodeGraphs(self, max_batch or self.graph_batch, self.max_model_len, capture, backend)
+        return True
 
     def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype, device=self.device)

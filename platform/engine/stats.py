@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from loramux.engine.sequence import FinishReason, Sequence
+from loramux.model.moe import MoEBlock
 
 if TYPE_CHECKING:
     from loramux.adapters.residency.locations import AdapterResidency
@@ -15,8 +16,47 @@ if TYPE_CHECKING:
     from loramux.engine.speculation.medusa_device_cache import MedusaDeviceCache
     from loramux.engine.speculation.speculator import Speculator
     from loramux.histogram import DurationHistogram
+    from loramux.model.llama import LlamaModel
 
-__all__ = ["EngineCounters", "EngineParts", "engine_stats", "lora_stats"]
+__all__ = ["EngineCounters", "EngineParts", "ExpertTokens", "engine_stats", "lora_stats"]
+
+
+class ExpertTokens:
+    """(token, expert) routing pairs of a mixture-of-experts model since the engine started, per layer and
+    expert: every forward's, prefill chunks and speculative verification included. `count` is each MoEBlock's
+    `expert_counter` hook and runs on the engine thread once per sparse layer per step, so it only adds the
+    step's host-side counts into a plain list; readers (/metrics, stats()) copy the lists when they ask."""
+
+    def __init__(self, sparse_layers: tuple[bool, ...], num_experts: int):
+        # One row per decoder layer, index = layer; a dense layer's row is empty.
+        self.rows: list[list[int]] = [[0] * num_experts if sparse else [] for sparse in sparse_layers]
+
+    @classmethod
+    def attach(cls, model: LlamaModel) -> ExpertTokens | None:
+        """A counter fed by every MoEBlock of `model` (the hook is set on them), or None for a dense model."""
+        moe = model.config.moe
+        if moe is None:
+            return None
+        counter = cls(moe.sparse_layers, moe.num_experts)
+        for module in model.modules():
+            if isinstance(module, MoEBlock):
+                module.expert_counter = counter
+        return counter
+
+    def count(self, layer: int, present: list[int], counts: list[int]) -> None:
+        row = self.rows[layer]
+        for expert, n in zip(present, counts):
+            row[expert] += n
+
+    def snapshot(self) -> list[list[int]]:
+        """Pairs per layer (a list per decoder layer, [] for a dense one) and expert. Safe from any thread."""
+        return [list(row) for row in self.rows]
+
+    def restore(self, rows: list[list[int]]) -> None:
+        """Set the counts back to an earlier `snapshot` (calibration's synthetic work is not counted)."""
+        for row, saved in zip(self.rows, rows):
+            row[:] = saved
+
 
 @dataclass
 class EngineCounters:
@@ -27,6 +67,7 @@ class EngineCounters:
     spec_proposed: int = 0  # draft tokens proposed
     spec_accepted: int = 0  # ... and accepted
     service_s_ewma: float | None = None  # None until a request has completed
+    expert_tokens: ExpertTokens | None = None  # a mixture-of-experts model's routing pairs; None for a dense one
 
     def record_finished(self, seq: Sequence) -> None:
         """Fold a finished request's service time (first scheduled -> finished) into the average; only
@@ -81,7 +122,9 @@ def engine_stats(engine: EngineParts) -> dict:
     preemptions, adapter slots leased by running requests (`adapter_slots_pinned`: the key keeps its published
     name) and loads, `lora` (see `lora_stats`), `steps` (`StepBudget.stats()`) and
     `fair_share`: tenant -> its virtual token counter and weighted service (`FairShare.stats()`); `medusa_device`:
-    requests' own Medusa head sets on the device (`MedusaDeviceCache.stats()`)."""
+    requests' own Medusa head sets on the device (`MedusaDeviceCache.stats()`); `moe_expert_tokens`: a
+    mixture-of-experts model's (token, expert) routing pairs so far, a list per decoder layer of one count per
+    expert ([] for a dense layer; no entries at all for a dense model: `ExpertTokens.snapshot()`)."""
     lora = lora_stats(engine)
     scheduler, blocks, counters = engine.scheduler, engine.block_manager, engine.counters
     return {
@@ -102,6 +145,7 @@ def engine_stats(engine: EngineParts) -> dict:
         "steps": engine.step_budget.stats() if engine.step_budget is not None else {},
         "fair_share": scheduler.fair.stats(),
         "medusa_device": engine.medusa_device.stats(),
+        "moe_expert_tokens": counters.expert_tokens.snapshot() if counters.expert_tokens is not None else [],
     }
 
 

@@ -199,6 +199,14 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        quantized = cfg.get("quantization_config")
+        if model_type == "gpt_oss" and quantized:
+            method = str(quantized.get("quant_method", "?")) if isinstance(quantized, dict) else "?"
+            raise UnsupportedModelError(
+                f"this gpt_oss checkpoint is quantized (quantization_config quant_method {method!r}); quantized "
+                "experts, MXFP4 blocks and scales as openai/gpt-oss-20b and -120b are published included, are not "
+                "supported: serve a bfloat16 or float32 checkpoint of the model (dequantized, without "
+                "quantization_config)")
         gemma = model_type in GEMMA_FAMILIES
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads

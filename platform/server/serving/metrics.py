@@ -5,7 +5,9 @@ Label cardinality is bounded by construction: the only labels are `tier` (the fi
 (`TOKEN_KINDS`) and `cache_tier` (`CACHE_LEVELS`: the adapter cache levels device, ram, disk, store; "device"
 is the engine's adapter memory, once labelled "slot"). In code "tier" means a tenant's tier only; the label
 `cache_tier` keeps the name dashboards query, though its values are cache levels. Tenant ids, adapter names and
-request ids never become labels: they belong in the logs and the cost ledger.
+request ids never become labels: they belong in the logs and the cost ledger. A mixture-of-experts base adds
+`layer` and `expert` (`loramux_moe_expert_tokens_total`): numbers fixed by the model (layers x experts series,
+e.g. 48 x 128 for Qwen3-30B-A3B), absent for a dense model.
 
 The one exception, and the one place adapter references appear in a label value, is `vllm:lora_requests_info`:
 vLLM's gauge of the same name and shape, which LoRA-affinity routers (the Kubernetes Gateway API Inference
@@ -269,7 +271,25 @@ class _StateCollector(Collector):
         return [queue, running, kv, pinned, cache_bytes, budget, resident, hits, misses, failures, loading,
                 device_loads, evictions, load_seconds, lora_info, replica_running, replica_adapters,
                 *_step_families(state.get("steps")), *_speculation_families(state.get("speculation")),
-                *_fair_share_families(state.get("fair_share"))]
+                *_fair_share_families(state.get("fair_share")), _expert_family(state.get("moe_expert_tokens"))]
+
+
+def _expert_family(rows) -> Metric:
+    """(token, expert) routing pairs per layer and expert of a mixture-of-experts model (routing skew shows as
+    uneven rates across a layer's experts); no samples for a dense model, whose `moe_expert_tokens` is []."""
+    family = CounterMetricFamily("loramux_moe_expert_tokens",
+                                 "(token, expert) routing pairs of a mixture-of-experts model, per layer and expert.",
+                                 labels=["layer", "expert"])
+    if not isinstance(rows, (list, tuple)):
+        return family
+    for layer, row in enumerate(rows):
+        if not isinstance(row, (list, tuple)):
+            continue
+        for expert, n in enumerate(row):
+            value = _count(n)
+            if value is not None:
+                family.add_metric([str(layer), str(expert)], value)
+    return family
 
 
 def _fair_share_families(shares) -> list[Metric]:
@@ -444,7 +464,8 @@ class ServerMetrics:
         lora = {running, waiting (adapter names), max_lora, device_adapters, device_bytes, device_budget_bytes,
         loading, loads, evictions, load_seconds (a DurationHistogram snapshot)} and adapter_cache = {hits:
         {ram, disk, store}, downloads, load_failures, host_bytes, host_budget_bytes, host_adapters, disk_bytes,
-        disk_budget_bytes, disk_adapters, load_seconds: {disk, store}}. Missing or non-numeric values are left
+        disk_budget_bytes, disk_adapters, load_seconds: {disk, store}}, moe_expert_tokens (per layer, a list of
+        counts per expert: `loramux_moe_expert_tokens_total`). Missing or non-numeric values are left
         out (`vllm:lora_requests_info` is there whenever `lora` is); if `fn` raises, the error is logged,
         `loramux_state_source_errors_total` goes up and the rest of the scrape is served.
         """
