@@ -10,6 +10,12 @@ projections, exactly, so each row costs its own adapter's rank. The engine sets 
 slot) once per step; every layer then calls `apply` with its own key, and the wrapper runs the shared ops
 once per bucket present, on the span of rows that bucket's adapters cover.
 
+LoRA on the routed experts of a mixture-of-experts layer (PEFT `target_parameters`) goes through the same
+wrapper: each expert projection calls `apply_experts` with the layer's pairs sorted by expert, and every pair
+(token t, expert e) of an adapter row gets that adapter's own rank-r pair of expert e (`ExpertLoRAWeights`):
+    y[p] += (x[p] @ A[slot(t), e]^T) @ B[slot(t), e]^T * scale[slot(t)]
+(loramux.kernels.moe.expert_lora, with (slot, expert) flattened into one "virtual slot").
+
 Adapters that change the embedding or the output head (embedding LoRA, trained lm_head / embed_tokens,
 trainable tokens) are served through the same wrapper: the model calls `embed` and `logits` when the
 step has such rows (`embeds`, `replaces_logits`); see loramux.kernels.head_rows for their semantics.
@@ -24,6 +30,7 @@ import torch
 
 from loramux.kernels.dora import dora_rescale
 from loramux.kernels.head_rows import StepHeads
+from loramux.kernels.moe import ExpertGroups, ExpertLoRAPlan, expert_lora, plan_expert_lora, virtual_slots
 from loramux.kernels.ops import LoRABatch, LoRACost, lora_shrink_expand, resolve_lora_impl
 
 Location = tuple[object, int]  # (bucket key, slot in it): see loramux.adapters.residency.device_pool
@@ -77,12 +84,41 @@ class LoRALayerWeights:
 
 
 @dataclass
+class ExpertLoRAWeights:
+    """Expert-LoRA buffers of one expert projection (one layer) in one rank bucket: per slot, a rank-R pair
+    per expert, stacked with (slot, expert) flattened: row v = slot * num_experts + expert.
+
+    a: [n_slots * E, R, d_in]; b: [n_slots * E, d_out, R]; scale: [n_slots * E] float32 (the slot's adapter
+    scale, repeated over its experts). `targeted` / `targeted_mask`: per slot, whether its adapter has LoRA
+    on this projection (set with `set_targeted`), as LoRALayerWeights."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: torch.Tensor
+    num_experts: int
+    targeted: list[bool]
+    targeted_mask: int = 0
+
+    def __post_init__(self) -> None:
+        self.targeted_mask = sum(1 << slot for slot, flag in enumerate(self.targeted) if flag)
+
+    def set_targeted(self, slot: int, flag: bool) -> None:
+        self.targeted[slot] = flag
+        self.targeted_mask = self.targeted_mask | (1 << slot) if flag else self.targeted_mask & ~(1 << slot)
+
+    def slot_rows(self, slot: int) -> slice:
+        """The rows of a, b and scale that belong to `slot`."""
+        return slice(slot * self.num_experts, (slot + 1) * self.num_experts)
+
+
+@dataclass
 class _BucketRows:
     bucket: object
     start: int  # rows [start, stop) of the step hold every row of this bucket
     stop: int
     batch: LoRABatch
     slots_mask: int  # bit s set: slot s has rows in this step
+    token_slots: torch.Tensor | None = None  # [rows in the step] long: slot of this bucket's rows, -1 elsewhere
 
 
 class LoRAWrapper:
@@ -100,12 +136,19 @@ class LoRAWrapper:
         # pool sets it); `heads` holds this step's rows of such buckets, None when the step has none.
         self.extras_of: Callable[[BucketKeyArg], dict[str, torch.Tensor]] = lambda bucket: {}
         self.heads: StepHeads | None = None
+        # Expert LoRA: `experts_of(bucket, key)` gives a bucket's buffers of expert projection `key` (the pool).
+        self.experts_of: Callable[[BucketKeyArg, tuple[int, str]], ExpertLoRAWeights | None] = lambda b, k: None
+        self.num_rows = 0
+        # The layer's pairs being served and, per bucket, their plan: a layer's gate_up and down share one.
+        self._expert_plans: tuple[ExpertGroups | None, dict[int, ExpertLoRAPlan]] = (None, {})
 
     def set_batch(self, locations: Sequence[Location | None] | None, logit_rows: Sequence[int] | None = None) -> None:
         """Per step: each row's adapter location, None for a base-model row (or no list at all), and the rows
         whose logits the step computes (`logit_rows`, in logits order: for trained heads)."""
         self.buckets = []
         self.heads = None
+        self._expert_plans = (None, {})
+        self.num_rows = len(locations) if locations else 0
         if not locations:
             return
         if any(location is not None and getattr(location[0], "extras", ()) for location in locations):
@@ -141,6 +184,27 @@ class LoRAWrapper:
     def logits(self, hidden: torch.Tensor, base_head: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """Logits of the step's logits rows: each row's adapter's head where it has one, `base_head` else."""
         return self.heads.logits(hidden, base_head)
+
+    def apply_experts(self, y: torch.Tensor, x: torch.Tensor, groups: ExpertGroups,
+                      key: tuple[int, str] | None) -> torch.Tensor:
+        """Add the expert-LoRA deltas of this step's adapters to y = grouped expert projection of x, in place:
+        y and x hold the layer's (token, expert) pairs in `groups`' sorted order. Returns y."""
+        for bucket in self.buckets:
+            weights = self.experts_of(bucket.bucket, key)
+            if weights is None or not weights.targeted_mask & bucket.slots_mask:
+                continue
+            if bucket.token_slots is None:  # once per step: the slot of each of the step's rows in this bucket
+                slots = torch.full((self.num_rows,), -1, dtype=torch.long, device=self.device)
+                slots[bucket.start:bucket.stop] = bucket.batch.slot_map
+                bucket.token_slots = slots
+            if self._expert_plans[0] is not groups:
+                self._expert_plans = (groups, {})
+            plans = self._expert_plans[1]
+            if id(bucket) not in plans:
+                plans[id(bucket)] = plan_expert_lora(virtual_slots(groups, bucket.token_slots))
+            plan = plans[id(bucket)]
+            expert_lora(y, x, weights.a, weights.b, weights.scale, plan.vslots, impl=self.impl, plan=plan)
+        return y
 
     def apply(self, y: torch.Tensor, x: torch.Tensor, key: tuple[int, str] | None) -> torch.Tensor:
         """Add the LoRA deltas of this step's adapters to y = base(x), in place; returns y."""

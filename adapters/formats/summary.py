@@ -6,7 +6,8 @@
      "layout": "plain" | "per-module",       # per-module: rank/alpha patterns or a layer subset
      "modules": {target: {"layers": [i, ...], "rank_min": .., "rank_max": .., "scale_min": .., "scale_max": ..}},
      "dora": bool, "embedding": None | {"rank": r}, "heads": [name, ...],
-     "device_bytes": {"lora": .., "dora": .., "embedding": .., "heads": .., "total": ..}}
+     "experts": {"gate_up" | "down": {"rank": R, "layers": [i, ...]}},   # LoRA on routed experts (MoE bases)
+     "device_bytes": {"lora": .., "dora": .., "embedding": .., "heads": .., "experts": .., "total": ..}}
 
 `modules` lists the projections the adapter covers in model order, each with the layers it covers and the
 range of its modules' ranks and scales. `device_bytes.lora` is exactly what one slot of the adapter's
@@ -25,6 +26,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from loramux.adapters.formats.peft import LoRAAdapter
+from loramux.adapters.residency import expert_slots
 from loramux.adapters.residency.head_slots import absorb_base_copies, extras_bytes, extras_of
 from loramux.adapters.residency.pool_layout import layer_ranks as layout_of
 from loramux.adapters.residency.pool_layout import lora_slot_bytes, path_shapes
@@ -103,12 +105,16 @@ def describe(adapter: LoRAAdapter, cfg: ModelConfig, dtype_bytes: int) -> dict:
         "dora": _dora_bytes(adapter, paths, table, shapes, cfg.num_layers, dtype_bytes),
         "embedding": extras_bytes(embedding_extras, cfg.vocab_size, cfg.hidden_size, dtype_bytes),
         "heads": extras_bytes(head_extras, cfg.vocab_size, cfg.hidden_size, dtype_bytes),
+        "experts": expert_slots.slot_bytes(expert_slots.key_of(adapter), cfg, dtype_bytes),
     }
+    experts: dict[str, dict] = {}
+    for (layer, name), (a, _) in sorted(getattr(adapter, "experts", {}).items()):
+        experts.setdefault(name, {"rank": int(a.shape[1]), "layers": []})["layers"].append(layer)
     device["total"] = sum(device.values())
     return {
         "rank": adapter.rank, "lora_alpha": float(adapter.alpha), "use_rslora": bool(adapter.use_rslora),
         "scale": adapter.scale, "layout": "per-module" if table else "plain", "modules": modules,
         "dora": bool(adapter.magnitudes),
         "embedding": None if adapter.embedding is None else {"rank": int(adapter.embedding[0].shape[0])},
-        "heads": [_head_name(e, e in copies) for e in head_extras], "device_bytes": device,
+        "heads": [_head_name(e, e in copies) for e in head_extras], "experts": experts, "device_bytes": device,
     }

@@ -64,7 +64,7 @@ import math
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -484,7 +484,7 @@ def validate_adapter_files(files: Mapping[str, bytes | Path], base: ModelConfig,
         expected = module_rank_alpha(config, {key: names[key] for key in select_modules(config, names)})
         expert_params = check_expert_config(config, base)
 
-        entries, data_start = parse_header(weights_src, limits)
+        entries, data_start = parse_header(weights_src, _tensor_cap_for(base, limits))
         hc = head_config(config, _embedding_targeted(_targets_from_config(config, base)))
         _check_embedding_patterns(config, hc, rank)
         head_entries, entries = _head_entries(entries, hc, rank, base, limits)
@@ -524,6 +524,17 @@ def validate_adapter_files(files: Mapping[str, bytes | Path], base: ModelConfig,
                             nbytes=nbytes + heads_nbytes(embedding, heads), base_model=claimed_base,
                             module_scales=module_scales, magnitudes=magnitudes, embedding=embedding, heads=heads,
                             experts=experts)
+
+
+def _tensor_cap_for(base: ModelConfig, limits: UploadLimits) -> UploadLimits:
+    """The tensor-count cap, raised on a mixture-of-experts base to what a full per-expert adapter holds (two
+    tensors per expert projection of every sparse layer, as transformers 4.x trainers save them: ~37k for
+    Qwen3-30B-A3B), so a well-formed adapter is never refused for its tensor count."""
+    if base.moe is None:
+        return limits
+    per_expert = 2 * 3 * base.moe.num_experts * base.moe.num_sparse_layers
+    dense = 2 * len(TARGETS) * base.num_layers + 64  # attention / dense MLP modules, embedding and heads
+    return replace(limits, max_tensors=max(limits.max_tensors, per_expert + dense))
 
 
 def _check_embedding_patterns(config: Mapping, hc, rank: int) -> None:

@@ -45,7 +45,7 @@ import torch
 
 from loramux.adapters.formats.dora import dora_scale, unservable_reason
 from loramux.adapters.formats.peft import LoRAAdapter
-from loramux.adapters.residency import head_slots, pool_layout
+from loramux.adapters.residency import expert_slots, head_slots, pool_layout
 from loramux.kernels.wrapper import LoRALayerWeights, LoRAWrapper
 from loramux.model.llama import LORA_MODULES, PROJECTION_SLICES, LlamaModel
 
@@ -72,6 +72,7 @@ class BucketKey(NamedTuple):
     layer_ranks: tuple = ()
     dora: bool = False  # slots carry DoRA's per-output-channel magnitude scale
     extras: tuple = ()  # per-slot tensors outside the decoder projections (embedding LoRA, trained heads)
+    experts: tuple = ()  # LoRA on routed experts: ((projection, rank), ...), see expert_slots
 
 
 class _Bucket:
@@ -85,6 +86,7 @@ class _Bucket:
         # Embedding LoRA and trained heads (adapters/residency/head_slots.py): one stack per buffer, slots first.
         cfg = model.config
         self.extras = head_slots.allocate(key.extras, capacity, cfg.vocab_size, cfg.hidden_size, dtype, device)
+        self.experts = expert_slots.allocate(key.experts, model, capacity, dtype, device)
         if key.layer_ranks:
             self.scale = None
             self.scales = self._patterned(model, key.layer_ranks, key.dora, capacity, dtype, device)
@@ -138,6 +140,7 @@ class _Bucket:
             scale[..., dst_slot] = other[..., src_slot]
         for name, stack in self.extras.items():
             stack[dst_slot].copy_(src.extras[name][src_slot])
+        expert_slots.copy_slot(self.experts, src.experts, src_slot, dst_slot)
 
 
 class DevicePool:
@@ -159,6 +162,9 @@ class DevicePool:
         self.wrapper = LoRAWrapper(lora_impl, self.device, self._weights_of)
         for layer, path, module in model.lora_modules():
             module.lora_wrapper, module.lora_key = self.wrapper, (layer, path)
+        for layer, path, expert_module in model.expert_modules():  # LoRA on routed experts (expert_slots)
+            expert_module.lora_wrapper, expert_module.lora_key = self.wrapper, (layer, path)
+        self.wrapper.experts_of = self._experts_of
         # Embedding LoRA and trained heads: the model asks the same wrapper, which reads the slots' extras.
         self.wrapper.extras_of = self._extras_of
         model.lora_wrapper = self.wrapper
@@ -181,7 +187,8 @@ class DevicePool:
         head_slots.absorb_base_copies(adapter, self.model)  # once: PEFT's saved copies of the base embedding
         return BucketKey(adapter.rank, tuple(p for p in LORA_MODULES if p in paths),
                          layer_ranks=pool_layout.layer_ranks(adapter, self.shapes, len(self.model.layers)),
-                         dora=bool(adapter.magnitudes), extras=head_slots.extras_of(adapter))
+                         dora=bool(adapter.magnitudes), extras=head_slots.extras_of(adapter),
+                         experts=expert_slots.key_of(adapter))
 
     def _check_dora(self, adapter: LoRAAdapter) -> None:
         """ValueError (the message says what to do) where this model cannot serve DoRA exactly."""
@@ -204,7 +211,8 @@ class DevicePool:
             dora = sum(self.dora_bytes[p] for p in key.paths)
         cfg = self.model.config
         extras = head_slots.extras_bytes(key.extras, cfg.vocab_size, cfg.hidden_size, self.element)
-        return lora + (dora if key.dora else 0) + extras
+        experts = expert_slots.slot_bytes(key.experts, cfg, self.element)
+        return lora + (dora if key.dora else 0) + extras + experts
 
     def capacity(self, key: BucketKey) -> int:
         bucket = self.buckets.get(key)
@@ -219,6 +227,10 @@ class DevicePool:
     def _weights_of(self, key: BucketKey, module: tuple[int, str]) -> LoRALayerWeights | None:
         bucket = self.buckets.get(key)
         return None if bucket is None else bucket.weights.get(module)
+
+    def _experts_of(self, key: BucketKey, module: tuple[int, str]):
+        bucket = self.buckets.get(key)
+        return None if bucket is None else bucket.experts.get(module)
 
     def _extras_of(self, key: BucketKey) -> dict[str, torch.Tensor]:
         bucket = self.buckets.get(key)
@@ -261,6 +273,7 @@ class DevicePool:
                 scale[..., [i, j]] = scale[..., [j, i]]
             for stack in bucket.extras.values():
                 stack[[i, j]] = stack[[j, i]]
+            expert_slots.swap(bucket.experts, i, j)
             then()
 
     def load(self, key: BucketKey, slot_of: Callable[[], int], adapter: LoRAAdapter) -> concurrent.futures.Future:
@@ -316,6 +329,7 @@ class DevicePool:
         if bucket.scale is not None:
             bucket.scale[slot] = adapter.scale
         head_slots.write(bucket.extras, slot, adapter)
+        expert_slots.write(bucket.experts, slot, adapter)
 
     def shutdown(self) -> None:
         if self._loader is not None:

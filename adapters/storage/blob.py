@@ -1,7 +1,8 @@
 """The stored form of one adapter version: a single canonical safetensors blob, addressed by its sha256.
 
 Tensors are named `layers.<i>.<target>.lora_A|B` (and `.lora_magnitude` for DoRA; an embedding LoRA
-`embed_tokens.lora_A|B`, trained heads `heads.<name>`: see `pack`) and keep their uploaded dtype (each module
+`embed_tokens.lora_A|B`, trained heads `heads.<name>`, LoRA on routed experts `experts.<i>.<gate_up|down>.lora_A|B`
+as [E, R, d_in] / [E, d_out, R]: see `pack`) and keep their uploaded dtype (each module
 at its own rank: the shapes say it); the normalised LoRA config (r, lora_alpha, use_rslora, target_modules;
 `module_scales` {"<layer>.<target>": scale} where rank_pattern / alpha_pattern gave a module another scale;
 use_dora: true for a DoRA adapter; the last two absent otherwise, so a plain adapter's blob keeps its bytes and
@@ -31,12 +32,14 @@ def sha256_hex(data: bytes) -> str:
 
 def pack(rank: int, alpha: float, use_rslora: bool, target_modules, tensors,
          module_scales: dict | None = None, magnitudes: dict | None = None, *, embedding=None,
-         heads=None) -> tuple[bytes, str]:
+         heads=None, experts=None) -> tuple[bytes, str]:
     """Serialise validated weights {(layer, target): (A, B)}, the modules' own scales {(layer, target): scale}
     (where they differ from alpha / r) and, for DoRA, `magnitudes` {(layer, target): m}; returns (blob, sha256
     hex digest). `embedding` (A, B) and `heads` {name: tensor} are an adapter's embedding LoRA and trained heads
     (see adapters/formats/heads.py): stored as `embed_tokens.lora_A|B` and `heads.<name>`; a head that is the same
-    tensor as another (a tied head) is stored once and named in the metadata's `aliases`."""
+    tensor as another (a tied head) is stored once and named in the metadata's `aliases`. `experts`
+    {(layer, "gate_up" | "down"): (A [E, R, d_in], B [E, d_out, R])} is LoRA on routed experts
+    (adapters/formats/experts.py), stored as `experts.<layer>.<name>.lora_A|B`."""
     config = {"r": int(rank), "lora_alpha": float(alpha), "use_rslora": bool(use_rslora),
               "target_modules": [t for t in TARGETS if t in set(target_modules)]}
     if module_scales:  # floats round-trip through JSON exactly (repr)
@@ -54,6 +57,8 @@ def pack(rank: int, alpha: float, use_rslora: bool, target_modules, tensors,
         named += [(f"layers.{layer}.{target}.{kind}", tensor) for kind, tensor in parts]
     if embedding is not None:
         named += [("embed_tokens.lora_A", embedding[0]), ("embed_tokens.lora_B", embedding[1])]
+    for (layer, name), (a, b) in sorted((experts or {}).items()):
+        named += [(f"experts.{layer}.{name}.lora_A", a), (f"experts.{layer}.{name}.lora_B", b)]
     aliases, flags, first = {}, [], {}
     for name, tensor in sorted((heads or {}).items()):
         if tensor.numel() == 0:  # a marker (e.g. heads.TIED_LORA)
@@ -123,7 +128,13 @@ def unpack(blob: bytes, name: str, digest: str | None = None) -> LoRAAdapter:
     heads.update({alias: heads[source] for alias, source in extra.get("aliases", {}).items()})
     heads.update({flag: torch.empty(0) for flag in extra.get("flags", [])})
     embedding, heads = float_heads(embedding, heads)
+    experts = {}
+    for key in tensors:
+        if key.startswith("experts.") and key.endswith(".lora_A"):
+            _, layer, expert_name, _ = key.split(".")
+            experts[(int(layer), expert_name)] = (tensors[key].float().contiguous(),
+                                                  tensors[key[:-1] + "B"].float().contiguous())
     return LoRAAdapter(name=name, rank=config["r"], alpha=config["lora_alpha"], use_rslora=config["use_rslora"],
                        target_modules=tuple(config["target_modules"]), weights=weights,
                        digest=digest or sha256_hex(blob), module_scales=module_scales, magnitudes=magnitudes,
-                       embedding=embedding, heads=heads)
+                       embedding=embedding, heads=heads, experts=experts)

@@ -138,7 +138,7 @@ class AdapterRegistry(BlobListeners):
         claimed_base = valid.base_model
         blob, digest = pack(valid.rank, valid.alpha, valid.use_rslora, valid.target_modules, valid.tensors,
                             module_scales=valid.module_scales, magnitudes=valid.magnitudes,
-                            embedding=valid.embedding, heads=valid.heads)
+                            embedding=valid.embedding, heads=valid.heads, experts=valid.experts)
         del valid
         key = blob_key(digest)
         return store_upload(self.store, key, blob, lambda: _reserve_blob(self.db, digest, key),

@@ -7,9 +7,11 @@ to it, as SGMV reads each adapter's once: `grouped_matmul` never loops over toke
 expert no token picked. Each pair's output is scaled by its routing weight and summed back into its token's
 row, experts in ascending order as in transformers.
 
-Expert weights are stacked per projection as [E, in, out] (x @ w[e], the layer's orientation elsewhere in the
-decoder): `gate_up_proj` holds every expert's gate columns then its up columns (gpt-oss checkpoints interleave
-them; the loader separates them), `down_proj` maps back to the hidden size. A LoRA on the experts (PEFT
+Expert weights are stacked per projection as [E, out, in] (as nn.Linear and most checkpoints hold them) and
+multiplied through the [E, in, out] view: at the few rows per expert of a decode step CPU BLAS reads this
+layout at memory speed, about 1.8x faster than a contiguous [E, in, out] stack (measured at Qwen3-30B-A3B's
+shapes). `gate_up_proj` holds every expert's gate rows then its up rows (gpt-oss checkpoints interleave them;
+the loader separates them), `down_proj` maps back to the hidden size. A LoRA on the experts (PEFT
 `target_parameters`) is added inside each grouped projection by the step's LoRA wrapper (`apply_experts`).
 """
 from __future__ import annotations
@@ -44,7 +46,8 @@ class ExpertCounter(Protocol):
 
 
 class ExpertProjection(nn.Module):
-    """One projection of every expert: y[p] = x[p] @ weight[e_p] (+ bias[e_p]) for pairs sorted by expert.
+    """One projection of every expert: y[p] = x[p] @ weight[e_p]^T (+ bias[e_p]) for pairs sorted by expert;
+    `weight` is [E, out, in].
 
     `slices` names the output columns as MergedLinear's do (gate and up, or down), so checkpoints and adapters
     can address each expert's gate and up parts separately."""
@@ -53,7 +56,7 @@ class ExpertProjection(nn.Module):
         super().__init__()
         self.num_experts, self.in_features, self.slices = num_experts, in_features, slices
         self.out_features = sum(size for _, size in slices)
-        self.weight = nn.Parameter(torch.empty(num_experts, in_features, self.out_features), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(num_experts, self.out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(num_experts, self.out_features), requires_grad=False) if bias else None
         # Set by the device adapter pool: the shared LoRA wrapper and this projection's key for it.
         self.lora_key: tuple[int, str] | None = None
@@ -68,7 +71,7 @@ class ExpertProjection(nn.Module):
         raise KeyError(name)
 
     def forward(self, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
-        y = grouped_matmul(x, self.weight, groups, self.bias)
+        y = grouped_matmul(x, self.weight.transpose(1, 2), groups, self.bias)
         if self.lora_wrapper is not None:
             self.lora_wrapper.apply_experts(y, x, groups, self.lora_key)
         return y

@@ -9,7 +9,7 @@
 * the router (`mlp.gate.weight`, gpt-oss `mlp.router.weight` and `.bias`) and Qwen2-MoE's shared expert
   (`mlp.shared_expert.{gate,up,down}_proj.weight`, `mlp.shared_expert_gate.weight`).
 
-The model keeps every expert projection as [E, in, out] with gate columns before up columns. Each expert's
+The model keeps every expert projection as [E, out, in] with gate rows before up rows. Each expert's
 slice of a stacked parameter is recorded as loaded (`name#slice<e>`), so a checkpoint missing one expert is
 refused by the loader's completeness check like any missing tensor.
 """
@@ -83,16 +83,16 @@ def _load_experts(block: MoEBlock, layer: int, tail: list[str], tensor: torch.Te
         module_name, slice_name = _PER_EXPERT[tail[1]]
         module: ExpertProjection = getattr(experts, module_name)
         lo, hi = module.slice_range(slice_name)
-        _copy(module.weight[expert, :, lo:hi], tensor.t(), f"{prefix}.{expert}.{tail[1]}")
+        _copy(module.weight[expert, lo:hi], tensor, f"{prefix}.{expert}.{tail[1]}")
         loaded.add(f"{prefix}.{module_name}.weight#{slice_name}{expert}")
         return
     name = tail[0] if len(tail) == 1 else ".".join(tail)
     interleaved = block.moe.activation == "swiglu_clamp"  # gpt-oss's layout
     if name in ("gate_up_proj", "down_proj"):
         module = getattr(experts, name)
-        stacked = tensor if interleaved else tensor.transpose(1, 2)  # [E, out, in] -> [E, in, out]
+        stacked = tensor.transpose(1, 2) if interleaved else tensor  # gpt-oss's [E, in, out] -> [E, out, in]
         if interleaved and name == "gate_up_proj":
-            stacked = deinterleave(stacked, dim=2)
+            stacked = deinterleave(stacked, dim=1)
         _copy(module.weight, stacked, f"{prefix}.{name}")
         loaded.update(f"{prefix}.{name}.weight#{s}{e}" for s, _ in module.slices for e in range(num))
         return
@@ -111,7 +111,7 @@ def _load_experts(block: MoEBlock, layer: int, tail: list[str], tensor: torch.Te
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if dst.shape != src.shape:
-        raise ValueError(f"shape mismatch loading {name}: expected {tuple(dst.shape)} (as [experts, in, out] "
+        raise ValueError(f"shape mismatch loading {name}: expected {tuple(dst.shape)} (as [experts, out, in] "
                          f"after the family's orientation), got {tuple(src.shape)}")
     dst.copy_(src)
 

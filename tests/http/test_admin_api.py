@@ -170,7 +170,7 @@ def test_upload_says_what_the_adapter_changes(stack, admin):
     assert (summary["layout"], summary["dora"], summary["embedding"], summary["heads"]) == ("plain", False, None, [])
     qkv_out = cfg.q_size + 2 * cfg.kv_size
     lora = cfg.num_layers * 4 * (3 * cfg.hidden_size + qkv_out) * 4
-    assert summary["device_bytes"] == {"lora": lora, "dora": 0, "embedding": 0, "heads": 0, "total": lora}
+    assert summary["device_bytes"] == {"lora": lora, "dora": 0, "embedding": 0, "heads": 0, "experts": 0, "total": lora}
     pool = server.services.engine.engine.pool
     assert summary["device_bytes"]["lora"] == pool.slot_bytes((4, ("self_attn.qkv_proj",)))
     detail = admin.get(f"/admin/adapters/{answer.json()['id']}").json()

@@ -1,6 +1,7 @@
-"""Bring your own base model, through the server: a tiny Qwen3 and a tiny Gemma 3 directory served with
-LORAMUX_MODEL=<dir> and a PEFT adapter from LORAMUX_ADAPTERS; the official openai client gets, for a chat
-request with the adapter, the text HF transformers + PEFT generate for the same chat."""
+"""Bring your own base model, through the server: a tiny Qwen3, Gemma 3 and Qwen3-MoE directory served with
+LORAMUX_MODEL=<dir> and a PEFT adapter from LORAMUX_ADAPTERS (on Qwen3-MoE, LoRA on the routed experts through
+`target_parameters` as well as on attention); the official openai client gets, for a chat request with the
+adapter, the text HF transformers + PEFT generate for the same chat."""
 from __future__ import annotations
 
 import openai
@@ -16,10 +17,16 @@ from loramux.testing import LiveServer, save_tiny_hf_model
 
 CHAT = [{"role": "user", "content": "Name three rivers of Europe."}]
 NEW_TOKENS = 12
-FAMILIES = {
-    "qwen3": ("qwen3", {"head_dim": 32}),
+DENSE_TARGETS = {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+FAMILIES = {  # name: (model_type, config overrides, LoRA targets)
+    "qwen3": ("qwen3", {"head_dim": 32}, DENSE_TARGETS),
     "gemma3": ("gemma3_text", {"head_dim": 16, "num_hidden_layers": 3, "sliding_window": 8,
-                               "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]}),
+                               "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]},
+               DENSE_TARGETS),
+    "qwen3_moe": ("qwen3_moe", {"head_dim": 16, "moe_intermediate_size": 32, "num_experts": 8,
+                                "num_experts_per_tok": 2, "norm_topk_prob": True},
+                  {"target_modules": ["q_proj", "v_proj"],
+                   "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}),
 }
 
 
@@ -30,13 +37,12 @@ def served_family(request, tmp_path, tokenizer, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     name = request.param
-    model_type, overrides = FAMILIES[name]
+    model_type, overrides, targets = FAMILIES[name]
     model_dir, adapter_dir = tmp_path / f"{name}-tiny", tmp_path / f"{name}-lora"
     hf = save_tiny_hf_model(model_dir, len(tokenizer), model_type, weight_scale=4.0, tokenizer=tokenizer,
                             **overrides)
     torch.manual_seed(3)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    get_peft_model(hf, LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False)
+    get_peft_model(hf, LoraConfig(r=8, lora_alpha=16, init_lora_weights=False, **targets)
                    ).save_pretrained(adapter_dir)
 
     cfg, _ = read_model_config(model_dir)

@@ -150,7 +150,7 @@ def test_each_adapter_alone_and_all_mixed_equal_peft(tiny3, tokenizer, adapters)
     # The twins share one patterned bucket (two slots); the plain adapters keep plain keys.
     keys = {name: engine.pool.bucket_of(engine.adapters.lookup(name)) for name in ADAPTERS}
     assert keys["patterns"] == keys["patterns-twin"] and engine.pool.capacity(keys["patterns"]) >= 2
-    assert all(keys[name].layer_ranks == () and len(keys[name]) == 5 for name in ("plain-qv", "plain-all"))
+    assert all(keys[name].layer_ranks == () and len(keys[name]) == 6 for name in ("plain-qv", "plain-all"))
     assert all(keys[name].layer_ranks for name in PATTERNED)
 
 
@@ -399,7 +399,7 @@ def test_summary_says_what_the_adapter_changes(tiny3, adapters):
     weights = sum(x.numel() for pair in a.weights.values() for x in pair)
     scales = sum(1 for _ in a.weights)  # one float32 scale per module (no module shares a slice here)
     assert summary["device_bytes"] == {"lora": 2 * weights + 4 * scales, "dora": 0, "embedding": 0, "heads": 0,
-                                       "total": 2 * weights + 4 * scales}
+                                       "experts": 0, "total": 2 * weights + 4 * scales}
     subset = describe(load_adapter_dir(dirs["layers"], cfg), cfg, 4)
     assert {t: m["layers"] for t, m in subset["modules"].items()} == {t: [0, 2] for t in ("q_proj", "v_proj",
                                                                                        "down_proj")}
