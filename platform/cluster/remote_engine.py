@@ -119,6 +119,8 @@ class RemoteEngine(TokenizerMethods):
             for key, value in snap.get("stats", {}).items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     total[key] = total.get(key, 0) + value
+                elif key == "moe_expert_tokens":  # per layer, per expert: summed element-wise
+                    total[key] = _sum_nested(total.get(key), value)
         return {**total, "replicas": snapshots}
 
     def adapter_residency(self, digest: str) -> str | None:
@@ -159,3 +161,10 @@ async def _guarded(stream) -> AsyncIterator[dict]:
     except RayError as exc:
         log.warning("engine call failed: %s", exc)
         raise EngineDeadError("the engine replica serving this request failed; retry the request") from None
+
+
+def _sum_nested(total: list | None, counts: list) -> list:
+    """Element-wise sum of two lists of per-layer lists of counts (None: nothing summed yet)."""
+    if total is None:
+        return [list(layer) for layer in counts]
+    return [[a + b for a, b in zip(mine, theirs, strict=True)] for mine, theirs in zip(total, counts, strict=True)]

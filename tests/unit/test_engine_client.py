@@ -112,3 +112,15 @@ def test_async_engine_says_publicly_whether_its_loop_has_stopped(tiny_engine):
                for path in sorted((ROOT / folder).rglob("*.py"))
                if path.name != "async_engine.py" and re.search(r"engine\._stopped\b", path.read_text())]
     assert readers == []
+
+
+def test_remote_stats_sum_expert_tokens_per_layer_and_expert(tokenizer):
+    """The ingress's /metrics reads summed stats: per-expert routing counts add up element-wise over replicas."""
+    class Directory:
+        def snapshots(self):
+            return {"a": {"stats": {"steps": 2, "moe_expert_tokens": [[1, 0, 3], []]}},
+                    "b": {"stats": {"steps": 5, "moe_expert_tokens": [[2, 4, 0], []]}}}
+
+    remote = RemoteEngine(handle=None, tokenizer=tokenizer, max_model_len=512, directory=Directory())
+    stats = remote.stats()
+    assert stats["steps"] == 7 and stats["moe_expert_tokens"] == [[3, 4, 3], []]
