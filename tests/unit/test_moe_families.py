@@ -222,3 +222,22 @@ def test_pool_budgets_expert_lora_bytes_exactly_and_blobs_keep_them(tmp_path, to
     assert restored.experts.keys() == adapter.experts.keys()
     for k, (a, b) in adapter.experts.items():
         assert torch.equal(restored.experts[k][0], a) and torch.equal(restored.experts[k][1], b)
+
+
+def test_bfloat16_gpt_oss_checkpoint_loads_and_equals_hf(tmp_path, tokenizer):
+    """gpt-oss ships bf16 weights (MXFP4 experts are refused by name: test_moe_plan_metrics): a bf16 checkpoint
+    loads, here served in float32 as HF loads it, token for token."""
+    from transformers import AutoModelForCausalLM
+
+    model_type, overrides = FAMILIES["gpt_oss"]
+    hf = save_tiny_hf_model(tmp_path / "f32", len(tokenizer), model_type, weight_scale=4.0, **overrides)
+    hf.to(torch.bfloat16).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    prompts = moe_prompts()
+    engine = make_engine(tmp_path / "model", tokenizer)
+    got = run_all(engine, {str(i): (ids, None) for i, ids in enumerate(prompts)})
+    assert [got[str(i)] for i in range(len(prompts))] == hf_greedy(model, prompts)
