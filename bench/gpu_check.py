@@ -163,7 +163,7 @@ def decode_timing(cfg_dict, device, dtype, tiny: bool) -> None:
     block_size = 16
     num_blocks = batch * (prompt_len + steps + 2 * block_size) // block_size
     pool = DevicePool(model, 1 << 62, dtype, device, async_loads=False)
-    key = BucketKey(rank, LORA_MODULES)
+    key = BucketKey(rank, tuple(p for p in LORA_MODULES if p in pool.shapes))
     pool.resize(key, batch, [])
     shapes = {"q_proj": (cfg.hidden_size, cfg.q_size), "k_proj": (cfg.hidden_size, cfg.kv_size),
               "v_proj": (cfg.hidden_size, cfg.kv_size), "o_proj": (cfg.q_size, cfg.hidden_size),

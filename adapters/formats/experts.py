@@ -37,8 +37,7 @@ Refused by name, `unsupported_expert_lora`: an expert scale other than the adapt
 alpha_pattern giving the experts, or some of them, their own alpha / r: the engine applies one scale per
 adapter, and folding a ratio into B would not give PEFT's numbers to the bit), expert LoRA that covers only some
 sparse layers or some experts (layers_to_transform, layer subsets, regexes), DoRA or LoRA biases on the experts,
-both layouts in one file. `unsupported_target`: LoRA on the router (`mlp.gate`, gpt-oss `mlp.router`; it decides
-which experts a token takes, one routing for every adapter of a batch), on Qwen2-MoE's shared expert
+both layouts in one file. `unsupported_target`: LoRA on the router's bias, on Qwen2-MoE's shared expert
 (`mlp.shared_expert`, `mlp.shared_expert_gate`), target_parameters naming anything but the experts' gate_up_proj /
 down_proj (biases included), expert LoRA or target_parameters on a dense base, per-expert modules on gpt-oss
 (whose checkpoints were always fused). `expert_shape_mismatch`: a layout for another number of experts (named, with
@@ -73,7 +72,6 @@ _PREFIX = r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\."
 _FUSED = re.compile(_PREFIX + r"mlp\.experts\.((?:base_layer\.)*)lora_([AB])(?:\.default)?\.weight$")
 _PER_EXPERT = re.compile(_PREFIX + r"(mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.(.+)$")
 _EXPERT_ANY = re.compile(_PREFIX + r"(?:mlp|block_sparse_moe)\.experts\.")
-_ROUTER = re.compile(_PREFIX + r"(mlp|block_sparse_moe)\.(gate|router)\.")
 _SHARED = re.compile(_PREFIX + r"mlp\.(shared_expert_gate|shared_expert)\.")
 _LORA_WEIGHT = re.compile(r"^lora_([AB])(?:\.default)?\.weight$")
 _EXAMPLE = '["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]'
@@ -94,13 +92,6 @@ class ExpertPlan:
     @property
     def any(self) -> bool:
         return bool(self.fused or self.per_expert)
-
-
-def _router_message(what: str, base: ModelConfig) -> str:
-    router = f"mlp.{base.moe.router_name if base.moe else 'gate'}"
-    return (f"{what} puts a LoRA on the router ({router}), which is not served: the router picks each token's "
-            "experts, and one batch shares one routing between its adapters. Train the adapter without it (leave "
-            f"{router.split('.')[-1]!r} out of target_modules, {router}.weight out of target_parameters)")
 
 
 def _shared_message(what: str) -> str:
@@ -173,8 +164,11 @@ def _expert_parameters(config: Mapping, base: ModelConfig) -> tuple[str, ...]:
         what = f"target_parameters entry {show(entry)}"
         kinds = {kind for kind, _, _ in hits}
         last = entry.rsplit(".", 1)[-1]
-        if "router" in kinds or (not hits and re.search(r"(^|\.)(gate|router)(\.|$)", entry)):
-            raise fail("unsupported_target", _router_message(what, base))
+        if "router" in kinds:  # served as a LoRA module of its own (router_parameter_layers)
+            if any(param != "weight" for kind, _, param in hits if kind == "router"):
+                raise fail("unsupported_target", f"{what} puts a LoRA on the router's bias, which is not served; "
+                                                  f"target the router's weight (mlp.{base.moe.router_name}.weight)")
+            continue
         if "shared" in kinds or (not hits and "shared_expert" in entry):
             raise fail("unsupported_target", _shared_message(what))
         if "bias" in kinds or (not hits and last.endswith("bias")):
@@ -198,15 +192,25 @@ def _expert_parameters(config: Mapping, base: ModelConfig) -> tuple[str, ...]:
     return tuple(p for p in EXPERT_PARAMETERS if p in layers)
 
 
+def router_parameter_layers(config: Mapping, base: ModelConfig) -> list[int]:
+    """The sparse layers whose router weight target_parameters selects (PEFT 0.21's "all-linear" on
+    transformers 5 adds `gate.weight`): each gets a router LoRA module, served like a projection's."""
+    entries = check_target_parameters(config)
+    if not entries or base.moe is None:
+        return []
+    keys = _parameter_keys(base)
+    return sorted({layer for key, (kind, layer, param) in keys.items() if kind == "router" and param == "weight"
+                   and any(key == e or key.endswith(f".{e}") for e in entries)})
+
+
 def _layer_list(layers: set[int]) -> str:
     ordered = sorted(layers)
     return str(ordered) if len(ordered) <= 12 else f"[{ordered[0]}, ..., {ordered[-1]}] ({len(ordered)} layers)"
 
 
 def _check_target_modules(config: Mapping, base: ModelConfig) -> None:
-    """Refuse a target_modules that selects the router or the shared expert (PEFT's matching). With
-    "all-linear" the weights decide: whether PEFT's all-linear wrapped the router depends on the transformers
-    version it ran under, and a router or shared-expert tensor is refused by name anyway."""
+    """Refuse a target_modules that selects the shared expert (PEFT's matching). With "all-linear" the weights
+    decide, and a shared-expert tensor is refused by name anyway."""
     moe, targets = base.moe, config.get("target_modules")
     if moe is None or (isinstance(targets, str) and targets.lower() == "all-linear"):
         return
@@ -214,17 +218,13 @@ def _check_target_modules(config: Mapping, base: ModelConfig) -> None:
     for layer in range(base.num_layers):
         if not moe.sparse_layers[layer]:
             continue
-        names[(layer, "router")] = f"model.layers.{layer}.mlp.{moe.router_name}"
-        if base.model_type == "mixtral":  # the transformers 4.x name of Mixtral's MoE block
-            names[(layer, "router.4")] = f"model.layers.{layer}.block_sparse_moe.gate"
         if moe.shared_expert_size:
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 names[(layer, f"shared.{proj}")] = f"model.layers.{layer}.mlp.shared_expert.{proj}"
             names[(layer, "shared.gate")] = f"model.layers.{layer}.mlp.shared_expert_gate"
     for layer, kind in select_modules(config, names):
         what = f"target_modules {show(targets)} selects {names[(layer, kind)]}, which"
-        raise fail("unsupported_target", _router_message(what, base) if kind.startswith("router")
-                   else _shared_message(what))
+        raise fail("unsupported_target", _shared_message(what))
 
 
 def check_expert_config(config: Mapping, base: ModelConfig) -> tuple[str, ...]:
@@ -310,8 +310,6 @@ def _classify(entries: list[TensorEntry], base: ModelConfig):
                                match.group(5)))
         elif _EXPERT_ANY.match(name):
             _refuse_other_expert_tensor(name)
-        elif _ROUTER.match(name):
-            raise fail("unsupported_target", _router_message(f"tensor {show(name)}", base))
         elif _SHARED.match(name):
             raise fail("unsupported_target", _shared_message(f"tensor {show(name)}"))
         else:

@@ -74,6 +74,7 @@ from loramux.adapters.formats.experts import (
     check_target_parameters,
     experts_nbytes,
     read_experts,
+    router_parameter_layers,
     split_expert_entries,
 )
 from loramux.adapters.formats.heads import (
@@ -123,14 +124,16 @@ __all__ = ["TARGETS", "ALLOWED_FILENAMES", "CONFIG_FILE", "WEIGHTS_FILE", "Adapt
            "projection_shapes", "validate_config", "validate_adapter_files", "base_targets", "checkpoint_shapes",
            "FUSED_TARGETS", "split_fused", "split_fused_magnitudes"]
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # what the engine serves
+# What the engine serves; "router" (a mixture-of-experts layer's router: HF `mlp.gate`, gpt-oss `mlp.router`) only on
+# mixture-of-experts bases.
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "router")
 # Phi-3 fuses projections in its checkpoint, so its adapters target the fused modules: a fused LoRA is the
 # sub-projections' LoRAs with one shared A and B cut by rows (q, k, v / gate, up), exactly.
 FUSED_TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 FUSED_BASE_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 _SECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
              "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp", "qkv_proj": "self_attn",
-             "gate_up_proj": "mlp"}
+             "gate_up_proj": "mlp", "router": "router"}
 _PATTERN_HELP = ("patterns use RE2 syntax (no lookaround or backreferences, repetition counts up to 1000) and "
                  "are matched whole (fullmatch, as PEFT does) against module names such as "
                  "'model.layers.0.self_attn.q_proj'; or give target_modules as a list such as "
@@ -140,7 +143,8 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]
 MAX_BASE_MODEL_CHARS = 500  # what is recorded of base_model_name_or_path (AdapterVersion.claimed_base_model)
 
 _TENSOR_NAME = re.compile(
-    r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
+    r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp|block_sparse_moe)\.(\w+)\.lora_([AB])"
+    r"(?:\.default)?\.weight$")
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 # Config keys that ask a loader to import or run code (transformers' auto_map / trust_remote_code, Hydra's
 # _target_ ...). PEFT's own `auto_mapping` (base model class lookup) is standard and not listed.
@@ -176,13 +180,18 @@ class ValidatedAdapter:
 def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """(d_in, d_out) of each LoRA-targetable projection of the base model."""
     h, i = cfg.hidden_size, cfg.intermediate_size
-    return {"q_proj": (h, cfg.q_size), "k_proj": (h, cfg.kv_size), "v_proj": (h, cfg.kv_size),
-            "o_proj": (cfg.q_size, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    shapes = {"q_proj": (h, cfg.q_size), "k_proj": (h, cfg.kv_size), "v_proj": (h, cfg.kv_size),
+              "o_proj": (cfg.q_size, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    if cfg.moe is not None:
+        shapes["router"] = (h, cfg.moe.num_experts)
+    return shapes
 
 
 def base_targets(cfg: ModelConfig) -> tuple[str, ...]:
     """The LoRA-targetable modules of the base model by its own (checkpoint, PEFT) names."""
-    return FUSED_BASE_TARGETS if cfg.fused_projections else TARGETS
+    if cfg.fused_projections:
+        return FUSED_BASE_TARGETS
+    return TARGETS if cfg.moe is not None else TARGETS[:-1]
 
 
 def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -198,9 +207,13 @@ def module_names(cfg: ModelConfig) -> dict[tuple[int, str], str]:
     mixture-of-experts base the MLP projections exist only in its dense layers (`MoESpec.sparse_layers`); the
     routed experts' own modules are `experts.expert_module_names`."""
     sparse = cfg.moe.sparse_layers if cfg.moe is not None else (False,) * cfg.num_layers
-    return {(layer, t): f"model.layers.{layer}.{_SECTIONS[t]}.{t}"
-            for layer in range(cfg.num_layers) for t in base_targets(cfg)
-            if not (sparse[layer] and _SECTIONS[t] == "mlp")}
+    names = {(layer, t): f"model.layers.{layer}.{_SECTIONS[t]}.{t}"
+             for layer in range(cfg.num_layers) for t in base_targets(cfg)
+             if _SECTIONS[t] != "router" and not (sparse[layer] and _SECTIONS[t] == "mlp")}
+    if cfg.moe is not None:  # the router: HF `mlp.gate` (gpt-oss `mlp.router`), sparse layers only
+        names.update({(layer, "router"): f"model.layers.{layer}.mlp.{cfg.moe.router_name}"
+                      for layer in range(cfg.num_layers) if sparse[layer]})
+    return names
 
 
 def split_fused_magnitudes(magnitudes: dict[tuple[int, str], torch.Tensor], cfg: ModelConfig
@@ -405,13 +418,19 @@ def _check_entries(entries: list[TensorEntry], base: ModelConfig, config: Mappin
                                           f"{', '.join(names)}, and of embed_tokens / lm_head as the config "
                                           "asks (target_modules, modules_to_save, trainable_token_indices), "
                                           "are accepted")
-        layer, target, kind = int(match.group(1)), match.group(2), match.group(3)
+        layer, section, target, kind = int(match.group(1)), match.group(2), match.group(3), match.group(4)
+        target = _router_target(base, section, target)
+        if section == "block_sparse_moe" and target != "router":
+            target = f"block_sparse_moe.{target}"  # not a module LoRA can target here: refused below
         if target not in shapes:
             raise fail("unsupported_target", f"tensor {show(entry.name)} targets {show(target)}; supported "
                                               f"targets: {', '.join(names)}{_fusion_hint(base, target)}")
         if layer >= base.num_layers:
             raise fail("layer_out_of_range", f"tensor {show(entry.name)} is for layer {layer}, the base model "
                                               f"has {base.num_layers} layers")
+        if target == "router" and not base.moe.sparse_layers[layer]:
+            raise fail("target_mismatch", f"tensor {show(entry.name)} is a LoRA on the router of layer {layer}, "
+                                           f"a dense layer of this base model (it has no router)")
         if base.moe is not None and base.moe.sparse_layers[layer] and _SECTIONS[target] == "mlp":
             raise fail("target_mismatch", f"tensor {show(entry.name)} is for layer {layer} {target}, but layer "
                                            f"{layer} of this base model has routed experts, not a dense MLP: LoRA on "
@@ -483,6 +502,8 @@ def validate_adapter_files(files: Mapping[str, bytes | Path], base: ModelConfig,
         rank, names = config["r"], module_names(base)
         expected = module_rank_alpha(config, {key: names[key] for key in select_modules(config, names)})
         expert_params = check_expert_config(config, base)
+        expected.update(module_rank_alpha(config, {(layer, "router"): names[(layer, "router")]
+                                                   for layer in router_parameter_layers(config, base)}))
 
         entries, data_start = parse_header(weights_src, _tensor_cap_for(base, limits))
         hc = head_config(config, _embedding_targeted(_targets_from_config(config, base)))
@@ -524,6 +545,16 @@ def validate_adapter_files(files: Mapping[str, bytes | Path], base: ModelConfig,
                             nbytes=nbytes + heads_nbytes(embedding, heads), base_model=claimed_base,
                             module_scales=module_scales, magnitudes=magnitudes, embedding=embedding, heads=heads,
                             experts=experts)
+
+
+def _router_target(base: ModelConfig, section: str, target: str) -> str:
+    """"router" for a tensor name's module that is a mixture-of-experts router (`mlp.gate`, gpt-oss `mlp.router`,
+    transformers 4.x Mixtral `block_sparse_moe.gate`); else the module name as given."""
+    if base.moe is None:
+        return target
+    if (section == "mlp" and target == base.moe.router_name) or (section == "block_sparse_moe" and target == "gate"):
+        return "router"
+    return target
 
 
 def _tensor_cap_for(base: ModelConfig, limits: UploadLimits) -> UploadLimits:

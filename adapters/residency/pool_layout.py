@@ -33,6 +33,8 @@ def path_shapes(cfg: ModelConfig) -> dict[str, tuple[int, tuple[tuple[str, int],
     shapes = projection_shapes(cfg)
     out: dict[str, tuple[int, list]] = {}
     for target, (path, slice_name) in PROJECTION_SLICES.items():
+        if target not in shapes:  # the router of a mixture-of-experts model only
+            continue
         d_in, d_out = shapes[target]
         out.setdefault(path, (d_in, []))[1].append((slice_name, d_out))
     return {path: (d_in, tuple(slices)) for path, (d_in, slices) in out.items()}
@@ -60,6 +62,8 @@ def layer_ranks(adapter, shapes: PathShapes, num_layers: int) -> tuple:
     table = []
     for layer in range(num_layers):
         for path in LORA_MODULES:
+            if path not in shapes:
+                continue
             row = tuple(ranks.get((layer, _target_of(path, name)), 0) for name, _ in shapes[path][1])
             if any(row):
                 table.append((layer, path, row))

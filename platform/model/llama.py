@@ -28,12 +28,13 @@ if TYPE_CHECKING:
     from loramux.kernels.wrapper import LoRAWrapper
 
 # HF / PEFT projection name -> (merged module path inside a decoder layer, slice name): the one map from
-# checkpoint and adapter names to this model's merged q/k/v and gate/up projections.
+# checkpoint and adapter names to this model's merged q/k/v and gate/up projections. "router" is the router of a
+# mixture-of-experts layer (HF `mlp.gate`, gpt-oss `mlp.router`): a LoRA on it changes its rows' routing.
 PROJECTION_SLICES: dict[str, tuple[str, str]] = {
     "q_proj": ("self_attn.qkv_proj", "q"), "k_proj": ("self_attn.qkv_proj", "k"),
     "v_proj": ("self_attn.qkv_proj", "v"), "o_proj": ("self_attn.o_proj", "o"),
     "gate_proj": ("mlp.gate_up_proj", "gate"), "up_proj": ("mlp.gate_up_proj", "up"),
-    "down_proj": ("mlp.down_proj", "down"),
+    "down_proj": ("mlp.down_proj", "down"), "router": ("mlp.router", "router"),
 }
 # The merged projections of a decoder layer that LoRA adapters can target, in forward order.
 LORA_MODULES: tuple[str, ...] = tuple(dict.fromkeys(path for path, _ in PROJECTION_SLICES.values()))
@@ -259,11 +260,12 @@ class LlamaModel(nn.Module):
         return module
 
     def lora_modules(self) -> Iterator[tuple[int, str, MergedLinear]]:
-        """(layer index, module path, MergedLinear) of every projection an adapter can target (a sparse layer of
-        a mixture-of-experts model has no dense MLP: see `expert_modules`)."""
+        """(layer index, module path, MergedLinear) of every projection an adapter can target: a sparse layer of
+        a mixture-of-experts model has its router instead of a dense MLP (its experts: see `expert_modules`)."""
         for index in range(len(self.layers)):
+            sparse = isinstance(self.layers[index].mlp, MoEBlock)
             for path in LORA_MODULES:
-                if path.startswith("mlp.") and isinstance(self.layers[index].mlp, MoEBlock):
+                if path.startswith("mlp.") and sparse != (path == "mlp.router"):
                     continue
                 yield index, path, self.projection(index, path)
 

@@ -345,14 +345,27 @@ def test_other_expert_shape(fused, tmp_path):
     ("gpt_oss", dict(target_modules=["q_proj"], target_parameters=["mlp.router.weight"]), "mlp.router"),
     ("mixtral", dict(target_modules="all-linear"), "mlp.gate"),  # PEFT 0.21 adds the router to all-linear
 ])
-def test_router_lora_refused(tmp_path, family, lora, where):
-    _, cfg = make_peft(tmp_path, family, **lora)
-    err = refusal(tmp_path, cfg)
-    assert err.code == "unsupported_target" and where in str(err) and "not served" in str(err)
-    # the tensors alone, the config naming only q_proj: refused by the tensor's name
+def test_router_lora_is_a_module_of_its_own(tmp_path, family, lora, where):
+    """LoRA on the router loads as the "router" module, A [r, hidden] and B [experts, r], PEFT's delta exactly;
+    router tensors the config does not select are refused by name."""
+    peft_model, cfg = make_peft(tmp_path, family, **lora)
+    adapter = load_adapter_dir(tmp_path, cfg)
+    for layer in range(cfg.num_layers):
+        a, b = adapter.weights[(layer, "router")]
+        assert a.shape == (4, cfg.hidden_size) and b.shape == (cfg.moe.num_experts, 4)
+        module = peft_model.base_model.model.model.layers[layer].get_submodule(where)
+        torch.testing.assert_close(b @ a * adapter.scale_of((layer, "router")),
+                                   module.get_delta_weight("default").float(), rtol=1e-5, atol=1e-6)
     edit(tmp_path, config={"target_modules": ["q_proj"], "target_parameters": None})
+    assert refusal(tmp_path, cfg).code == "target_mismatch"  # (all-linear: the experts' tensors are named first)
+
+
+def test_router_bias_lora_refused(tmp_path):
+    """PEFT cannot wrap the 1-D bias; a config that names it anyway is refused by name."""
+    _, cfg = make_peft(tmp_path, "gpt_oss", target_modules=["q_proj"], target_parameters=["mlp.router.weight"])
+    edit(tmp_path, config={"target_parameters": ["mlp.router.bias"]})
     err = refusal(tmp_path, cfg)
-    assert err.code == "unsupported_target" and where in str(err) and "not served" in str(err)
+    assert err.code == "unsupported_target" and "router's bias" in str(err)
 
 
 @pytest.mark.parametrize("targets", [["q_proj", "shared_expert_gate"], ["q_proj", "gate_proj", "up_proj", "down_proj"],

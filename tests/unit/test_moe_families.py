@@ -1,8 +1,8 @@
 """Mixture-of-experts families end to end against HF transformers and PEFT: greedy output token for token with
-no adapter, with a PEFT LoRA on attention, with a PEFT LoRA on the routed experts (`target_parameters`), and all
-three in one mixed batch, with prefix caching and prompt-lookup speculation on. Tiny random-weight models built
-with transformers' own config classes (gpt-oss with a sliding window shorter than the prompts); an adapter
-saved under transformers 4.x per-expert names serves exactly as its fused equivalent."""
+no adapter, with a PEFT LoRA on attention, with one on the routed experts (`target_parameters`), with one on the
+router, and all in one mixed batch, with prefix caching and prompt-lookup speculation on. Tiny random-weight
+models built with transformers' own config classes (gpt-oss with a sliding window shorter than the prompts); an
+adapter saved under transformers 4.x per-expert names serves exactly as its fused equivalent."""
 from __future__ import annotations
 
 import json
@@ -32,7 +32,16 @@ FAMILIES = {  # name: (model_type, config overrides)
     "gpt_oss": ("gpt_oss", {"head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2,
                             "sliding_window": WINDOW, "intermediate_size": 48}),
 }
-ADAPTERS = {"attn": dict(target_modules=ATTENTION), "experts": dict(target_modules=[], target_parameters=EXPERTS)}
+ADAPTERS = {"attn": dict(target_modules=ATTENTION), "experts": dict(target_modules=[], target_parameters=EXPERTS),
+            "router": dict(target_modules=["o_proj"], target_parameters=["mlp.gate.weight"])}
+
+
+def adapter_targets(name: str, adapter: str) -> dict:
+    """PEFT targets of `adapter` on family `name`: gpt-oss's router is `mlp.router`."""
+    targets = dict(ADAPTERS[adapter])
+    if adapter == "router" and name == "gpt_oss":
+        targets["target_parameters"] = ["mlp.router.weight"]
+    return targets
 NEW_TOKENS = 10
 
 
@@ -68,9 +77,10 @@ def moe_family(request, tmp_path_factory, tokenizer):
     hf = save_tiny_hf_model(model_dir, len(tokenizer), model_type, weight_scale=4.0, tokenizer=tokenizer,
                             **overrides)
     dirs = {}
-    for index, (adapter, targets) in enumerate(ADAPTERS.items()):
+    for index, adapter in enumerate(ADAPTERS):
         torch.manual_seed(10 + index)
-        lora = get_peft_model(hf, LoraConfig(r=8, lora_alpha=16, init_lora_weights=False, **targets))
+        lora = get_peft_model(hf, LoraConfig(r=8, lora_alpha=16, init_lora_weights=False,
+                                             **adapter_targets(name, adapter)))
         lora.save_pretrained(root / adapter)
         hf = lora.unload()
         dirs[adapter] = root / adapter
@@ -241,3 +251,28 @@ def test_bfloat16_gpt_oss_checkpoint_loads_and_equals_hf(tmp_path, tokenizer):
     engine = make_engine(tmp_path / "model", tokenizer)
     got = run_all(engine, {str(i): (ids, None) for i, ids in enumerate(prompts)})
     assert [got[str(i)] for i in range(len(prompts))] == hf_greedy(model, prompts)
+
+
+def test_all_linear_adapter_with_router_and_experts_equals_peft(tmp_path, tokenizer):
+    """PEFT 0.21's "all-linear" on a transformers 5 MoE base: attention, the experts (target_parameters, gate_up at
+    2r / 2 alpha) and the router (`gate.weight`), all served, equal to PEFT."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model_type, overrides = FAMILIES["qwen3_moe"]
+    hf = save_tiny_hf_model(tmp_path / "model", len(tokenizer), model_type, weight_scale=4.0, tokenizer=tokenizer,
+                            **overrides)
+    torch.manual_seed(2)
+    get_peft_model(hf, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules="all-linear")
+                   ).save_pretrained(tmp_path / "lora")
+    config = json.loads((tmp_path / "lora" / "adapter_config.json").read_text())
+    assert any("gate.weight" in p for p in config["target_parameters"]), config["target_parameters"]
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32, attn_implementation="eager")
+    base.generation_config.eos_token_id = None
+    base.generation_config.pad_token_id = 0
+    prompts = moe_prompts()
+    expected = hf_greedy(PeftModel.from_pretrained(base.eval(), tmp_path / "lora").eval(), prompts)
+    engine = make_engine(tmp_path / "model", tokenizer)
+    engine.load_adapter_dir(tmp_path / "lora", "lora")
+    got = run_all(engine, {str(i): (ids, "lora") for i, ids in enumerate(prompts)})
+    assert [got[str(i)] for i in range(len(prompts))] == expected
