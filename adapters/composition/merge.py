@@ -47,9 +47,10 @@ reads A and B only), so the skeleton gives PEFT's exact numbers; memory is the c
 LoRA tensors, and for svd the dense deltas of one module at a time (see `peak_bytes`).
 
 Refused by name, because `add_weighted_adapter` would drop or mis-merge them: DoRA (magnitude vectors), LoRA
-on embed_tokens, trained heads and trainable tokens; and LoRA on the routed experts of a mixture-of-experts base
-(`LoRAAdapter.experts`: the skeleton has no experts to merge them in). A merged adapter has one rank for every
-module (PEFT's rank_pattern is emptied), lora_alpha = r, and use_rslora of the first component (PEFT's rule).
+on embed_tokens, trained heads and trainable tokens; and LoRA on the routed experts or the router of a
+mixture-of-experts base (`LoRAAdapter.experts`: the skeleton has no experts to merge them in). A merged adapter
+has one rank for every module (PEFT's rank_pattern is emptied), lora_alpha = r, and use_rslora of the first
+component (PEFT's rule).
 """
 from __future__ import annotations
 
@@ -240,6 +241,10 @@ def check_components(method: str, params: Mapping, components: Sequence[MergeCom
     """The preconditions PEFT has for `method`, and what it cannot merge, checked on the loaded components;
     `max_rank`: the largest rank this server accepts for an adapter."""
     for i, c in enumerate(components):
+        if any(target == "router" for _, target in c.adapter.weights):
+            raise MergeError(f"components[{i}]", f"component {c.label} has LoRA on the router of a mixture-of-experts "
+                                                 "base; merging router LoRA is not supported: merge adapters with LoRA "
+                                                 "on the attention and dense projections only")
         if c.adapter.experts:
             raise MergeError(f"components[{i}]", f"component {c.label} has LoRA on routed experts; merging of expert "
                                                  "LoRA is not supported: merge adapters with LoRA on the attention and "

@@ -479,3 +479,17 @@ def test_composition_and_merge_refuse_expert_lora(fused):
         check_components("cat", {}, [MergeComponent("'moe-ad'", adapter, 1.0), MergeComponent("b", adapter, 1.0)],
                          cfg)
     assert info.value.param == "components[0]" and "moe-ad" in str(info.value)
+
+
+def test_merge_refuses_router_lora_and_composition_keeps_it(tmp_path):
+    """Composition concatenates ranks, so a router LoRA composes exactly like any module; a merge is refused."""
+    _, cfg = make_peft(tmp_path, "qwen3_moe", target_modules=["q_proj"], target_parameters=["mlp.gate.weight"])
+    adapter = load_adapter_dir(tmp_path, cfg, name="router-ad")
+    composite = compose([(adapter, 0.5), (adapter, 0.25)], "c")
+    a, b = composite.weights[(0, "router")]
+    want_a, want_b = adapter.weights[(0, "router")]
+    torch.testing.assert_close(b @ a * composite.scale, want_b @ want_a * adapter.scale * 0.75)
+    with pytest.raises(MergeError, match="router.*not supported") as info:
+        check_components("cat", {}, [MergeComponent("'router-ad'", adapter, 1.0), MergeComponent("b", adapter, 1.0)],
+                         cfg)
+    assert info.value.param == "components[0]"
