@@ -74,7 +74,14 @@ class DeviceBytes(Out):
     dora: int = Field(description="DoRA magnitude vectors")
     embedding: int = Field(description="LoRA on the token embedding")
     heads: int = Field(description="fully trained lm_head / embed_tokens copies (modules_to_save)")
+    experts: int = Field(default=0, description="LoRA on the routed experts of a mixture-of-experts base: "
+                                                "experts x rank x (in + out) per expert projection and sparse layer")
     total: int
+
+
+class ExpertCoverage(Out):
+    rank: int = Field(description="the rank of every expert's pair on this projection")
+    layers: list[int] = Field(description="the sparse layers whose experts the adapter changes")
 
 
 class AdapterSummary(Out):
@@ -90,6 +97,8 @@ class AdapterSummary(Out):
     dora: bool
     embedding: dict | None = Field(description="LoRA on embed_tokens ({rank}), or null")
     heads: list[str] = Field(description="modules replaced by trained copies (lm_head, embed_tokens)")
+    experts: dict[str, ExpertCoverage] = Field(
+        default_factory=dict, description="LoRA on the routed experts (gate_up, down) of a mixture-of-experts base")
     device_bytes: DeviceBytes = Field(description="bytes the adapter takes in device memory, at the engine's dtype")
 
 

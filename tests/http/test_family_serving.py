@@ -16,6 +16,7 @@ from loramux.settings import Settings
 from loramux.testing import LiveServer, save_tiny_hf_model
 
 CHAT = [{"role": "user", "content": "Name three rivers of Europe."}]
+ADMIN_KEY = "lmxa-family-serving-0123456789abcdef"
 NEW_TOKENS = 12
 DENSE_TARGETS = {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
 FAMILIES = {  # name: (model_type, config overrides, LoRA targets)
@@ -57,17 +58,17 @@ def served_family(request, tmp_path, tokenizer, monkeypatch):
     expected = tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
 
     for key, value in {"MODEL": str(model_dir), "ADAPTERS": f"{name}-lora={adapter_dir}",
-                       "DATA_DIR": str(tmp_path / "data"), "MAX_MODEL_LEN": "256",
+                       "DATA_DIR": str(tmp_path / "data"), "MAX_MODEL_LEN": "256", "ADMIN_KEY": ADMIN_KEY,
                        "KV_CACHE_BYTES": str(8 * 1024**2), "MAX_LORA_RANK": "16"}.items():
         monkeypatch.setenv(f"LORAMUX_{key}", value)
     app = create_app(lambda: Services.from_settings(Settings()))
     with LiveServer(app) as server:
         assert server.services.engine.engine.model.config.model_type == model_type
-        yield server, new_tenant_key(server.services), f"local/{name}-lora", expected
+        yield server, new_tenant_key(server.services), f"local/{name}-lora", expected, adapter_dir
 
 
 def test_chat_with_an_adapter_equals_hf_and_peft(served_family):
-    server, key, adapter, expected = served_family
+    server, key, adapter, expected, _ = served_family
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=120)
     reply = client.chat.completions.create(model=adapter, messages=CHAT, max_tokens=NEW_TOKENS, temperature=0)
     assert expected.strip(), "the reference should say something"
@@ -75,3 +76,37 @@ def test_chat_with_an_adapter_equals_hf_and_peft(served_family):
     base = client.chat.completions.create(model=Settings().model.rstrip("/").split("/")[-1], messages=CHAT,
                                           max_tokens=NEW_TOKENS, temperature=0)
     assert base.choices[0].message.content != expected, "the adapter should change the answer"
+
+
+@pytest.mark.parametrize("served_family", ["qwen3_moe"], indirect=True)
+def test_uploaded_expert_lora_serves_and_a_wrong_expert_count_is_refused(served_family):
+    """On the MoE base, an expert-LoRA adapter uploaded through the admin API is stored with its experts and
+    answers as the same adapter loaded from disk; the same files with one expert too few get a 400 that names
+    the expert count."""
+    import httpx
+    from safetensors.torch import load, save
+
+    server, key, _, expected, adapter_dir = served_family
+    config = (adapter_dir / "adapter_config.json").read_bytes()
+    weights = (adapter_dir / "adapter_model.safetensors").read_bytes()
+    tensors = load(weights)
+    fewer = {name: (t[: t.shape[0] * 7 // 8] if "experts" in name and "lora_A" in name else t)
+             for name, t in tensors.items()}  # A rows for 7 of the 8 experts
+    tenant = server.services.tenancy.ensure_tenant("acme", tier="standard")[0].id
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+    def upload(name: str, body: bytes):
+        files = {"adapter_config": ("adapter_config.json", config),
+                 "adapter_model": ("adapter_model.safetensors", body)}
+        return httpx.post(f"{server.url}/admin/adapters", data={"tenant_id": tenant, "name": name}, files=files,
+                          headers=headers, timeout=60)
+
+    refused = upload("moe-bad", save(fewer))
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["code"] == "expert_shape_mismatch" and "8" in refused.json()["error"]["message"]
+    stored = upload("moe-lora", weights)
+    assert stored.status_code == 201, stored.text
+    assert stored.json()["summary"]["experts"]["gate_up"]["rank"] == 8
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=120)
+    reply = client.chat.completions.create(model="moe-lora", messages=CHAT, max_tokens=NEW_TOKENS, temperature=0)
+    assert reply.choices[0].message.content == expected
