@@ -238,6 +238,17 @@ def loramux_generate(engine, prompts: list[list[int]], adapters: list[str | None
     return end - start, end - (first or start), [final.get(rid, []) for rid in ids]
 
 
+def load_unpacked(model_dir: Path, dtype: str):
+    """The model with its float weight stacks (no oneDNN packing), for the grouped-vs-dense comparison."""
+    import torch
+
+    from loramux.model.loader import build_model
+
+    model, _ = build_model(model_dir, getattr(torch, dtype), torch.device("cpu"), max_positions=MAX_MODEL_LEN,
+                           pack_cpu=False)
+    return model
+
+
 def moe_blocks(model) -> list:
     from loramux.model.moe import MoEBlock
 
@@ -307,15 +318,16 @@ class DenseResult:
     num_experts: int
 
 
-def grouped_vs_dense(blocks: list, inputs: list[list], reps: int) -> DenseResult:
-    """Time each block on its captured decode inputs, grouped (its own forward, no LoRA) and dense."""
+def grouped_vs_dense(blocks: list, dense_blocks: list, inputs: list[list], reps: int) -> DenseResult:
+    """Time each block on its captured decode inputs: grouped (the engine's own forward, no LoRA; its experts
+    packed for oneDNN) and dense (every expert for every token, on `dense_blocks`: the same weights unpacked)."""
     import torch
 
     from loramux.model.moe import route
 
     grouped_ms, dense_ms, distinct, max_diff = [], [], [], 0.0
     with torch.inference_mode():
-        for block, xs in zip(blocks, inputs):
+        for block, dense_block, xs in zip(blocks, dense_blocks, inputs):
             saved = (block.experts.gate_up_proj.lora_wrapper, block.experts.down_proj.lora_wrapper,
                      block.expert_counter)
             block.experts.gate_up_proj.lora_wrapper = block.experts.down_proj.lora_wrapper = None
@@ -324,10 +336,11 @@ def grouped_vs_dense(blocks: list, inputs: list[list], reps: int) -> DenseResult
                 times = {"grouped": [], "dense": []}
                 for x in xs:
                     distinct.append(float(route(block.router(x), block.moe)[1].unique().numel()))
-                    ref, got = block(x), dense_block_forward(block, x)
+                    ref, got = block(x), dense_block_forward(dense_block, x)
                     max_diff = max(max_diff, (ref.float() - got.float()).abs().max().item())
                     for _ in range(reps):
-                        for name, fn in (("grouped", block), ("dense", lambda t, b=block: dense_block_forward(b, t))):
+                        for name, fn in (("grouped", block),
+                                         ("dense", lambda t, b=dense_block: dense_block_forward(b, t))):
                             t0 = time.perf_counter()
                             fn(x)
                             times[name].append((time.perf_counter() - t0) * 1e3)
@@ -614,7 +627,11 @@ def run(args, cpus: list[int]) -> int:  # noqa: C901 - one linear script: build,
     capture.remove()
 
     log("one MoE block at batch 8: grouped vs dense, on the captured decode steps")
-    dense = grouped_vs_dense(blocks, capture.inputs, args.dense_reps)
+    # The engine's experts are packed for oneDNN (their float stacks are gone): the dense baseline runs on an
+    # unpacked copy of the same weights, as one batched matmul over every expert.
+    unpacked = load_unpacked(model_dir, args.dtype)
+    dense = grouped_vs_dense(blocks, moe_blocks(unpacked), capture.inputs, args.dense_reps)
+    del unpacked
     if args.profile:
         profile_steps(engine, prompts, names, steps=4)
 

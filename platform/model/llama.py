@@ -287,7 +287,8 @@ class LlamaModel(nn.Module):
     def pack_for_cpu(self, batch_hint: int = 8) -> int:
         """Pack every linear layer oneDNN can take (see cpu_linear); returns how many were packed."""
         self.untie_embedding()
-        return sum(m.pack_for_cpu(batch_hint) for m in self.modules() if isinstance(m, MergedLinear))
+        packable = (MergedLinear, ExpertProjection)
+        return sum(m.pack_for_cpu(batch_hint) for m in self.modules() if isinstance(m, packable))
 
     def quantize_int8(self, kernel: str) -> int:
         """int8 weights for every linear layer, the LM head included (see quantization); returns how many.

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loramux.kernels.moe import ExpertGroups, group_by_expert, grouped_matmul
+from loramux.kernels.moe import ExpertGroups, group_by_expert, grouped_matmul, grouped_packed_matmul
+from loramux.model import cpu_linear
 from loramux.model.config import ModelConfig, MoESpec
 
 if TYPE_CHECKING:
@@ -61,6 +62,18 @@ class ExpertProjection(nn.Module):
         # Set by the device adapter pool: the shared LoRA wrapper and this projection's key for it.
         self.lora_key: tuple[int, str] | None = None
         self.lora_wrapper: ExpertLoRA | None = None
+        self.packed: list[torch.Tensor] | None = None  # each expert in oneDNN's layout, when packed for CPU
+
+    def pack_for_cpu(self, batch_hint: int) -> bool:
+        """Swap each expert's weight for oneDNN's packed layout where usable (then `weight` is None), as the dense
+        layers do: see loramux.kernels.moe.grouped_packed_matmul for why."""
+        w = self.weight
+        if w is None or w.device.type != "cpu" or \
+                not cpu_linear.can_pack(self.in_features, self.out_features, w.dtype, batch_hint):
+            return False
+        self.packed = [cpu_linear.pack(w.data[e].t(), batch_hint) for e in range(self.num_experts)]
+        self.weight = None
+        return True
 
     def slice_range(self, name: str) -> tuple[int, int]:
         start = 0
@@ -71,7 +84,10 @@ class ExpertProjection(nn.Module):
         raise KeyError(name)
 
     def forward(self, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
-        y = grouped_matmul(x, self.weight.transpose(1, 2), groups, self.bias)
+        if self.packed is not None:
+            y = grouped_packed_matmul(x, self.packed, self.out_features, groups, self.bias)
+        else:
+            y = grouped_matmul(x, self.weight.transpose(1, 2), groups, self.bias)
         if self.lora_wrapper is not None:
             self.lora_wrapper.apply_experts(y, x, groups, self.lora_key)
         return y

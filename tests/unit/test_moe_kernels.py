@@ -226,3 +226,25 @@ def test_expert_lora_rejects_a_virtual_slot_out_of_range():
         expert_lora(torch.zeros(2, 5), torch.zeros(2, 3), a, b, torch.ones(4), torch.tensor([0, 4]), impl="torch")
     with pytest.raises(ValueError, match=">= -1"):
         expert_lora(torch.zeros(2, 5), torch.zeros(2, 3), a, b, torch.ones(4), torch.tensor([0, -2]), impl="torch")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_packed_matmul_equals_grouped_matmul(dtype):
+    """The oneDNN-packed experts (CPU) give grouped_matmul's result: each pair through its own expert, bias too."""
+    from loramux.kernels.moe import grouped_packed_matmul
+    from loramux.model import cpu_linear
+
+    g = torch.Generator().manual_seed(3)
+    num_experts, d_in, d_out = 6, 48, 40
+    if not cpu_linear.can_pack(d_in, d_out, dtype, 8):
+        pytest.skip("oneDNN packing unavailable here")
+    w = torch.randn(num_experts, d_out, d_in, generator=g).to(dtype)
+    bias = torch.randn(num_experts, d_out, generator=g).to(dtype)
+    groups = group_by_expert(torch.tensor([[0, 3], [3, 5], [0, 5], [3, 0]]), num_experts)
+    x = torch.randn(groups.num_pairs, d_in, generator=g).to(dtype)
+    packed = [cpu_linear.pack(w[e].t(), 8) for e in range(num_experts)]
+    for b in (None, bias):
+        want = grouped_matmul(x, w.transpose(1, 2), groups, b, impl="torch")
+        got = grouped_packed_matmul(x, packed, d_out, groups, b)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
