@@ -30,8 +30,8 @@ from __future__ import annotations
 import math
 import re
 import time
-from collections.abc import Mapping
-from typing import Protocol
+from collections.abc import Hashable, Mapping
+from typing import Protocol, TypeVar
 
 try:  # linear-time regex engine for client-given patterns
     import re2
@@ -40,6 +40,7 @@ except ImportError:  # pragma: no cover - google-re2 is a dependency; without it
 
 from loramux.adapters.formats.validation_common import fail, show
 
+K = TypeVar("K", bound=Hashable)  # a module's key: (layer, target), or (layer, projection, expert) for experts
 MAX_PATTERN_CHARS = 1000  # one regex (a pattern key, a layers_pattern, an exclude_modules string)
 MAX_PATTERN_KEYS = 512  # entries of rank_pattern / alpha_pattern each
 _DEADLINE_S = 1.0  # of this thread's CPU time (`_cpu_clock`)
@@ -161,8 +162,9 @@ def _declared_targets(config: Mapping):
     return targets
 
 
-def select_modules(config: Mapping, names: Mapping[tuple[int, str], str]) -> list[tuple[int, str]]:
-    """The keys of `names` ((layer, target) -> module name) whose modules PEFT targets, in `names`' order."""
+def select_modules(config: Mapping, names: Mapping[K, str]) -> list[K]:
+    """The keys of `names` ((layer, target) -> module name, or any key) whose modules PEFT targets, in `names`'
+    order."""
     check_selection_options(config)
     excluded = _exclusion(config)
     targets = _declared_targets(config)
@@ -242,8 +244,7 @@ def check_pattern_values(config: Mapping, max_rank: int | None) -> None:
     _pattern_entries(config, "alpha_pattern", _alpha_value)
 
 
-def module_rank_alpha(config: Mapping, names: Mapping[tuple[int, str], str]
-                      ) -> dict[tuple[int, str], tuple[int, float]]:
+def module_rank_alpha(config: Mapping, names: Mapping[K, str]) -> dict[K, tuple[int, float]]:
     """(r, lora_alpha) of every module in `names`, by PEFT's `get_pattern_key` (see the module docstring)."""
     rank, alpha = config["r"], config["lora_alpha"]
     rank_keys = _pattern_entries(config, "rank_pattern", _rank_value)

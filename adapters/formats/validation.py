@@ -428,7 +428,7 @@ def _check_entries(entries: list[TensorEntry], base: ModelConfig, config: Mappin
         if layer >= base.num_layers:
             raise fail("layer_out_of_range", f"tensor {show(entry.name)} is for layer {layer}, the base model "
                                               f"has {base.num_layers} layers")
-        if target == "router" and not base.moe.sparse_layers[layer]:
+        if target == "router" and base.moe is not None and not base.moe.sparse_layers[layer]:
             raise fail("target_mismatch", f"tensor {show(entry.name)} is a LoRA on the router of layer {layer}, "
                                            f"a dense layer of this base model (it has no router)")
         if base.moe is not None and base.moe.sparse_layers[layer] and _SECTIONS[target] == "mlp":
