@@ -253,6 +253,26 @@ def drafts_expected(prompt: list[int], output: list[int]) -> bool:
     return False
 
 
+def family_engine(model_dir: Path, tokenizer) -> LLMEngine:
+    """The engine the model-family tests compare with HF: float32 on CPU, blocks of 4, prefix caching and 3-token
+    prompt-lookup speculation on, adapters loaded inline."""
+    model, cfg = build_model(model_dir, torch.float32, torch.device("cpu"))
+    config = EngineConfig(block_size=4, num_blocks=256, max_num_seqs=8, max_num_batched_tokens=64,
+                          max_model_len=256, prefix_caching=True, speculative_tokens=3, speculative_max_batch=8,
+                          async_adapter_loads=False)
+    return LLMEngine(model, tokenizer, config, end_of_turn_ids(tokenizer, cfg, model_dir))
+
+
+def greedy_tokens(engine: LLMEngine, requests: dict[str, tuple[list[int], str | None]], new_tokens: int
+                  ) -> dict[str, list[int]]:
+    """Run the requests (id -> (prompt, adapter)) together, greedy, exactly `new_tokens` each: id -> tokens."""
+    from loramux.engine.sampling.params import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    outs = run_to_completion(engine, [(ids, params, adapter) for ids, adapter in requests.values()])
+    return {rid: out.token_ids for rid, out in zip(requests, outs)}
+
+
 def decode_step_lora_cost(engine: LLMEngine, requests: dict[str, str | None], prompt) -> tuple[int, int]:
     """LoRA multiply-adds and weight bytes of one decode step of `requests` (id -> adapter), each started with
     `prompt` and past its prefill; the requests are aborted afterwards."""

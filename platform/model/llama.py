@@ -23,6 +23,7 @@ from loramux.model.attention import AttentionMetadata, KVCache, paged_attention
 from loramux.model.config import ModelConfig
 from loramux.model.moe import EXPERT_MODULES, ExpertProjection, MoEBlock
 from loramux.model.rope import RotaryEmbedding, apply_rope
+from loramux.model.slices import slice_bounds
 
 if TYPE_CHECKING:
     from loramux.kernels.wrapper import LoRAWrapper
@@ -73,12 +74,7 @@ class MergedLinear(nn.Module):
 
     def slice_range(self, name: str) -> tuple[int, int]:
         """Columns [start, end) of W (and entries of b) that belong to slice `name`."""
-        start = 0
-        for slice_name, size in self.slices:
-            if slice_name == name:
-                return start, start + size
-            start += size
-        raise KeyError(name)
+        return slice_bounds(self.slices, name)
 
     def pack_for_cpu(self, batch_hint: int) -> bool:
         """Replace W by oneDNN's packed layout where oneDNN is usable; W is then dropped (None)."""

@@ -25,6 +25,7 @@ from torch import nn
 from loramux.kernels.moe import ExpertGroups, group_by_expert, grouped_matmul, grouped_packed_matmul
 from loramux.model import cpu_linear
 from loramux.model.config import ModelConfig, MoESpec
+from loramux.model.slices import slice_bounds
 
 if TYPE_CHECKING:
     from loramux.model.llama import MergedLinear
@@ -76,12 +77,8 @@ class ExpertProjection(nn.Module):
         return True
 
     def slice_range(self, name: str) -> tuple[int, int]:
-        start = 0
-        for slice_name, size in self.slices:
-            if slice_name == name:
-                return start, start + size
-            start += size
-        raise KeyError(name)
+        """Each expert's output features [start, end) (rows of its weight, entries of its bias) of slice `name`."""
+        return slice_bounds(self.slices, name)
 
     def forward(self, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
         if self.packed is not None:

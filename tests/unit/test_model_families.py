@@ -7,12 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import drafts_expected, run_to_completion
-from loramux.engine.config import EngineConfig
+from conftest import drafts_expected, family_engine, greedy_tokens
 from loramux.engine.engine import LLMEngine
 from loramux.engine.model_runner import ModelRunner
-from loramux.engine.sampling.params import SamplingParams
-from loramux.model.loader import build_model, end_of_turn_ids
 from loramux.testing import save_tiny_hf_model
 
 LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -80,17 +77,11 @@ def family(request, tmp_path_factory, tokenizer):
 
 
 def make_family_engine(model_dir, tokenizer) -> LLMEngine:
-    model, cfg = build_model(model_dir, torch.float32, torch.device("cpu"))
-    config = EngineConfig(block_size=4, num_blocks=256, max_num_seqs=8, max_num_batched_tokens=64,
-                          max_model_len=256, prefix_caching=True, speculative_tokens=3, speculative_max_batch=8,
-                          async_adapter_loads=False)
-    return LLMEngine(model, tokenizer, config, end_of_turn_ids(tokenizer, cfg, model_dir))
+    return family_engine(model_dir, tokenizer)
 
 
 def run_all(engine: LLMEngine, requests: dict[str, tuple[list[int], str | None]]) -> dict[str, list[int]]:
-    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
-    outs = run_to_completion(engine, [(ids, params, adapter) for ids, adapter in requests.values()])
-    return {rid: out.token_ids for rid, out in zip(requests, outs)}
+    return greedy_tokens(engine, requests, NEW_TOKENS)
 
 
 def test_greedy_output_equals_hf_and_peft_alone_and_mixed(family, tokenizer, monkeypatch):
