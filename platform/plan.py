@@ -95,16 +95,11 @@ def _int8_linears(cfg: ModelConfig, layer: int) -> list[tuple[int, int]]:
 
 
 def expert_lora_bytes(cfg: ModelConfig, rank: int, dtype_bytes: int) -> int:
-    """Device bytes of one adapter's LoRA on the routed experts at `rank` (0 for a dense model): per sparse
-    layer and expert, rank x (d_in + d_out) weights of gate_up (H -> 2I) and of down (I -> H), and a float32
-    scale per projection: what the device pool's slot holds (loramux.adapters.residency.expert_slots.slot_bytes,
-    which a test keeps equal to this)."""
-    moe = cfg.moe
-    if moe is None or rank <= 0:
+    """Device bytes of one adapter's LoRA on the routed experts at `rank` on gate_up and down (0 for a dense
+    model): `MoESpec.lora_bytes`, what the device pool's slot holds."""
+    if cfg.moe is None or rank <= 0:
         return 0
-    h, i = cfg.hidden_size, moe.intermediate_size
-    per_expert = rank * ((h + 2 * i) + (i + h)) * dtype_bytes + 2 * EXPERT_SCALE_BYTES
-    return moe.num_sparse_layers * moe.num_experts * per_expert
+    return cfg.moe.lora_bytes(cfg.hidden_size, {"gate_up": rank, "down": rank}, dtype_bytes, EXPERT_SCALE_BYTES)
 
 
 def kv_tokens_held(cfg: ModelConfig, context_len: int, block_size: int = 16) -> int:

@@ -108,7 +108,7 @@ def describe(adapter: LoRAAdapter, cfg: ModelConfig, dtype_bytes: int) -> dict:
         "experts": expert_slots.slot_bytes(expert_slots.key_of(adapter), cfg, dtype_bytes),
     }
     experts: dict[str, dict] = {}
-    for (layer, name), (a, _) in sorted(getattr(adapter, "experts", {}).items()):
+    for (layer, name), (a, _) in sorted(adapter.experts.items()):
         experts.setdefault(name, {"rank": int(a.shape[1]), "layers": []})["layers"].append(layer)
     device["total"] = sum(device.values())
     return {

@@ -26,9 +26,8 @@ ExpertsKey = tuple  # ((name, rank), ...) in EXPERT_PATHS order; () = no expert 
 
 def key_of(adapter) -> ExpertsKey:
     """The expert part of `adapter`'s bucket key: the rank of each expert projection it covers."""
-    experts = getattr(adapter, "experts", None) or {}
     ranks: dict[str, set[int]] = {}
-    for (_, name), (a, _) in experts.items():
+    for (_, name), (a, _) in adapter.experts.items():
         ranks.setdefault(name, set()).add(a.shape[1])
     for name, seen in ranks.items():
         if len(seen) != 1:
@@ -37,23 +36,13 @@ def key_of(adapter) -> ExpertsKey:
     return tuple((name, ranks[name].pop()) for name in EXPERT_PATHS if name in ranks)
 
 
-def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    moe = cfg.moe
-    assert moe is not None
-    return {"gate_up": (cfg.hidden_size, 2 * moe.intermediate_size), "down": (moe.intermediate_size, cfg.hidden_size)}
-
-
 def slot_bytes(key: ExpertsKey, cfg: ModelConfig, element: int) -> int:
     """Device bytes of one slot's expert LoRA (weights at `element` bytes each, float32 scales)."""
     if not key:
         return 0
-    moe = cfg.moe
-    if moe is None:
+    if cfg.moe is None:
         raise ValueError("expert LoRA needs a mixture-of-experts base model")
-    shapes = _shapes(cfg)
-    per_layer = sum(moe.num_experts * (rank * (shapes[name][0] + shapes[name][1]) * element + SCALE_BYTES)
-                    for name, rank in key)
-    return moe.num_sparse_layers * per_layer
+    return cfg.moe.lora_bytes(cfg.hidden_size, dict(key), element, SCALE_BYTES)
 
 
 def allocate(key: ExpertsKey, model, capacity: int, dtype: torch.dtype, device: torch.device
@@ -84,7 +73,7 @@ def write(buffers: dict[tuple[int, str], ExpertLoRAWeights], slot: int, adapter)
         weights.b[rows].zero_()
         weights.scale[rows] = 0.0
         weights.set_targeted(slot, False)
-    for (layer, name), (a, b) in (getattr(adapter, "experts", None) or {}).items():
+    for (layer, name), (a, b) in adapter.experts.items():
         weights = buffers[(layer, EXPERT_PATHS[name])]
         rows = weights.slot_rows(slot)
         weights.a[rows].copy_(a, non_blocking=True)

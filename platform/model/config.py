@@ -79,6 +79,15 @@ class MoESpec:
     def num_sparse_layers(self) -> int:
         return sum(self.sparse_layers)
 
+    def lora_bytes(self, hidden: int, ranks: dict[str, int], element: int, scale_bytes: int = 4) -> int:
+        """Device bytes of one adapter's LoRA on the routed experts, as the adapter pool holds it: for every sparse
+        layer, expert and covered projection ("gate_up": hidden -> 2 x width, "down": width -> hidden; `ranks`
+        gives each one's rank), rank x (in + out) weights of `element` bytes and one float32 scale."""
+        shapes = {"gate_up": (hidden, 2 * self.intermediate_size), "down": (self.intermediate_size, hidden)}
+        per_expert = sum(rank * (shapes[name][0] + shapes[name][1]) * element + scale_bytes
+                         for name, rank in ranks.items())
+        return self.num_sparse_layers * self.num_experts * per_expert
+
     def expert_parameters(self, hidden: int) -> int:
         """Weights (and biases) of one expert."""
         return 3 * hidden * self.intermediate_size + (2 * self.intermediate_size + hidden if self.expert_bias else 0)
