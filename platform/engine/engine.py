@@ -1,8 +1,9 @@
 """The engine: add requests, then `step()` = schedule -> run -> postprocess, until all are done."""
 from __future__ import annotations
 
+import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -35,6 +36,8 @@ from loramux.engine.tokens import chat_template_ids
 from loramux.histogram import DurationHistogram
 from loramux.names import base_model_id
 
+log = logging.getLogger(__name__)
+
 __all__ = ["LLMEngine", "RequestOutput", "RequestError"]
 
 
@@ -61,6 +64,28 @@ class _Sampled:
     accepted: int | None = None  # speculative decodes only
 
 
+def state_slots(config: EngineConfig, state_bytes: int) -> int:
+    """How many sequences of a hybrid model hold linear-attention state at once: one per running sequence
+    (`max_num_seqs`), within half of `kv_cache_bytes` (the paged KV of its attention layers gets the rest); 0 for a
+    model without such state."""
+    if not state_bytes:
+        return 0
+    return max(1, min(config.max_num_seqs, config.kv_cache_bytes // 2 // state_bytes))
+
+
+def _hybrid_config(config: EngineConfig) -> EngineConfig:
+    """`config` with what a hybrid model cannot serve exactly turned off, said once: prefix caching (a cached block
+    holds attention KV, not the linear layers' state after it) and speculation (a rejected draft token would have to
+    be rolled back out of the recurrent state)."""
+    off = [name for name, on in (("prefix caching", config.prefix_caching),
+                                 ("speculative decoding", config.speculative_tokens > 0)) if on]
+    if off:
+        log.info("%s off for this hybrid model: its linear-attention layers keep one running state per sequence, "
+                 "which a cached prefix does not carry and a rejected draft token cannot be taken back out of",
+                 " and ".join(off))
+    return replace(config, prefix_caching=False, speculative_tokens=0)
+
+
 class LLMEngine:
     def __init__(self, model, tokenizer, config: EngineConfig, eos_token_ids: tuple[int, ...] = (),
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
@@ -68,15 +93,20 @@ class LLMEngine:
         self.model = model
         self.model_name: str | None = None  # the served model as configured (from_settings sets it)
         self.tokenizer = tokenizer
-        self.config = config
         mcfg = model.config
+        config = _hybrid_config(config) if mcfg.linear_attention is not None else config
+        self.config = config
+        element = torch.finfo(dtype).bits // 8
+        self.num_state_slots = state_slots(config, mcfg.state_bytes_per_sequence(element))
         num_blocks = config.num_blocks
-        if num_blocks is None:
-            per_block = config.block_size * mcfg.kv_bytes_per_token(torch.finfo(dtype).bits // 8)
-            num_blocks = max(1, config.kv_cache_bytes // per_block)
+        if num_blocks is None:  # the KV pool gets what the state slots leave of kv_cache_bytes
+            per_block = config.block_size * mcfg.kv_bytes_per_token(element)
+            kv_bytes = config.kv_cache_bytes - self.num_state_slots * mcfg.state_bytes_per_sequence(element)
+            num_blocks = max(1, kv_bytes // per_block)
         # A sequence must fit the whole KV pool on its own, or it could be preempted forever.
         self.max_model_len = min(config.max_model_len, mcfg.max_position_embeddings, num_blocks * config.block_size)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_caching, mcfg.sliding_window)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_caching, mcfg.sliding_window,
+                                          self.num_state_slots)
         self.load_histogram = DurationHistogram()  # host RAM -> device copies
         self.pool = self.adapters = None  # the device adapter pool and the one owner of what is in it
         if config.max_lora_rank > 0:
@@ -96,7 +126,8 @@ class LLMEngine:
                                    long_rope_after=self.long_rope_after)
         self.runner = ModelRunner(model, num_blocks, config.block_size, dtype, device,
                                   self.pool.wrapper if self.pool else None,
-                                  self.adapters.location if self.adapters else None, config, self.max_model_len)
+                                  self.adapters.location if self.adapters else None, config, self.max_model_len,
+                                  self.num_state_slots)
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(eos_token_ids)
         self.grammars = GrammarCache(tokenizer, mcfg.vocab_size, self.eos_token_ids)  # built on first use

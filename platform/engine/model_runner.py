@@ -13,6 +13,7 @@ from loramux.engine.scheduling.scheduler import ScheduledBatch
 from loramux.engine.sequence import Sequence
 from loramux.engine.speculation.medusa_heads import MedusaHeads
 from loramux.model.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillChunk
+from loramux.model.linear_attention import LinearStates, StateBatch
 from loramux.model.llama import LlamaModel
 
 if TYPE_CHECKING:
@@ -24,6 +25,8 @@ log = logging.getLogger(__name__)
 MOE_NO_GRAPHS = ("mixture-of-experts routing is data-dependent: each layer reads its (token, expert) counts back "
                  "to the host to size the grouped expert matmuls, which a captured graph cannot replay, and the "
                  "fixed-shape buffers' padding rows would be routed too; decode steps run eagerly")
+HYBRID_NO_GRAPHS = ("a hybrid model's linear-attention layers gather and scatter per-sequence state slots that the "
+                    "fixed-shape buffers do not carry; decode steps run eagerly")
 
 
 @dataclass
@@ -50,10 +53,11 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, lora_wrapper: LoRAWrapper | None = None,
                  locate_adapter: Callable[[str], Location] | None = None, config=None,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, num_state_slots: int = 0):
         """`locate_adapter(digest)`: (rank bucket, slot) of a resident adapter, for the LoRA wrapper.
         `config` (an EngineConfig): with `cuda_graphs` on a CUDA device, plain decode steps replay CUDA
-        graphs (loramux.engine.cuda_graphs) for up to `max_num_seqs` sequences of up to `max_model_len`."""
+        graphs (loramux.engine.cuda_graphs) for up to `max_num_seqs` sequences of up to `max_model_len`.
+        `num_state_slots`: a hybrid model's per-sequence linear-attention states (one per running sequence)."""
         cfg = model.config
         self.model = model
         self.device = torch.device(device)
@@ -61,7 +65,10 @@ class ModelRunner:
         # One block more than the block manager hands out: the scratch block that padding rows of a
         # fixed-shape decode step write their KV into.
         self.scratch_block = num_blocks
-        self.kv = KVCache(cfg.num_layers, num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+        self.kv = KVCache(len(cfg.attention_layers), num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim, dtype,
+                          device)
+        if cfg.linear_attention is not None:
+            self.kv.states = LinearStates(cfg.linear_attention, max(1, num_state_slots), dtype, device)
         # The windows of local layers in a model that also has global ones (Gemma); a model windowed on every
         # layer gives back the blocks that left the window instead (block_manager.release_out_of_window).
         self.local_windows = sorted({w for w in cfg.layer_windows if w is not None}) \
@@ -71,7 +78,8 @@ class ModelRunner:
         self.medusa_of: Callable[[Sequence], MedusaHeads | None] | None = None  # set by the engine
         self.max_model_len = min(max_model_len or num_blocks * block_size, model.rope.cos.shape[0])
         self.graphs: DecodeGraphs | None = None  # DecodeGraphs when plain decode steps run from fixed-shape buffers
-        self.graphs_refused: str | None = MOE_NO_GRAPHS if cfg.moe is not None else None  # why they never do
+        self.graphs_refused: str | None = (HYBRID_NO_GRAPHS if cfg.linear_attention is not None  # why they never do
+                                           else MOE_NO_GRAPHS if cfg.moe is not None else None)
         self._refusal_logged = False
         self.graph_batch = config.max_num_seqs if config is not None else 32
         if config is not None and getattr(config, "cuda_graphs", False) and self.device.type == "cuda":
@@ -118,6 +126,7 @@ class ModelRunner:
         sampled: list[tuple[Sequence, int, int]] = []  # (seq, first logits row, rows)
         where = self._locations([s for s, _ in batch.prefills] + batch.decodes)
         lora_rows: list[Location | None] = []  # adapter (bucket, slot) per row, None = base model
+        state_chunks: list[tuple[int, int, int, bool]] = []  # hybrid models: (rows, state slot, fresh) per chunk
         for seq, n in batch.prefills:
             start = seq.num_computed_tokens
             end = start + n
@@ -129,6 +138,8 @@ class ModelRunner:
             lora_rows.extend([where[seq]] * n)
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             chunks.append(PrefillChunk(row0, row0 + n, *self._context(seq, end), rope_len=seq.num_tokens))
+            if seq.state_slot is not None:
+                state_chunks.append((row0, row0 + n, seq.state_slot, start == 0))
             if end == seq.num_tokens:
                 sampled.append((seq, len(sample_rows), 1))
                 sample_rows.append(len(tokens) - 1)
@@ -140,6 +151,7 @@ class ModelRunner:
                 plain_decodes.append(seq)
                 continue
             start = seq.num_computed_tokens
+            assert seq.state_slot is None, "speculative decoding is off for hybrid models (their state has no rollback)"
             chunk = [seq.last_token(), *seq.draft_token_ids]
             end = start + len(chunk)
             table = seq.block_table
@@ -154,10 +166,13 @@ class ModelRunner:
         num_prefill_tokens = len(tokens)
 
         decode_tables = decode_mask = decode_groups = decode_lens = None
+        decode_slots: list[int] = []
         if plain_decodes:
             tables, context_lens = [], []
             # Rows of one adapter side by side: fewer, longer LoRA segments.
             for seq in sorted(plain_decodes, key=lambda s: _adapter_order(where[s])):
+                if seq.state_slot is not None:
+                    decode_slots.append(seq.state_slot)
                 lora_rows.append(where[seq])
                 p = seq.num_computed_tokens
                 tokens.append(seq.last_token())
@@ -173,6 +188,9 @@ class ModelRunner:
 
         meta = AttentionMetadata(self._tensor(slots), chunks, num_prefill_tokens, decode_tables, decode_mask,
                                  decode_groups, decode_lens)
+        if self.kv.states is not None:
+            meta.states = StateBatch(state_chunks, num_prefill_tokens,
+                                     self._tensor(decode_slots) if decode_slots else None)
         if plain_decodes and self.local_windows:
             meta.window_decodes = self._window_decodes(tables, context_lens)
         if self.lora_wrapper is not None:

@@ -75,6 +75,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)  # entries may be block_manager.RELEASED (windowed)
     num_released_blocks: int = 0  # leading blocks given back because they left the sliding window
     num_computed_tokens: int = 0
+    state_slot: int | None = None  # a hybrid model's per-sequence linear-attention state (block_manager)
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (first admission)
     cache_salt: str = ""  # prefix-cache namespace: adapter version digest (+ tenant when isolated)
     long_rope: bool = False  # LongRoPE: computed with the long factors (see Scheduler's long_rope_after)

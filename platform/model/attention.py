@@ -17,9 +17,13 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from loramux.model.linear_attention import LinearStates, StateBatch
 
 
 @dataclass
@@ -64,6 +68,8 @@ class AttentionMetadata:
     # window -> (tables, mask, context lens) of the decode rows cut to what that window reaches (local layers
     # of a model with global ones too; see ModelRunner._window_decodes). Absent: the full tables, masked.
     window_decodes: dict = field(default_factory=dict)
+    # A hybrid's linear-attention layers: where each row's per-sequence state lives (None for other models).
+    states: StateBatch | None = None
 
     @property
     def has_decodes(self) -> bool:
@@ -80,6 +86,7 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.states: LinearStates | None = None  # a hybrid's per-sequence linear-attention states (set by the runner)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -19,14 +19,28 @@ what a family changes relative to Llama, so a family is a few fields here rather
 | olmoe               | q/k RMSNorm over the whole projection (not per head), routed experts                  |
 | gpt_oss             | q/k/v/o bias, attention sinks, sliding / full layers, YaRN RoPE, routed experts with   |
 |                     | biases, router bias and softmax after top-k, clamped SwiGLU with interleaved gate/up  |
+| qwen3_5_text        | hybrid: Gated DeltaNet layers (`LinearAttentionSpec`) between full-attention layers,   |
+|                     | whose q_proj also yields a sigmoid output gate; RMSNorm (1 + w), q/k norms, partial   |
+|                     | rotary                                                                                 |
+| qwen3_next          | as qwen3_5_text with fused `in_proj_qkvz` / `in_proj_ba`, and routed experts plus a    |
+|                     | shared expert behind a sigmoid gate                                                    |
+
+Multimodal checkpoints (`MULTIMODAL_MODEL_TYPES`: Gemma 3 4B and up, Qwen3.5) serve their language model: the
+config's `text_config` is read as that family's, and `multimodal` records the wrapper (its weights sit under
+`model.language_model.`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss")
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", *MOE_MODEL_TYPES)
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss", "qwen3_next")
+# Families whose layers mix Gated DeltaNet linear attention (a fixed-size state per sequence) with full attention.
+HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_next")
+# Multimodal checkpoints whose language model is served (images are not): wrapper model_type -> text model_type.
+MULTIMODAL_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text"}
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", *MOE_MODEL_TYPES,
+                         "qwen3_5_text", *MULTIMODAL_MODEL_TYPES)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 GEMMA_FAMILIES = ("gemma2", "gemma3_text")
 # The activation of the MLP's gate, by HF name.
@@ -94,6 +108,53 @@ class MoESpec:
 
 
 @dataclass(frozen=True)
+class LinearAttentionSpec:
+    """The Gated DeltaNet layers of a hybrid family (see loramux.model.linear_attention for the computation).
+
+    Each such layer keeps, per sequence, a causal-conv window (the last `conv_kernel - 1` inputs of its q/k/v
+    convolution, in the model's dtype) and a recurrent matrix per value head ([key_head_dim, value_head_dim], in
+    float32 as the reference keeps it) instead of a KV cache that grows with the sequence.
+    """
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+    layers: tuple[bool, ...]  # per layer: Gated DeltaNet (True) or full attention
+    fused_projections: bool = False  # Qwen3-Next: `in_proj_qkvz` / `in_proj_ba` interleaved per key head
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal convolution: q, k and v side by side."""
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def num_linear_layers(self) -> int:
+        return sum(self.layers)
+
+    def state_bytes(self, element: int) -> int:
+        """Bytes of one sequence's state over every linear layer: the conv window in `element`-byte values and the
+        float32 recurrent matrices."""
+        conv = self.conv_dim * (self.conv_kernel - 1) * element
+        recurrent = self.num_value_heads * self.key_head_dim * self.value_head_dim * 4
+        return self.num_linear_layers * (conv + recurrent)
+
+    def parameters(self, hidden: int) -> int:
+        """Weights of one linear-attention layer: projections, conv, decay parameters and the gated norm."""
+        projections = hidden * (self.conv_dim + self.value_dim + 2 * self.num_value_heads) + self.value_dim * hidden
+        return projections + self.conv_dim * self.conv_kernel + 2 * self.num_value_heads + self.value_head_dim
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     model_type: str
     vocab_size: int
@@ -127,6 +188,9 @@ class ModelConfig:
     qk_norm_whole: bool = False  # OLMoE: q/k RMSNorm over the whole projection instead of each head
     clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip, clip]
     moe: MoESpec | None = None  # routed experts (mixture-of-experts families); None for dense models
+    linear_attention: LinearAttentionSpec | None = None  # Gated DeltaNet layers (hybrid families); None: none
+    attn_output_gate: bool = False  # q_proj yields [q, gate] per head; the output is scaled by sigmoid(gate)
+    multimodal: str | None = None  # the multimodal wrapper's model_type whose language model this is, or None
 
     def __post_init__(self) -> None:
         if not self.layer_windows:
@@ -157,13 +221,23 @@ class ModelConfig:
     def has_sliding_layers(self) -> bool:
         return any(w is not None for w in self.layer_windows)
 
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers with a KV cache: all of them, but a hybrid's full-attention layers only."""
+        linear = self.linear_attention.layers if self.linear_attention is not None else (False,) * self.num_layers
+        return tuple(i for i in range(self.num_layers) if not linear[i])
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V for every layer: 2 x layers x kv_heads x head_dim x bytes."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+        """K and V for every attention layer: 2 x attention layers x kv_heads x head_dim x bytes."""
+        return 2 * len(self.attention_layers) * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def state_bytes_per_sequence(self, dtype_bytes: int) -> int:
+        """The fixed-size per-sequence state of a hybrid's linear-attention layers (0 for other models)."""
+        return 0 if self.linear_attention is None else self.linear_attention.state_bytes(dtype_bytes)
 
     def num_parameters(self) -> int:
         h, v = self.hidden_size, self.vocab_size
-        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        attn = h * ((2 if self.attn_output_gate else 1) * self.q_size + 2 * self.kv_size) + self.q_size * h
         if self.attention_bias:
             attn += self.q_size + 2 * self.kv_size
         if self.o_bias:
@@ -174,6 +248,9 @@ class ModelConfig:
         norms = (4 if self.sandwich_norms else 2) * h + qk_norms
         head = 0 if self.tie_word_embeddings else v * h
         total = v * h + self.num_layers * (attn + norms) + h + head
+        if self.linear_attention is not None:  # a linear layer has its own mixer (and no q/k norms) instead
+            mixers = self.linear_attention.num_linear_layers
+            total += mixers * (self.linear_attention.parameters(h) - attn - qk_norms)
         for layer in range(self.num_layers):
             total += self._mlp_parameters(layer, active=False)
         return total
@@ -200,10 +277,8 @@ class ModelConfig:
         """Read an HF config dict, in transformers 5's layout (`rope_parameters`, `layer_types`) or the older
         one on most Hub checkpoints (`rope_scaling`, `rope_theta`, `sliding_window_pattern`, ...)."""
         model_type = cfg.get("model_type", "llama")
-        if model_type == "gemma3":
-            raise UnsupportedModelError(
-                "model_type 'gemma3' is the multimodal Gemma 3 checkpoint; serve its text model "
-                "(model_type 'gemma3_text', Gemma3ForCausalLM); supported: " + ", ".join(SUPPORTED_MODEL_TYPES))
+        if model_type in MULTIMODAL_MODEL_TYPES:
+            return cls._language_model(cfg, model_type)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
                 f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
@@ -250,8 +325,8 @@ class ModelConfig:
             rope_scaling=global_rope.scaling,
             eos_token_ids=eos_ids,
             hidden_act=act,
-            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe", "olmoe"),
-            norm_offset=1.0 if gemma else 0.0,
+            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe", "olmoe", *HYBRID_MODEL_TYPES),
+            norm_offset=1.0 if gemma or model_type in HYBRID_MODEL_TYPES else 0.0,  # Qwen3.5 norms: (1 + w) too
             embed_scale=cfg["hidden_size"] ** 0.5 if gemma else None,
             sandwich_norms=gemma,
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") if gemma else None,
@@ -265,7 +340,30 @@ class ModelConfig:
             qk_norm_whole=model_type == "olmoe",
             clip_qkv=cfg.get("clip_qkv") if model_type == "olmoe" else None,
             moe=_moe_spec(cfg, model_type, num_layers),
+            linear_attention=_linear_attention_spec(cfg, model_type, layer_types),
+            attn_output_gate=model_type in HYBRID_MODEL_TYPES,
         )
+
+    @classmethod
+    def _language_model(cls, cfg: dict[str, Any], model_type: str) -> ModelConfig:
+        """The language model of a multimodal checkpoint, from its `text_config` (what the wrapper sets at its top
+        level, tied embeddings and EOS ids, wins as in transformers)."""
+        text = cfg.get("text_config")
+        if not isinstance(text, dict):
+            raise UnsupportedModelError(f"this {model_type} checkpoint's config.json has no text_config object: "
+                                        "a multimodal checkpoint describes its language model there")
+        text = dict(text)
+        text.setdefault("model_type", MULTIMODAL_MODEL_TYPES[model_type])
+        if text["model_type"] != MULTIMODAL_MODEL_TYPES[model_type]:
+            raise UnsupportedModelError(f"a {model_type} checkpoint's text_config has model_type "
+                                        f"{text['model_type']!r}; expected {MULTIMODAL_MODEL_TYPES[model_type]!r}")
+        for key in ("tie_word_embeddings", "eos_token_id"):
+            if cfg.get(key) is not None:
+                text[key] = cfg[key]
+        if "tie_word_embeddings" not in text and model_type == "gemma3":
+            text["tie_word_embeddings"] = True
+        inner = cls.from_hf(text)
+        return replace(inner, multimodal=model_type)
 
 
 def _moe_spec(cfg: dict[str, Any], model_type: str, num_layers: int) -> MoESpec | None:
@@ -277,7 +375,7 @@ def _moe_spec(cfg: dict[str, Any], model_type: str, num_layers: int) -> MoESpec 
     if not num_experts or not top_k or top_k > num_experts:
         raise UnsupportedModelError(f"a {model_type} config needs num_experts (or num_local_experts) and "
                                     f"num_experts_per_tok <= it; got {num_experts!r} and {top_k!r}")
-    if model_type in ("qwen3_moe", "qwen2_moe"):
+    if model_type in ("qwen3_moe", "qwen2_moe", "qwen3_next"):
         # transformers: layer i is sparse unless listed in mlp_only_layers, when (i + 1) % decoder_sparse_step == 0
         step = cfg.get("decoder_sparse_step") or 1
         dense = set(cfg.get("mlp_only_layers") or [])
@@ -296,19 +394,47 @@ def _moe_spec(cfg: dict[str, Any], model_type: str, num_layers: int) -> MoESpec 
         softmax_after_topk=gpt_oss, router_bias=gpt_oss, expert_bias=gpt_oss,
         activation="swiglu_clamp" if gpt_oss else "silu",
         swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)), swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
-        shared_expert_size=int(cfg.get("shared_expert_intermediate_size") or 0) if model_type == "qwen2_moe" else 0,
+        shared_expert_size=int(cfg.get("shared_expert_intermediate_size") or 0)
+        if model_type in ("qwen2_moe", "qwen3_next") else 0,
         router_name="router" if gpt_oss else "gate",
     )
 
 
+def _linear_attention_spec(cfg: dict[str, Any], model_type: str, layer_types: list[str]
+                           ) -> LinearAttentionSpec | None:
+    """The Gated DeltaNet layers of a hybrid config, read as transformers' modeling code reads them."""
+    if model_type not in HYBRID_MODEL_TYPES:
+        return None
+    try:
+        spec = LinearAttentionSpec(
+            num_key_heads=int(cfg["linear_num_key_heads"]), num_value_heads=int(cfg["linear_num_value_heads"]),
+            key_head_dim=int(cfg["linear_key_head_dim"]), value_head_dim=int(cfg["linear_value_head_dim"]),
+            conv_kernel=int(cfg["linear_conv_kernel_dim"]),
+            layers=tuple(kind == "linear_attention" for kind in layer_types),
+            fused_projections=model_type == "qwen3_next")
+    except KeyError as exc:
+        raise UnsupportedModelError(f"a {model_type} config needs {exc.args[0]} (its linear-attention layers' "
+                                    "shape)") from None
+    if spec.num_value_heads % spec.num_key_heads or spec.conv_kernel < 2:
+        raise UnsupportedModelError(f"linear_num_value_heads {spec.num_value_heads} must be a multiple of "
+                                    f"linear_num_key_heads {spec.num_key_heads}, and linear_conv_kernel_dim >= 2")
+    return spec
+
+
 def _layer_types(cfg: dict[str, Any], model_type: str, num_layers: int) -> list[str]:
-    """'sliding_attention' or 'full_attention' per layer, as transformers derives them."""
+    """'sliding_attention', 'full_attention' or (hybrid families) 'linear_attention' per layer, as transformers
+    derives them."""
     given = cfg.get("layer_types")
+    kinds = {"sliding_attention", "full_attention"} | ({"linear_attention"} if model_type in HYBRID_MODEL_TYPES
+                                                       else set())
     if given:
-        if len(given) != num_layers or not set(given) <= {"sliding_attention", "full_attention"}:
-            raise UnsupportedModelError(f"layer_types {given!r} is not one of sliding_attention / full_attention "
+        if len(given) != num_layers or not set(given) <= kinds:
+            raise UnsupportedModelError(f"layer_types {given!r} is not one of {' / '.join(sorted(kinds))} "
                                         f"per layer ({num_layers} layers)")
         return list(given)
+    if model_type in HYBRID_MODEL_TYPES:  # transformers' default: every `full_attention_interval`-th layer is full
+        interval = cfg.get("full_attention_interval", 4)
+        return ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)]
     window = cfg.get("sliding_window")
     if model_type == "gemma2":
         return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
@@ -338,7 +464,8 @@ def _rope_spec(cfg: dict[str, Any], model_type: str, layer_type: str, head_dim: 
             scaling = params
     if theta is None:
         theta = 1_000_000.0 if model_type == "gemma3_text" else 10000.0
-    partial = float((scaling or {}).get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0)
+    default_partial = 0.25 if model_type in HYBRID_MODEL_TYPES else 1.0  # transformers' Qwen3.5 / Qwen3-Next default
+    partial = float((scaling or {}).get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or default_partial)
     rotary_dim = int(head_dim * partial)
     if scaling is not None:
         rope_type = scaling.get("rope_type", scaling.get("type", "default"))

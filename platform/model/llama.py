@@ -1,5 +1,5 @@
-"""The decoder of every supported family (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3 and the mixture-of-experts
-families of loramux.model.moe) over a paged KV cache.
+"""The decoder of every supported family (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3, the mixture-of-experts
+families of loramux.model.moe and the hybrids of loramux.model.linear_attention) over a paged KV cache.
 
 The Llama layer is the default; what a family changes is read from `ModelConfig` (see its table): q/k norms,
 (1 + w) norms, sandwich norms, GeGLU, scaled embeddings, soft-capping, per-layer windows and RoPE.
@@ -21,6 +21,7 @@ from torch import nn
 from loramux.model import cpu_linear, quantization
 from loramux.model.attention import AttentionMetadata, KVCache, paged_attention
 from loramux.model.config import ModelConfig
+from loramux.model.linear_attention import LINEAR_PROJECTION_SLICES, GatedDeltaNet, LinearStates, StateBatch
 from loramux.model.moe import EXPERT_MODULES, ExpertProjection, MoEBlock
 from loramux.model.rope import RotaryEmbedding, apply_rope
 from loramux.model.slices import slice_bounds
@@ -36,6 +37,7 @@ PROJECTION_SLICES: dict[str, tuple[str, str]] = {
     "v_proj": ("self_attn.qkv_proj", "v"), "o_proj": ("self_attn.o_proj", "o"),
     "gate_proj": ("mlp.gate_up_proj", "gate"), "up_proj": ("mlp.gate_up_proj", "up"),
     "down_proj": ("mlp.down_proj", "down"), "router": ("mlp.router", "router"),
+    **LINEAR_PROJECTION_SLICES,  # a hybrid's linear-attention layers (Qwen3.5, Qwen3-Next)
 }
 # The merged projections of a decoder layer that LoRA adapters can target, in forward order.
 LORA_MODULES: tuple[str, ...] = tuple(dict.fromkeys(path for path, _ in PROJECTION_SLICES.values()))
@@ -148,7 +150,10 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.qkv_proj = MergedLinear(cfg.hidden_size, (("q", cfg.q_size), ("k", cfg.kv_size), ("v", cfg.kv_size)),
+        # Qwen3.5 / Qwen3-Next: q_proj yields per head [q, output gate], so its slice is twice the q width.
+        self.output_gate = cfg.attn_output_gate
+        q_width = 2 * cfg.q_size if self.output_gate else cfg.q_size
+        self.qkv_proj = MergedLinear(cfg.hidden_size, (("q", q_width), ("k", cfg.kv_size), ("v", cfg.kv_size)),
                                      bias=cfg.attention_bias)
         self.o_proj = MergedLinear(cfg.q_size, (("o", cfg.hidden_size),), bias=cfg.o_bias)
         # Norms of q and k before RoPE: per head (Qwen3, Gemma 3), or over the whole projection (OLMoE).
@@ -167,6 +172,8 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
+        if self.output_gate:
+            return self._gated(qkv, cos, sin, k_cache, v_cache, meta)
         if self.qk_norm_whole:  # OLMoE: norm q and k as whole projections, then clip, before the heads split
             q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
             qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=-1)
@@ -182,6 +189,16 @@ class Attention(nn.Module):
         v = heads[:, self.num_heads + self.num_kv_heads:]
         o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.window, self.softcap, self.sinks)
         return self.o_proj(o.reshape(t, self.q_size))
+
+    def _gated(self, qkv, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
+        """Attention whose q_proj also yields a gate per head: o_proj(attention * sigmoid(gate))."""
+        t, hd = qkv.shape[0], self.head_dim
+        q_gate, k, v = qkv.split((2 * self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q, gate = q_gate.view(t, self.num_heads, 2 * hd).split(hd, dim=-1)
+        q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k.view(t, self.num_kv_heads, hd)), cos, sin)
+        o = paged_attention(q, k, v.view(t, self.num_kv_heads, hd), k_cache, v_cache, meta, self.scale, self.window,
+                            self.softcap, self.sinks)
+        return self.o_proj(o.reshape(t, self.q_size) * torch.sigmoid(gate.reshape(t, self.q_size)))
 
 
 class MLP(nn.Module):
@@ -207,7 +224,17 @@ class DecoderLayer(nn.Module):
         super().__init__()
         norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)  # noqa: E731
         self.input_layernorm = norm()
-        self.self_attn = Attention(cfg, layer)
+        linear = cfg.linear_attention
+        # A hybrid's layer mixes tokens with Gated DeltaNet (per-sequence state) or with attention (paged KV);
+        # `cache_index` is its index into LinearStates or into the KV cache's layers.
+        self.is_linear = linear is not None and linear.layers[layer]
+        if self.is_linear:
+            assert linear is not None
+            self.cache_index = sum(linear.layers[:layer])
+            self.linear_attn = GatedDeltaNet(cfg, self.cache_index)
+        else:
+            self.cache_index = cfg.attention_layers.index(layer)
+            self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = norm()
         self.mlp = MoEBlock(cfg, layer) if cfg.moe is not None and cfg.moe.sparse_layers[layer] else MLP(cfg)
         self.sandwich = cfg.sandwich_norms
@@ -215,8 +242,13 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta):
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
+    def forward(self, x, cos, sin, kv: KVCache, meta):
+        if self.is_linear:
+            assert kv.states is not None and meta.states is not None
+            attn = self.linear_attn(self.input_layernorm(x), kv.states, meta.states)
+        else:
+            i = self.cache_index
+            attn = self.self_attn(self.input_layernorm(x), cos, sin, kv.k[i], kv.v[i], meta)
         if not self.sandwich:
             x = x + attn
             return x + self.mlp(self.post_attention_layernorm(x))
@@ -257,13 +289,18 @@ class LlamaModel(nn.Module):
 
     def lora_modules(self) -> Iterator[tuple[int, str, MergedLinear]]:
         """(layer index, module path, MergedLinear) of every projection an adapter can target: a sparse layer of
-        a mixture-of-experts model has its router instead of a dense MLP (its experts: see `expert_modules`)."""
+        a mixture-of-experts model has its router instead of a dense MLP (its experts: see `expert_modules`), and a
+        hybrid's linear-attention layer its `linear_attn` projections instead of attention's."""
         for index in range(len(self.layers)):
-            sparse = isinstance(self.layers[index].mlp, MoEBlock)
-            for path in LORA_MODULES:
-                if path.startswith("mlp.") and sparse != (path == "mlp.router"):
-                    continue
+            for path in self.layer_lora_paths(index):
                 yield index, path, self.projection(index, path)
+
+    def layer_lora_paths(self, layer: int) -> tuple[str, ...]:
+        """The LORA_MODULES paths layer `layer` has."""
+        sparse = isinstance(self.layers[layer].mlp, MoEBlock)
+        mixer = "linear_attn." if self.layers[layer].is_linear else "self_attn."
+        return tuple(path for path in LORA_MODULES
+                     if (path.startswith(mixer) if not path.startswith("mlp.") else sparse == (path == "mlp.router")))
 
     def expert_modules(self) -> Iterator[tuple[int, str, ExpertProjection]]:
         """(layer index, path, ExpertProjection) of every routed-expert projection (sparse layers only)."""
@@ -312,7 +349,7 @@ class LlamaModel(nn.Module):
         tables = [rope.cos_sin(positions, rope_lens) for rope in self.ropes]
         for i, layer in enumerate(self.layers):
             cos, sin = tables[self.layer_rope[i]]
-            x = layer(x, cos, sin, kv.k[i], kv.v[i], meta)
+            x = layer(x, cos, sin, kv, meta)
         return self.norm(x)
 
     @torch.inference_mode()

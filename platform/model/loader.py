@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import sys
@@ -27,6 +28,7 @@ from loramux.model.moe_loading import complete_experts, load_moe_tensor
 from loramux.model.quantization import check_mode, choose_kernel
 from loramux.settings import DEFAULT_MODEL
 
+log = logging.getLogger(__name__)
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Tokens that chat templates use to end a turn; generation stops on them as on EOS.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
@@ -113,6 +115,25 @@ SHARD_INDEX = "model.safetensors.index.json"
 FUSED_PROJECTIONS = {"qkv_proj": "self_attn.qkv_proj", "gate_up_proj": "mlp.gate_up_proj"}
 LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                "post_feedforward_layernorm")
+# Where a multimodal checkpoint keeps its language model: transformers 5 (`model.language_model.`) and the layout
+# of earlier Hub checkpoints (`language_model.model.`, with the head at `language_model.lm_head`).
+LANGUAGE_MODEL_PREFIXES = ("model.language_model.", "language_model.model.")
+LANGUAGE_MODEL_HEADS = ("lm_head.weight", "language_model.lm_head.weight")
+# A linear-attention layer's parameters that are not merged projections (its q/k/v conv, decay terms, gated norm).
+LINEAR_EXTRAS = {"conv1d.weight": "conv_weight", "dt_bias": "dt_bias", "A_log": "A_log", "norm.weight": "norm.weight"}
+
+
+def checkpoint_key(name: str, cfg: ModelConfig) -> str | None:
+    """A checkpoint tensor's name relative to the language model (`layers.0...`, `embed_tokens.weight`,
+    `lm_head.weight`), or None for a tensor of a multimodal checkpoint's other towers (vision, projector)."""
+    if cfg.multimodal is None:
+        return name if name == "lm_head.weight" else name.removeprefix("model.")
+    if name in LANGUAGE_MODEL_HEADS:
+        return "lm_head.weight"
+    for prefix in LANGUAGE_MODEL_PREFIXES:
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return None
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
@@ -152,17 +173,21 @@ def load_weights(model: LlamaModel, model_dir: Path) -> None:
             raise ValueError(f"shape mismatch loading weights: expected {tuple(dst.shape)}, got {tuple(tensor.shape)}")
         dst.copy_(tensor)
 
+    skipped = 0  # tensors of a multimodal checkpoint's vision tower and projector
     with torch.no_grad():
         for path in _weight_files(model_dir):
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
-                    key = name.removeprefix("model.")
+                    key = checkpoint_key(name, cfg)
+                    if key is None:
+                        skipped += 1
+                        continue
                     tensor = f.get_tensor(name)
                     if key == "embed_tokens.weight":
                         tied = cfg.tie_word_embeddings  # tied: the embedding matrix is the output head's
                         put(model.lm_head.weight if tied else model.embed_tokens.weight, tensor)
                         loaded.add("lm_head.weight" if tied else "embed_tokens.weight")
-                    elif name == "lm_head.weight":
+                    elif key == "lm_head.weight":
                         if not cfg.tie_word_embeddings:
                             put(model.lm_head.weight, tensor)
                             loaded.add("lm_head.weight")
@@ -171,6 +196,9 @@ def load_weights(model: LlamaModel, model_dir: Path) -> None:
                         loaded.add("norm.weight")
                     elif key.startswith("layers."):
                         _load_layer_tensor(model, key, tensor, put, loaded)
+    if skipped:
+        log.info("serving the language model of this %s checkpoint: %d tensors of its vision tower and projector "
+                 "are not loaded (images are not served)", cfg.multimodal, skipped)
     # A merged parameter counts as loaded only when every one of its slices arrived.
     missing = [n for n in expected if n not in _complete(loaded, model)]
     if missing:
@@ -218,7 +246,19 @@ def _load_layer_tensor(model: LlamaModel, key: str, tensor, put, loaded: set[str
 
 
 def _load_layer_extra(model: LlamaModel, layer, key: str, parts: list[str], tensor, put, loaded: set[str]) -> bool:
-    """A layer norm or gpt-oss's attention sinks; False for any other tensor."""
+    """A layer norm, gpt-oss's attention sinks or a linear-attention layer's own parameters; False for any other
+    tensor."""
+    if parts[2] == "linear_attn" and getattr(layer, "is_linear", False):
+        target = LINEAR_EXTRAS.get(".".join(parts[3:]))
+        if target is None:
+            return False  # a projection: the caller loads it by PROJECTION_SLICES
+        param = layer.linear_attn.get_parameter(target)
+        value = tensor[:, 0] if target == "conv_weight" and tensor.dim() == 3 else tensor  # [C, 1, K] -> [C, K]
+        if value.shape != param.shape:
+            raise ValueError(f"shape mismatch loading {key}: expected {tuple(param.shape)}, got {tuple(tensor.shape)}")
+        param.copy_(value)
+        loaded.add(f"layers.{parts[1]}.linear_attn.{target}")
+        return True
     if parts[2] == "self_attn" and parts[3] == "sinks" and layer.self_attn.sinks is not None:
         put(layer.self_attn.sinks, tensor)
         loaded.add(f"layers.{parts[1]}.self_attn.sinks")

@@ -13,6 +13,9 @@ With a sliding window on every layer (Mistral v0.1), a block whose tokens every 
 to see is released while its sequence runs (`release_out_of_window`): its table entry becomes
 `RELEASED` (the runner reads it as its scratch block, which attention masks) and the block goes back to
 the pool, or to the cache's LRU when hashed, so a later prompt with the same prefix can still reuse it.
+
+A hybrid model (linear-attention layers) also gives each sequence one of `num_state_slots` fixed-size state slots,
+taken with its first blocks and given back with them: the linear layers' state lives there instead of in blocks.
 """
 from __future__ import annotations
 
@@ -55,8 +58,9 @@ def chain_hash(parent: bytes, token_ids, salt: str) -> bytes:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 sliding_window: int | None = None):
-        """`sliding_window`: the window of every layer of the model, when they all have one (see the module)."""
+                 sliding_window: int | None = None, num_state_slots: int = 0):
+        """`sliding_window`: the window of every layer of the model, when they all have one; `num_state_slots`: the
+        per-sequence state slots of a hybrid model, 0 for others (see the module)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
         self.num_blocks = num_blocks
@@ -69,6 +73,14 @@ class BlockManager:
         self.cached: dict[bytes, int] = {}  # content hash -> block
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
         self.hits = 0  # blocks reused from the cache (for stats)
+        self.num_state_slots = num_state_slots
+        self.free_state_slots: deque[int] = deque(range(num_state_slots))
+
+    def _needs_state_slot(self, seq) -> bool:
+        return self.num_state_slots > 0 and getattr(seq, "state_slot", None) is None
+
+    def _slot_available(self, seq) -> bool:
+        return not self._needs_state_slot(seq) or bool(self.free_state_slots)
 
     @property
     def num_free_blocks(self) -> int:
@@ -91,7 +103,7 @@ class BlockManager:
         return max(0, total - len(seq.block_table))
 
     def can_allocate(self, seq: GrowingBlocks, num_new_tokens: int) -> bool:
-        return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
+        return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks and self._slot_available(seq)
 
     def _take(self) -> int:
         if self.free_blocks:
@@ -110,6 +122,10 @@ class BlockManager:
         need = self.blocks_needed(seq, num_new_tokens)
         if need > self.num_free_blocks:
             raise OutOfBlocksError(f"need {need} KV blocks, {self.num_free_blocks} free")
+        if self._needs_state_slot(seq):
+            if not self.free_state_slots:
+                raise OutOfBlocksError(f"every one of the {self.num_state_slots} state slots is taken")
+            seq.state_slot = self.free_state_slots.popleft()  # type: ignore[attr-defined]
         for _ in range(need):
             seq.block_table.append(self._take())
 
@@ -121,6 +137,10 @@ class BlockManager:
         seq.block_table = []
         seq.block_hashes = []
         seq.num_released_blocks = 0
+        slot = getattr(seq, "state_slot", None)
+        if slot is not None:
+            self.free_state_slots.append(slot)
+            seq.state_slot = None  # type: ignore[attr-defined]
 
     def _unref(self, block: int) -> None:
         self.ref_counts[block] -= 1
@@ -168,7 +188,7 @@ class BlockManager:
         """Whether `seq` (with `hits` reused) can get blocks for `num_new_tokens` tokens after them."""
         reused_free = sum(1 for b in hits if self.ref_counts[b] == 0)  # they stop counting as free
         need = self.blocks_for_tokens(len(hits) * self.block_size + num_new_tokens) - len(hits)
-        return need <= self.num_free_blocks - reused_free
+        return need <= self.num_free_blocks - reused_free and self._slot_available(seq)
 
     def admit(self, seq: Sequence, hits: list[int], num_new_tokens: int) -> None:
         """Give `seq` the cached `hits` (their tokens count as computed), then room for the rest."""
@@ -223,3 +243,6 @@ class BlockManager:
         assert free | set(self.evictable) == idle, "leaked or double-used block"
         assert all(self.block_hash[b] is not None for b in self.evictable), "an evictable block has no hash"
         assert all(self.block_hash[b] == h for h, b in self.cached.items()), "cache index out of sync"
+        held = [seq.state_slot for seq in live if seq.state_slot is not None]
+        assert len(set(held)) == len(held), "a state slot is held twice"
+        assert sorted(held + list(self.free_state_slots)) == list(range(self.num_state_slots)), "leaked state slot"
