@@ -21,7 +21,7 @@ from torch import nn
 from loramux.model import cpu_linear, quantization
 from loramux.model.attention import AttentionMetadata, KVCache, paged_attention
 from loramux.model.config import ModelConfig
-from loramux.model.linear_attention import LINEAR_PROJECTION_SLICES, GatedDeltaNet, LinearStates, StateBatch
+from loramux.model.linear_attention import LINEAR_PROJECTION_SLICES, GatedDeltaNet
 from loramux.model.moe import EXPERT_MODULES, ExpertProjection, MoEBlock
 from loramux.model.rope import RotaryEmbedding, apply_rope
 from loramux.model.slices import slice_bounds

@@ -182,20 +182,7 @@ def load_weights(model: LlamaModel, model_dir: Path) -> None:
                     if key is None:
                         skipped += 1
                         continue
-                    tensor = f.get_tensor(name)
-                    if key == "embed_tokens.weight":
-                        tied = cfg.tie_word_embeddings  # tied: the embedding matrix is the output head's
-                        put(model.lm_head.weight if tied else model.embed_tokens.weight, tensor)
-                        loaded.add("lm_head.weight" if tied else "embed_tokens.weight")
-                    elif key == "lm_head.weight":
-                        if not cfg.tie_word_embeddings:
-                            put(model.lm_head.weight, tensor)
-                            loaded.add("lm_head.weight")
-                    elif key == "norm.weight":
-                        _put_norm(model.norm, tensor, put)
-                        loaded.add("norm.weight")
-                    elif key.startswith("layers."):
-                        _load_layer_tensor(model, key, tensor, put, loaded)
+                    _load_tensor(model, key, f.get_tensor(name), put, loaded)
     if skipped:
         log.info("serving the language model of this %s checkpoint: %d tensors of its vision tower and projector "
                  "are not loaded (images are not served)", cfg.multimodal, skipped)
@@ -203,6 +190,23 @@ def load_weights(model: LlamaModel, model_dir: Path) -> None:
     missing = [n for n in expected if n not in _complete(loaded, model)]
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks tensors for: {', '.join(sorted(missing)[:8])}")
+
+
+def _load_tensor(model: LlamaModel, key: str, tensor, put, loaded: set[str]) -> None:
+    """Load one tensor named relative to the language model (see checkpoint_key)."""
+    tied = model.config.tie_word_embeddings  # tied: the embedding matrix is the output head's
+    if key == "embed_tokens.weight":
+        put(model.lm_head.weight if tied else model.embed_tokens.weight, tensor)
+        loaded.add("lm_head.weight" if tied else "embed_tokens.weight")
+    elif key == "lm_head.weight":
+        if not tied:
+            put(model.lm_head.weight, tensor)
+            loaded.add("lm_head.weight")
+    elif key == "norm.weight":
+        _put_norm(model.norm, tensor, put)
+        loaded.add("norm.weight")
+    elif key.startswith("layers."):
+        _load_layer_tensor(model, key, tensor, put, loaded)
 
 
 def _load_layer_tensor(model: LlamaModel, key: str, tensor, put, loaded: set[str]) -> None:
