@@ -8,7 +8,7 @@ loramux itself imports this package.
 """
 from __future__ import annotations
 
-from loramux.testing.checkpoints import PROJECTIONS, save_tiny_hf_model, write_peft_adapter
+from loramux.testing.checkpoints import PROJECTIONS, save_tiny_hf_model, save_tiny_multimodal_model, write_peft_adapter
 from loramux.testing.faults import FaultyProxy
 from loramux.testing.live_server import LiveServer
 from loramux.testing.machine import CpuInfo, cpu_info, describe_cpu
@@ -26,7 +26,8 @@ from loramux.testing.services import (
 from loramux.testing.stats import median_seconds, percentile
 
 __all__ = [
-    "PROJECTIONS", "save_tiny_hf_model", "write_peft_adapter", "FaultyProxy", "LiveServer", "CpuInfo", "cpu_info",
+    "PROJECTIONS", "save_tiny_hf_model", "save_tiny_multimodal_model", "write_peft_adapter",
+    "FaultyProxy", "LiveServer", "CpuInfo", "cpu_info",
     "describe_cpu", "free_port", "wait_for_port", "MOTO_CREDENTIALS", "MOTO_REGION", "RedisServer",
     "moto_create_bucket", "start_moto_process", "start_moto_server", "start_redis_server", "stop_moto_server",
     "median_seconds", "percentile",
