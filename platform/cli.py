@@ -110,14 +110,7 @@ def cmd_plan(args, settings: Settings) -> int:
           + ("   (every expert; int8 leaves the experts in the model's dtype)" if cfg.moe is not None else ""))
     print(f"KV cache       {fmt_bytes(plan.kv_cache):>12}   ({fmt_bytes(plan.kv_per_token)}/token x "
           f"{held} tokens x {args.batch_size} sequences)")
-    local = sum(w is not None for w in cfg.layer_windows)
-    if cfg.sliding_window is not None:
-        print(f"               sliding window of {cfg.sliding_window} on every layer: a sequence holds at most "
-              f"{held} tokens of KV, whatever its context")
-    elif local:
-        print(f"               {local} of {cfg.num_layers} layers are local (window "
-              f"{max(w for w in cfg.layer_windows if w)}): they attend less, but the cache holds every layer "
-              "at every token")
+    _print_layer_kinds(cfg, plan, args, held)
     print(f"adapter pool   {fmt_bytes(plan.adapter_pool):>12}   ({plan.adapters_fit} adapters of rank "
           f"{args.adapter_rank} on {_adapter_targets(cfg, plan.expert_lora)} at {fmt_bytes(plan.slot_bytes)} each; "
           "each adapter takes its own rank's share; LORAMUX_ADAPTER_POOL_BYTES, default LORAMUX_KV_CACHE_BYTES)")
@@ -148,6 +141,33 @@ def cmd_plan(args, settings: Settings) -> int:
     return 0
 
 
+def _print_layer_kinds(cfg, plan, args, held: int) -> None:
+    """What windowed and linear-attention layers change about the KV a sequence holds."""
+    if cfg.linear_attention is not None:
+        print(_hybrid_lines(cfg, plan, args.batch_size, args.context_len))
+    local = sum(w is not None for w in cfg.layer_windows)
+    if cfg.sliding_window is not None:
+        print(f"               sliding window of {cfg.sliding_window} on every layer: a sequence holds at most "
+              f"{held} tokens of KV, whatever its context")
+    elif local:
+        print(f"               {local} of {cfg.num_layers} layers are local (window "
+              f"{max(w for w in cfg.layer_windows if w)}): they attend less, but the cache holds every layer "
+              "at every token")
+
+
+def _hybrid_lines(cfg, plan, batch_size: int, context_len: int) -> str:
+    """`loramux plan`'s account of a hybrid base: which layers hold KV, and the fixed-size state of the others."""
+    from loramux.plan import fmt_bytes as fmt_size
+
+    linear = cfg.linear_attention
+    kv_context = plan.kv_per_token * context_len
+    return (f"               {len(cfg.attention_layers)} of {cfg.num_layers} layers are full attention (the KV "
+            f"above); the {linear.num_linear_layers} Gated DeltaNet layers hold a fixed state instead\n"
+            f"linear state   {fmt_size(plan.state_pool):>12}   ({fmt_size(plan.state_per_sequence)}/sequence x "
+            f"{batch_size} sequences, whatever the context; at {context_len} tokens a sequence's KV is "
+            f"{fmt_size(kv_context)}; taken from LORAMUX_KV_CACHE_BYTES, at most half of it)")
+
+
 def _expert_lora(cfg, wanted: bool) -> bool:
     if wanted and cfg.moe is None:
         raise ConfigError(f"--expert-lora needs a mixture-of-experts base; {cfg.model_type} has no routed experts")
@@ -167,6 +187,8 @@ def _experts_line(cfg) -> str:
 def _adapter_targets(cfg, expert_lora: bool) -> str:
     """What a planned adapter covers: every projection of a dense model; attention (and the dense layers' MLP)
     of a mixture-of-experts one, whose sparse layers have no dense MLP, plus the experts with --expert-lora."""
+    if cfg.linear_attention is not None and cfg.moe is None:
+        return "attention, the linear-attention projections and the MLP"
     if cfg.moe is None:
         return "all 7 projections"
     dense = cfg.num_layers - cfg.moe.num_sparse_layers

@@ -43,6 +43,10 @@ class MemoryPlan:
     # dense model); counted in each adapter (`slot_bytes`) when the plan is for expert LoRA (`expert_lora`).
     expert_lora_bytes: int = 0
     expert_lora: bool = False
+    # A hybrid base: one sequence's fixed-size linear-attention state (conv windows + float32 recurrent matrices)
+    # and the batch's (0 for other models); held beside the KV of its attention layers, whatever the context.
+    state_per_sequence: int = 0
+    state_pool: int = 0
 
     @property
     def slot_bytes(self) -> int:
@@ -57,7 +61,7 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_cache + self.adapter_pool + self.draft_weights + self.draft_kv
+        return self.weights + self.kv_cache + self.state_pool + self.adapter_pool + self.draft_weights + self.draft_kv
 
 
 def weight_bytes(cfg: ModelConfig, dtype_bytes: int, quantization: str = "none") -> int:
@@ -83,8 +87,12 @@ def _int8_linears(cfg: ModelConfig, layer: int) -> list[tuple[int, int]]:
     """(d_in, d_out) of each linear layer of decoder layer `layer` that int8 quantization converts: attention,
     and the dense MLP; in a sparse layer the router and the shared expert with its gate instead, the routed
     experts staying in the model's dtype (they are grouped matmuls, not linear layers)."""
-    h, moe = cfg.hidden_size, cfg.moe
-    out = [(h, cfg.q_size + 2 * cfg.kv_size), (cfg.q_size, h)]  # qkv, o
+    h, moe, linear = cfg.hidden_size, cfg.moe, cfg.linear_attention
+    if linear is not None and linear.layers[layer]:  # a hybrid's linear-attention layer: in_proj, out_proj
+        out = [(h, sum(width for _, width in linear.in_proj_slices())), (linear.value_dim, h)]
+    else:
+        q_out = (2 if cfg.attn_output_gate else 1) * cfg.q_size
+        out = [(h, q_out + 2 * cfg.kv_size), (cfg.q_size, h)]  # qkv, o
     if moe is None or not moe.sparse_layers[layer]:
         return [*out, (h, 2 * cfg.intermediate_size), (cfg.intermediate_size, h)]  # gate_up, down
     out.append((h, moe.num_experts))  # router
@@ -114,18 +122,26 @@ def kv_tokens_held(cfg: ModelConfig, context_len: int, block_size: int = 16) -> 
 def plan_memory(cfg: ModelConfig, dtype_bytes: int, context_len: int, batch_size: int, adapter_pool: int,
                 adapter_rank: int, quantization: str = "none", block_size: int = 16) -> MemoryPlan:
     """weights: see `weight_bytes`; KV per token = 2 x layers x kv_heads x head_dim x bytes, times the
-    tokens a sequence holds (`kv_tokens_held`); an adapter = rank x sum over the 7 projections of
-    (d_in + d_out) x layers x bytes (the device pool holds each adapter at its own rank, so this is exact for
-    one targeting every projection). A mixture-of-experts layer has no dense MLP, so there an adapter covers the
-    4 attention projections only; `expert_lora_bytes` is what LoRA on its routed experts adds (set the plan's
-    `expert_lora` to count it in each adapter)."""
+    tokens a sequence holds (`kv_tokens_held`; a hybrid's attention layers only, its linear layers holding a fixed
+    `state_per_sequence` instead); an adapter = rank x sum over the 7 projections of (d_in + d_out) x layers x
+    bytes (a hybrid's linear layers: their input projection's slices and out_proj; the device pool holds each
+    adapter at its own rank, so this is exact for one targeting every projection). A mixture-of-experts layer has
+    no dense MLP, so there an adapter covers the 4 attention projections only; `expert_lora_bytes` is what LoRA on
+    its routed experts adds (set the plan's `expert_lora` to count it in each adapter)."""
     h, i = cfg.hidden_size, cfg.intermediate_size
-    attention = [(h, cfg.q_size), (h, cfg.kv_size), (h, cfg.kv_size), (cfg.q_size, h)]
+    q_out = (2 if cfg.attn_output_gate else 1) * cfg.q_size  # Qwen3.5's q_proj also yields the output gate
+    attention = [(h, q_out), (h, cfg.kv_size), (h, cfg.kv_size), (cfg.q_size, h)]
     mlp = [(h, i), (h, i), (i, h)]
     dense_layers = cfg.num_layers - (cfg.moe.num_sparse_layers if cfg.moe is not None else 0)
-    per_slot = adapter_rank * dtype_bytes * (sum(a + b for a, b in attention) * cfg.num_layers
-                                             + sum(a + b for a, b in mlp) * dense_layers)
+    linear = cfg.linear_attention
+    # a hybrid's linear-attention layers: their input projections' slices and out_proj instead of attention
+    mixers = sum(a + b for a, b in attention) * len(cfg.attention_layers)
+    if linear is not None:
+        mixers += (sum(h + width for _, width in linear.in_proj_slices()) + linear.value_dim + h) \
+            * linear.num_linear_layers
+    per_slot = adapter_rank * dtype_bytes * (mixers + sum(a + b for a, b in mlp) * dense_layers)
     kv_token = cfg.kv_bytes_per_token(dtype_bytes)
+    state = cfg.state_bytes_per_sequence(dtype_bytes)
     return MemoryPlan(
         weights=weight_bytes(cfg, dtype_bytes, quantization),
         kv_per_token=kv_token,
@@ -136,6 +152,8 @@ def plan_memory(cfg: ModelConfig, dtype_bytes: int, context_len: int, batch_size
         head_bytes=cfg.vocab_size * h * dtype_bytes,
         medusa_bytes=medusa_heads_bytes(cfg, dtype_bytes),
         expert_lora_bytes=expert_lora_bytes(cfg, adapter_rank, dtype_bytes),
+        state_per_sequence=state,
+        state_pool=state * batch_size,
     )
 
 

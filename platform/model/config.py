@@ -141,6 +141,13 @@ class LinearAttentionSpec:
     def num_linear_layers(self) -> int:
         return sum(self.layers)
 
+    def in_proj_slices(self) -> tuple[tuple[str, int], ...]:
+        """The output slices of a linear layer's merged input projection, in checkpoint column order."""
+        if self.fused_projections:
+            return (("qkvz", 2 * self.key_dim + 2 * self.value_dim), ("ba", 2 * self.num_value_heads))
+        heads = self.num_value_heads
+        return (("qkv", self.conv_dim), ("z", self.value_dim), ("b", heads), ("a", heads))
+
     def state_bytes(self, element: int) -> int:
         """Bytes of one sequence's state over every linear layer: the conv window in `element`-byte values and the
         float32 recurrent matrices."""

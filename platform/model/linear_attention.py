@@ -35,14 +35,6 @@ LINEAR_PROJECTION_SLICES: dict[str, tuple[str, str]] = {
 }
 
 
-def in_proj_slices(spec: LinearAttentionSpec) -> tuple[tuple[str, int], ...]:
-    """The output slices of a linear layer's merged input projection, in checkpoint order."""
-    if spec.fused_projections:
-        return (("qkvz", 2 * spec.key_dim + 2 * spec.value_dim), ("ba", 2 * spec.num_value_heads))
-    heads = spec.num_value_heads
-    return (("qkv", spec.conv_dim), ("z", spec.value_dim), ("b", heads), ("a", heads))
-
-
 @dataclass
 class StateBatch:
     """Where a step's rows keep their linear-attention state: `chunks` are (first row, end row, slot, fresh) of
@@ -94,7 +86,7 @@ class GatedDeltaNet(nn.Module):
         assert spec is not None
         self.spec = spec
         self.state_layer = state_layer  # this layer's index into LinearStates
-        self.in_proj = MergedLinear(cfg.hidden_size, in_proj_slices(spec))
+        self.in_proj = MergedLinear(cfg.hidden_size, spec.in_proj_slices())
         self.conv_weight = nn.Parameter(torch.empty(spec.conv_dim, spec.conv_kernel), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.ones(spec.num_value_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(spec.num_value_heads), requires_grad=False)

@@ -140,6 +140,24 @@ def test_hybrid_state_and_kv_are_counted():
     assert cfg.attn_output_gate and cfg.norm_offset == 1.0
 
 
+def test_state_pool_and_plan_agree_with_what_is_allocated(hybrid_family, tokenizer):
+    """The engine's state tensors are exactly its slots x `state_bytes_per_sequence`, as `loramux plan` counts them;
+    the KV cache has a layer per attention layer only."""
+    from loramux.plan import plan_memory
+
+    _, model_dir, _ = hybrid_family
+    engine = engine_with(model_dir, tokenizer, kv_cache_bytes=1 << 24)
+    cfg = engine.model.config
+    assert engine.runner.kv.k.shape[0] == len(cfg.attention_layers)
+    plan = plan_memory(cfg, 4, 4096, 3, 0, 8)
+    assert plan.state_pool == 3 * cfg.state_bytes_per_sequence(4)
+    if cfg.linear_attention is None:
+        assert engine.runner.kv.states is None and plan.state_pool == 0
+        return
+    assert engine.runner.kv.states.nbytes == engine.num_state_slots * plan.state_per_sequence
+    assert engine.num_state_slots == engine.config.max_num_seqs
+
+
 def test_hf_parameter_count_matches(hybrid_family):
     """num_parameters counts linear-attention layers, gated q_proj and (Qwen3-Next) experts as HF holds them."""
     from transformers import AutoConfig, AutoModelForCausalLM
