@@ -408,7 +408,8 @@ def test_refusals_say_what_to_fix(stack):
     bad_request(lambda: chat(**base, function_call="auto"), "use `tool_choice`")
     bad_request(lambda: chat(**base, modalities=["text", "audio"]), "text only")
     bad_request(lambda: chat(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]), "'image_url'", "text only")
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]), "images are not served", "'image_url'",
+        "as text")
     complete = c.completions.create
     bad_request(lambda: complete(model=MODEL, prompt="hi", suffix="end"), "suffix")
     bad_request(lambda: complete(model=MODEL, prompt="hi", best_of=3), "best_of", "ask for `n` choices")

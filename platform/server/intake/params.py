@@ -28,6 +28,10 @@ def has_control_chars(text: str) -> bool:
     return _CONTROL_CHARS.search(text) is not None
 
 
+# Content part types that carry an image (OpenAI chat and responses names, and the bare form chat templates use).
+IMAGE_PART_TYPES = frozenset({"image_url", "input_image", "image"})
+
+
 class ContentPart(RequestBody):
     """One part of a message's content. This server's model reads text: only `{"type": "text", "text"}`
     parts are taken; images, audio and files are refused with 400."""
@@ -74,6 +78,11 @@ class ChatMessage(RequestBody):
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         for part in self.content:
+            if part.type in IMAGE_PART_TYPES:
+                raise ApiError(400, f"images are not served (a content part of type {part.type!r}): this server "
+                                    "runs the language model only, also of a multimodal checkpoint such as Qwen3.5 "
+                                    'or Gemma 3; send the message as text ({"type": "text", "text": ...} parts or a '
+                                    "string)", code="unsupported_parameter", param="messages")
             if part.type != "text" or part.text is None:
                 raise ApiError(400, f"content parts of type {part.type!r} are not supported: this model reads "
                                     'text only; send {"type": "text", "text": ...} parts or a string',
