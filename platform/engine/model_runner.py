@@ -189,8 +189,7 @@ class ModelRunner:
         meta = AttentionMetadata(self._tensor(slots), chunks, num_prefill_tokens, decode_tables, decode_mask,
                                  decode_groups, decode_lens)
         if self.kv.states is not None:
-            meta.states = StateBatch(state_chunks, num_prefill_tokens,
-                                     self._tensor(decode_slots) if decode_slots else None)
+            meta.states = StateBatch.build(state_chunks, num_prefill_tokens, decode_slots, self._tensor)
         if plain_decodes and self.local_windows:
             meta.window_decodes = self._window_decodes(tables, context_lens)
         if self.lora_wrapper is not None:

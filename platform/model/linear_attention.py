@@ -7,8 +7,9 @@ beta = sigmoid(b) and a decay g = -exp(A_log) * softplus(a + dt_bias); the gated
 
 Instead of KV blocks, each running sequence holds one slot of `LinearStates`: the last K - 1 convolution inputs and
 one recurrent matrix per value head, per linear layer. A prefill chunk starts from its slot (or from zeros when it
-is the sequence's first) and runs the chunked rule; the step's plain decode rows run the recurrent rule together,
-gathering and scattering their slots.
+is the sequence's first) and runs the chunked rule; the step's plain decode rows take one step of the rule together,
+updating their slots in place when they form one range of slots (the usual case: slots are handed out lowest
+first), else through a gathered copy written back.
 
 The projections are merged like attention's: Qwen3.5's `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a` are the
 slices qkv, z, b, a of `in_proj`; Qwen3-Next's fused `in_proj_qkvz` / `in_proj_ba` keep their checkpoint column
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loramux.kernels.gated_delta import causal_conv1d, chunk_gated_delta_rule, recurrent_gated_delta_rule
+from loramux.kernels.gated_delta import causal_conv1d, chunk_gated_delta_rule, gated_delta_step
 from loramux.model.config import LinearAttentionSpec, ModelConfig
 
 # HF / PEFT projection name -> (merged module path inside a linear-attention layer, slice name)
@@ -39,11 +40,26 @@ LINEAR_PROJECTION_SLICES: dict[str, tuple[str, str]] = {
 class StateBatch:
     """Where a step's rows keep their linear-attention state: `chunks` are (first row, end row, slot, fresh) of
     each prefill chunk (fresh: the sequence's first, starting from zeros); the rows from `decode_start` on are plain
-    decodes, one per sequence, whose slots are `decode_slots` [D] long."""
+    decodes, one per sequence, whose slots are `decode_slots` [D] long. When those slots are exactly
+    `decode_span`, ..., `decode_span` + D - 1, `decode_order` [D] lists the decode rows (counted from decode_start)
+    in slot order, and the states are read and written in place."""
 
     chunks: list[tuple[int, int, int, bool]]
     decode_start: int
     decode_slots: torch.Tensor | None = None
+    decode_span: int | None = None
+    decode_order: torch.Tensor | None = None
+
+    @classmethod
+    def build(cls, chunks: list[tuple[int, int, int, bool]], decode_start: int, decode_slots: list[int], tensor):
+        """The batch of a step whose decode rows hold `decode_slots` (row order); `tensor` makes a long tensor."""
+        if not decode_slots:
+            return cls(chunks, decode_start)
+        first = min(decode_slots)
+        if sorted(decode_slots) != list(range(first, first + len(decode_slots))):
+            return cls(chunks, decode_start, tensor(decode_slots))
+        order = sorted(range(len(decode_slots)), key=decode_slots.__getitem__)
+        return cls(chunks, decode_start, tensor(decode_slots), first, tensor(order))
 
 
 class LinearStates:
@@ -126,17 +142,32 @@ class GatedDeltaNet(nn.Module):
                                               None if fresh else recurrent[slot:slot + 1])
             recurrent[slot] = final[0]
             out[start:end] = o[0]
-        if batch.decode_slots is not None:  # plain decodes: one token each, their states gathered
-            d0, slots = batch.decode_start, batch.decode_slots
-            mixed, window = causal_conv1d(qkv[d0:, :, None], conv_states.index_select(0, slots), self.conv_weight)
-            conv_states.index_copy_(0, slots, window)
-            q, k, v = self._heads(mixed[:, :, 0])
-            o, final = recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None], g[d0:, None],
-                                                  beta[d0:, None], recurrent.index_select(0, slots))
-            recurrent.index_copy_(0, slots, final)
-            out[d0:] = o[:, 0]
+        if batch.decode_slots is not None:
+            out[batch.decode_start:] = self._decode(qkv, g, beta, conv_states, recurrent, batch)
         core = self.norm(out.reshape(-1, spec.value_head_dim), z.reshape(-1, spec.value_head_dim))
         return self.out_proj(core.reshape(t, spec.value_dim))
+
+    def _decode(self, qkv, g, beta, conv_states, recurrent, batch: StateBatch) -> torch.Tensor:
+        """The plain decode rows' outputs [D, value heads, Dv]: one step of the rule each, from and into their
+        slots (in place over a range of slots, else through a gathered copy; see StateBatch)."""
+        d0, order, slots = batch.decode_start, batch.decode_order, batch.decode_slots
+        assert slots is not None
+        rows = qkv[d0:], g[d0:], beta[d0:]
+        if order is not None:  # the rows in slot order, over views of their range of slots
+            rows = tuple(x.index_select(0, order) for x in rows)
+            span = slice(batch.decode_span, batch.decode_span + len(order))
+            windows, states = conv_states[span], recurrent[span]
+        else:
+            windows, states = conv_states[slots], recurrent[slots]  # copies (advanced indexing)
+        x, g_rows, beta_rows = rows
+        mixed, new_windows = causal_conv1d(x[:, :, None], windows, self.conv_weight)
+        windows.copy_(new_windows)
+        o = gated_delta_step(*self._heads(mixed[:, :, 0]), g_rows, beta_rows, states)
+        if order is None:  # write the copies back
+            conv_states.view(conv_states.shape[0], -1).index_copy_(0, slots, windows.view(len(slots), -1))
+            recurrent.view(recurrent.shape[0], -1).index_copy_(0, slots, states.view(len(slots), -1))
+            return o
+        return torch.empty_like(o).index_copy_(0, order, o)  # back to row order
 
     def _heads(self, mixed: torch.Tensor):
         """[T, conv_dim] -> q, k [T, key heads, Dk], v [T, value heads, Dv]."""

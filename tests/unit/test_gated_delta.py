@@ -7,7 +7,12 @@ import pytest
 import torch
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-from loramux.kernels.gated_delta import causal_conv1d, chunk_gated_delta_rule, recurrent_gated_delta_rule
+from loramux.kernels.gated_delta import (
+    causal_conv1d,
+    chunk_gated_delta_rule,
+    gated_delta_step,
+    recurrent_gated_delta_rule,
+)
 
 
 def inputs(batch: int, steps: int, key_heads: int = 2, value_heads: int = 4, dim: int = 8, seed: int = 0):
@@ -72,3 +77,26 @@ def test_causal_conv_continues_across_calls():
     got_step, new_window = causal_conv1d(token, window, weight)
     torch.testing.assert_close(got_step, want_step, rtol=0, atol=0)
     assert torch.equal(new_window, hf_window)
+
+
+def test_decode_step_equals_the_recurrent_rule_and_updates_in_place():
+    q, k, v, g, beta, state = inputs(3, 1, seed=4)
+    want, want_state = recurrent_gated_delta_rule(q, k, v, g, beta, state)
+    inplace = state.clone()
+    got = gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], inplace)
+    torch.testing.assert_close(got, want[:, 0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(inplace, want_state, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("slots, span, order", [
+    ([5, 3, 4], 3, [1, 2, 0]),  # one range of slots, rows in another order: read in place, in slot order
+    ([0, 2], None, None),  # a gap: gathered copies
+    ([], None, None),
+])
+def test_state_batch_reads_a_range_of_slots_in_place(slots, span, order):
+    from loramux.model.linear_attention import StateBatch
+
+    batch = StateBatch.build([], 7, slots, lambda xs: torch.tensor(xs, dtype=torch.long))
+    assert batch.decode_span == span
+    assert (batch.decode_order.tolist() if batch.decode_order is not None else None) == order
+    assert (batch.decode_slots.tolist() if batch.decode_slots is not None else []) == slots

@@ -111,6 +111,19 @@ def test_preemption_and_scarce_state_slots_keep_hf_output(hybrid_family, tokeniz
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+def test_decodes_on_scattered_state_slots_equal_hf(hybrid_family, tokenizer):
+    """Slots handed out with gaps between them (0, 2, 4): decode steps gather and write back copies instead of
+    updating one range in place, with the same result."""
+    name, model_dir, expected = hybrid_family
+    if name == "gemma3":
+        pytest.skip("no linear-attention layers")
+    engine = engine_with(model_dir, tokenizer)
+    engine.block_manager.free_state_slots = [0, 2, 4, 6]  # a heap: lowest first
+    got = greedy_tokens(engine, {str(i): (p, None) for i, p in enumerate(hybrid_prompts())}, NEW_TOKENS)
+    assert [got[str(i)] for i in range(3)] == expected
+    assert sorted(engine.block_manager.free_state_slots) == [0, 2, 4, 6]
+
+
 def test_multimodal_checkpoint_serves_its_language_model_only(tmp_path, tokenizer, caplog):
     """The vision tower's tensors are not loaded (one log line says how many); the config is the text model's."""
     model_dir = tmp_path / "qwen3_5"

@@ -20,6 +20,7 @@ taken with its first blocks and given back with them: the linear layers' state l
 from __future__ import annotations
 
 import hashlib
+import heapq
 from array import array
 from collections import OrderedDict, deque
 from typing import Protocol
@@ -74,7 +75,9 @@ class BlockManager:
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
         self.hits = 0  # blocks reused from the cache (for stats)
         self.num_state_slots = num_state_slots
-        self.free_state_slots: deque[int] = deque(range(num_state_slots))
+        # a heap: the lowest free slot goes first, so running sequences' slots stay close together and a decode
+        # step's usually form one range the model reads in place (loramux.model.linear_attention)
+        self.free_state_slots: list[int] = list(range(num_state_slots))
 
     def _needs_state_slot(self, seq) -> bool:
         return self.num_state_slots > 0 and getattr(seq, "state_slot", None) is None
@@ -125,7 +128,7 @@ class BlockManager:
         if self._needs_state_slot(seq):
             if not self.free_state_slots:
                 raise OutOfBlocksError(f"every one of the {self.num_state_slots} state slots is taken")
-            seq.state_slot = self.free_state_slots.popleft()  # type: ignore[attr-defined]
+            seq.state_slot = heapq.heappop(self.free_state_slots)  # type: ignore[attr-defined]
         for _ in range(need):
             seq.block_table.append(self._take())
 
@@ -139,7 +142,7 @@ class BlockManager:
         seq.num_released_blocks = 0
         slot = getattr(seq, "state_slot", None)
         if slot is not None:
-            self.free_state_slots.append(slot)
+            heapq.heappush(self.free_state_slots, slot)
             seq.state_slot = None  # type: ignore[attr-defined]
 
     def _unref(self, block: int) -> None:
