@@ -124,6 +124,17 @@ def test_decodes_on_scattered_state_slots_equal_hf(hybrid_family, tokenizer):
     assert sorted(engine.block_manager.free_state_slots) == [0, 2, 4, 6]
 
 
+def test_decode_graphs_are_refused_for_hybrids(hybrid_family, tokenizer, caplog):
+    """The fixed-shape decode buffers do not carry state slots: a hybrid keeps decoding eagerly, said once."""
+    name, model_dir, _ = hybrid_family
+    engine = engine_with(model_dir, tokenizer)
+    with caplog.at_level(logging.INFO, logger="loramux.engine.model_runner"):
+        taken = engine.runner.use_decode_graphs(capture=False)
+    hybrid = engine.model.config.linear_attention is not None
+    assert taken != hybrid
+    assert any("state slots" in r.getMessage() for r in caplog.records) == hybrid
+
+
 def test_multimodal_checkpoint_serves_its_language_model_only(tmp_path, tokenizer, caplog):
     """The vision tower's tensors are not loaded (one log line says how many); the config is the text model's."""
     model_dir = tmp_path / "qwen3_5"
