@@ -48,8 +48,11 @@ EMBED_KEY = (-1, EMBED)  # `LoRAAdapter.scale_of` key of the embedding LoRA (per
 TIED_LORA = "lm_head.lora"  # heads marker: the embedding LoRA also applies to the tied head (ensure_weight_tying)
 
 # PEFT's tensor names for the head modules (the adapter-name suffix `.default` is optional, as for projections).
+# A multimodal model's language model holds them under `model.language_model.` (transformers 4.x Gemma 3:
+# `language_model.model.embed_tokens`, `language_model.lm_head`).
 _HEAD_TENSOR = re.compile(
-    r"^(?:base_model\.model\.)?(?:model\.)?(embed_tokens|lm_head)\."
+    r"^(?:base_model\.model\.)?(?:model\.language_model\.|language_model\.model\.|language_model\.|model\.)?"
+    r"(embed_tokens|lm_head)\."
     r"(lora_embedding_A|lora_embedding_B|lora_A\.weight|lora_B\.weight|lora_A|lora_B|base_layer\.weight|"
     r"weight|modules_to_save\.weight|token_adapter\.trainable_tokens_delta)$")
 _SUFFIX = re.compile(r"\.default(?=\.|$)")

@@ -1,8 +1,10 @@
 """Reading a PEFT LoRA adapter (`adapter_config.json` + `adapter_model.safetensors`) for a base model.
 
 Supported: peft_type LORA, r, lora_alpha, use_rslora, target_modules any subset of the q/k/v/o/gate/up/down
-projections (names or a regex, as PEFT accepts), per-module rank_pattern / alpha_pattern and layer subsets
-(layers_to_transform / layers_pattern, a regex or dotted names selecting some layers, exclude_modules), by
+projections (names or a regex, as PEFT accepts; on a hybrid base also the linear-attention layers' in_proj_* /
+out_proj, on a multimodal checkpoint its language model's: see adapters/formats/layer_modules.py), per-module
+rank_pattern / alpha_pattern and layer subsets (layers_to_transform / layers_pattern, a regex or dotted names
+selecting some layers, exclude_modules), by
 PEFT's own matching rules (`module_selection`): each module keeps its own rank (the A / B shapes) and scale
 (`module_scales`); DoRA (use_dora: the magnitude vectors land in `LoRAAdapter.magnitudes`; the device pool
 turns them into DoRA's per-channel scale at load, see `adapters/formats/dora.py`); LoRA on embed_tokens,

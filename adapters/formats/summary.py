@@ -29,7 +29,7 @@ from loramux.adapters.formats.peft import LoRAAdapter
 from loramux.adapters.residency import expert_slots
 from loramux.adapters.residency.head_slots import absorb_base_copies, extras_bytes, extras_of
 from loramux.adapters.residency.pool_layout import layer_ranks as layout_of
-from loramux.adapters.residency.pool_layout import lora_slot_bytes, path_shapes
+from loramux.adapters.residency.pool_layout import lora_slot_bytes, path_layers, path_shapes
 from loramux.model.config import ModelConfig
 from loramux.model.llama import LORA_MODULES, PROJECTION_SLICES
 
@@ -73,13 +73,13 @@ def _with_base_copies(adapter: LoRAAdapter, cfg: ModelConfig) -> tuple[tuple, fr
     return extras, frozenset(extras) - frozenset(extras_of(adapter))
 
 
-def _dora_bytes(adapter: LoRAAdapter, paths, table, shapes, num_layers: int, dtype_bytes: int) -> int:
+def _dora_bytes(adapter: LoRAAdapter, paths, table, shapes, layers: dict[str, int], dtype_bytes: int) -> int:
     """DoRA's per-channel scales as the pool holds them: one row of the merged projection's width per (layer,
-    path) the slot covers (every layer of `paths`, or the patterned table's entries)."""
+    path) the slot covers (every layer that has a path of `paths`, or the patterned table's entries)."""
     if not adapter.magnitudes:
         return 0
     width = {path: sum(size for _, size in slices) for path, (_, slices) in shapes.items()}
-    covered = [path for _, path, _ in table] if table else [p for p in paths for _ in range(num_layers)]
+    covered = [path for _, path, _ in table] if table else [p for p in paths for _ in range(layers[p])]
     return sum(width[p] for p in covered) * dtype_bytes
 
 
@@ -94,15 +94,15 @@ def describe(adapter: LoRAAdapter, cfg: ModelConfig, dtype_bytes: int) -> dict:
         scales = [adapter.scale_of(k) for k in keys]
         modules[target] = {"layers": [layer for layer, _ in keys], "rank_min": min(ranks), "rank_max": max(ranks),
                            "scale_min": min(scales), "scale_max": max(scales)}
-    shapes = path_shapes(cfg)
-    table = layout_of(adapter, shapes, cfg.num_layers)
+    shapes, layers = path_shapes(cfg), path_layers(cfg)
+    table = layout_of(adapter, shapes, layers)
     paths = tuple(p for p in LORA_MODULES if any(PROJECTION_SLICES[t][0] == p for t in modules))
     extras, copies = _with_base_copies(adapter, cfg)
     embedding_extras = tuple(e for e in extras if e[0] == "embed_lora")
     head_extras = tuple(e for e in extras if e[0] != "embed_lora")
     device = {
-        "lora": lora_slot_bytes(adapter.rank, paths, table, shapes, cfg.num_layers, dtype_bytes),
-        "dora": _dora_bytes(adapter, paths, table, shapes, cfg.num_layers, dtype_bytes),
+        "lora": lora_slot_bytes(adapter.rank, paths, table, shapes, layers, dtype_bytes),
+        "dora": _dora_bytes(adapter, paths, table, shapes, layers, dtype_bytes),
         "embedding": extras_bytes(embedding_extras, cfg.vocab_size, cfg.hidden_size, dtype_bytes),
         "heads": extras_bytes(head_extras, cfg.vocab_size, cfg.hidden_size, dtype_bytes),
         "experts": expert_slots.slot_bytes(expert_slots.key_of(adapter), cfg, dtype_bytes),

@@ -39,6 +39,15 @@ the MLP projections only on its dense layers (`module_names`); LoRA on the route
 `target_parameters` layout or transformers 4.x per-expert modules, is read by `experts` into
 `ValidatedAdapter.experts`.
 
+On a hybrid base (`ModelConfig.linear_attention`: Qwen3.5, Qwen3-Next) each layer has its own kind of token mixer:
+a linear-attention layer's `linear_attn.in_proj_qkv / in_proj_z / in_proj_b / in_proj_a / out_proj` (Qwen3-Next:
+`in_proj_qkvz / in_proj_ba / out_proj`), a full-attention layer's `self_attn.q_proj` (2 x q_size wide: [q, output
+gate] per head) / k_proj / v_proj / o_proj; a tensor for a projection its layer lacks is target_mismatch naming the
+layer's kind. The language model of a multimodal checkpoint (`ModelConfig.multimodal`) is served with its module
+names (`model.language_model.layers.<i>...`, or the other forms PEFT saves: `layer_modules`). Refused by name as
+unsupported_target: LoRA on a multimodal model's vision side (until images are served) and on a linear-attention
+layer's other modules (`linear_attn.conv1d`).
+
 DoRA (`use_dora: true`) is accepted with its magnitude vectors, checked by `validation_dora` (same codes:
 a magnitude without use_dora, on a module without LoRA weights, of the wrong shape, missing or twice is
 refused naming the tensor; DoRA on embed_tokens / lm_head is refused as unsupported_option).
@@ -89,6 +98,19 @@ from loramux.adapters.formats.heads import (
     heads_nbytes,
     plan_heads,
 )
+from loramux.adapters.formats.layer_modules import (
+    ATTENTION_TARGETS,
+    FUSED_LINEAR_TARGETS,
+    LINEAR_TARGETS,
+    MLP_TARGETS,
+    SECTIONS,
+    TENSOR_PREFIX,
+    layer_kind,
+    layer_targets,
+    module_prefix,
+    refuse_unserved,
+    tensor_prefix,
+)
 from loramux.adapters.formats.module_selection import (
     ClientRegex,
     check_pattern_values,
@@ -124,16 +146,14 @@ __all__ = ["TARGETS", "ALLOWED_FILENAMES", "CONFIG_FILE", "WEIGHTS_FILE", "Adapt
            "projection_shapes", "validate_config", "validate_adapter_files", "base_targets", "checkpoint_shapes",
            "FUSED_TARGETS", "split_fused", "split_fused_magnitudes"]
 
-# What the engine serves; "router" (a mixture-of-experts layer's router: HF `mlp.gate`, gpt-oss `mlp.router`) only on
-# mixture-of-experts bases.
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "router")
+# What the engine serves, in model order: the attention projections, a hybrid's linear-attention ones (Qwen3.5's, then
+# Qwen3-Next's fused in_proj_qkvz / in_proj_ba), the MLP's, and "router" (a mixture-of-experts layer's router: HF
+# `mlp.gate`, gpt-oss `mlp.router`). Which of them each layer of a base has: `layer_modules.layer_targets`.
+TARGETS = (*ATTENTION_TARGETS, *LINEAR_TARGETS, *FUSED_LINEAR_TARGETS[:2], *MLP_TARGETS, "router")
 # Phi-3 fuses projections in its checkpoint, so its adapters target the fused modules: a fused LoRA is the
 # sub-projections' LoRAs with one shared A and B cut by rows (q, k, v / gate, up), exactly.
 FUSED_TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 FUSED_BASE_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-_SECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-             "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp", "qkv_proj": "self_attn",
-             "gate_up_proj": "mlp", "router": "router"}
 _PATTERN_HELP = ("patterns use RE2 syntax (no lookaround or backreferences, repetition counts up to 1000) and "
                  "are matched whole (fullmatch, as PEFT does) against module names such as "
                  "'model.layers.0.self_attn.q_proj'; or give target_modules as a list such as "
@@ -143,8 +163,8 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]
 MAX_BASE_MODEL_CHARS = 500  # what is recorded of base_model_name_or_path (AdapterVersion.claimed_base_model)
 
 _TENSOR_NAME = re.compile(
-    r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp|block_sparse_moe)\.(\w+)\.lora_([AB])"
-    r"(?:\.default)?\.weight$")
+    r"^(?:base_model\.model\.)?" + TENSOR_PREFIX + r"layers\.(\d+)\.(self_attn|linear_attn|mlp|block_sparse_moe)\."
+    r"(\w+)\.lora_([AB])(?:\.default)?\.weight$")
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 # Config keys that ask a loader to import or run code (transformers' auto_map / trust_remote_code, Hydra's
 # _target_ ...). PEFT's own `auto_mapping` (base model class lookup) is standard and not listed.
@@ -178,20 +198,34 @@ class ValidatedAdapter:
 
 
 def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(d_in, d_out) of each LoRA-targetable projection of the base model."""
+    """(d_in, d_out) of each LoRA-targetable projection of the base model (by the engine's names, PROJECTION_SLICES'
+    keys). With an attention output gate (Qwen3.5, Qwen3-Next) q_proj yields [q, gate] per head: 2 x q_size wide."""
     h, i = cfg.hidden_size, cfg.intermediate_size
-    shapes = {"q_proj": (h, cfg.q_size), "k_proj": (h, cfg.kv_size), "v_proj": (h, cfg.kv_size),
+    q_width = 2 * cfg.q_size if cfg.attn_output_gate else cfg.q_size
+    shapes = {"q_proj": (h, q_width), "k_proj": (h, cfg.kv_size), "v_proj": (h, cfg.kv_size),
               "o_proj": (cfg.q_size, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    linear = cfg.linear_attention
+    if linear is not None:  # a hybrid's Gated DeltaNet layers (loramux.model.linear_attention.in_proj_slices)
+        heads = linear.num_value_heads
+        if linear.fused_projections:
+            shapes.update(in_proj_qkvz=(h, 2 * linear.key_dim + 2 * linear.value_dim), in_proj_ba=(h, 2 * heads))
+        else:
+            shapes.update(in_proj_qkv=(h, linear.conv_dim), in_proj_z=(h, linear.value_dim), in_proj_b=(h, heads),
+                          in_proj_a=(h, heads))
+        shapes["out_proj"] = (linear.value_dim, h)
     if cfg.moe is not None:
         shapes["router"] = (h, cfg.moe.num_experts)
     return shapes
 
 
 def base_targets(cfg: ModelConfig) -> tuple[str, ...]:
-    """The LoRA-targetable modules of the base model by its own (checkpoint, PEFT) names."""
+    """The LoRA-targetable modules of the base model by its own (checkpoint, PEFT) names, in model order: those
+    some layer has (`layer_modules.layer_targets`), and the dense MLP's on any base but Phi-3's."""
     if cfg.fused_projections:
         return FUSED_BASE_TARGETS
-    return TARGETS if cfg.moe is not None else TARGETS[:-1]
+    linear = cfg.linear_attention
+    mixer = () if linear is None else FUSED_LINEAR_TARGETS if linear.fused_projections else LINEAR_TARGETS
+    return (*ATTENTION_TARGETS, *mixer, *MLP_TARGETS, *(("router",) if cfg.moe is not None else ()))
 
 
 def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -202,18 +236,18 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     return {t: shapes[t] for t in base_targets(cfg)}
 
 
-def module_names(cfg: ModelConfig) -> dict[tuple[int, str], str]:
-    """The base model's own name of each LoRA-targetable module (what PEFT matches a regex against). On a
-    mixture-of-experts base the MLP projections exist only in its dense layers (`MoESpec.sparse_layers`); the
-    routed experts' own modules are `experts.expert_module_names`."""
-    sparse = cfg.moe.sparse_layers if cfg.moe is not None else (False,) * cfg.num_layers
-    names = {(layer, t): f"model.layers.{layer}.{_SECTIONS[t]}.{t}"
-             for layer in range(cfg.num_layers) for t in base_targets(cfg)
-             if _SECTIONS[t] != "router" and not (sparse[layer] and _SECTIONS[t] == "mlp")}
-    if cfg.moe is not None:  # the router: HF `mlp.gate` (gpt-oss `mlp.router`), sparse layers only
-        names.update({(layer, "router"): f"model.layers.{layer}.mlp.{cfg.moe.router_name}"
-                      for layer in range(cfg.num_layers) if sparse[layer]})
-    return names
+def module_names(cfg: ModelConfig, prefix: str | None = None) -> dict[tuple[int, str], str]:
+    """The base model's own name of each LoRA-targetable module (what PEFT matches a regex against), layer by layer,
+    each layer's in model order: `model.layers.<i>.self_attn.q_proj`, a hybrid's linear-attention layer
+    `model.layers.<i>.linear_attn.in_proj_qkv`, a multimodal base's `model.language_model.layers.<i>...`. On a
+    mixture-of-experts base the MLP projections exist only in its dense layers (`MoESpec.sparse_layers`), the router
+    (HF `mlp.gate`, gpt-oss `mlp.router`) in its sparse ones; the routed experts' own modules are
+    `experts.expert_module_names`. `prefix`: the path the adapter's tensors put the decoder layers under
+    (`layer_modules.tensor_prefix`), None for the base's own."""
+    root = module_prefix(cfg, prefix)
+    router = cfg.moe.router_name if cfg.moe is not None else ""
+    return {(layer, t): f"{root}layers.{layer}." + (f"mlp.{router}" if t == "router" else f"{SECTIONS[t]}.{t}")
+            for layer in range(cfg.num_layers) for t in layer_targets(cfg, layer)}
 
 
 def split_fused_magnitudes(magnitudes: dict[tuple[int, str], torch.Tensor], cfg: ModelConfig
@@ -408,33 +442,10 @@ def _check_entries(entries: list[TensorEntry], base: ModelConfig, config: Mappin
     is a LoRA A or B of a selected module at that module's rank, and each selected module has both. Head-module
     tensors are checked by `_head_entries`; `heads_only_ok`: the adapter changes the embedding or head (or the
     routed experts), so it may target no projection at all."""
-    shapes = checkpoint_shapes(base)
-    names = base_targets(base)
+    shapes, names = checkpoint_shapes(base), base_targets(base)
     found: dict[tuple[int, str], dict[str, TensorEntry]] = {}
     for entry in entries:
-        match = _TENSOR_NAME.match(entry.name)
-        if match is None:
-            raise fail("unknown_tensor", f"unexpected tensor {show(entry.name)}: only LoRA A/B weights of "
-                                          f"{', '.join(names)}, and of embed_tokens / lm_head as the config "
-                                          "asks (target_modules, modules_to_save, trainable_token_indices), "
-                                          "are accepted")
-        layer, section, target, kind = int(match.group(1)), match.group(2), match.group(3), match.group(4)
-        target = _router_target(base, section, target)
-        if section == "block_sparse_moe" and target != "router":
-            target = f"block_sparse_moe.{target}"  # not a module LoRA can target here: refused below
-        if target not in shapes:
-            raise fail("unsupported_target", f"tensor {show(entry.name)} targets {show(target)}; supported "
-                                              f"targets: {', '.join(names)}{_fusion_hint(base, target)}")
-        if layer >= base.num_layers:
-            raise fail("layer_out_of_range", f"tensor {show(entry.name)} is for layer {layer}, the base model "
-                                              f"has {base.num_layers} layers")
-        if target == "router" and base.moe is not None and not base.moe.sparse_layers[layer]:
-            raise fail("target_mismatch", f"tensor {show(entry.name)} is a LoRA on the router of layer {layer}, "
-                                           f"a dense layer of this base model (it has no router)")
-        if base.moe is not None and base.moe.sparse_layers[layer] and _SECTIONS[target] == "mlp":
-            raise fail("target_mismatch", f"tensor {show(entry.name)} is for layer {layer} {target}, but layer "
-                                           f"{layer} of this base model has routed experts, not a dense MLP: LoRA on "
-                                           "the experts is mlp.experts.* (target_parameters, or per-expert modules)")
+        layer, target, kind = _entry_module(entry.name, base)
         pair = found.setdefault((layer, target), {})
         if kind in pair:
             raise fail("duplicate_tensor", f"layer {layer} {target} has lora_{kind} twice (e.g. with and "
@@ -474,6 +485,45 @@ def _check_entries(entries: list[TensorEntry], base: ModelConfig, config: Mappin
     return targets, found
 
 
+def _entry_module(name: str, base: ModelConfig) -> tuple[int, str, str]:
+    """(layer, target, "A" | "B") of a LoRA tensor of a decoder projection, checked against the base model: a
+    module it serves, on a layer that has it."""
+    names = base_targets(base)
+    match = _TENSOR_NAME.match(name)
+    if match is None:
+        raise fail("unknown_tensor", f"unexpected tensor {show(name)}: only LoRA A/B weights of "
+                                      f"{', '.join(names)}, and of embed_tokens / lm_head as the config "
+                                      "asks (target_modules, modules_to_save, trainable_token_indices), "
+                                      "are accepted")
+    layer, section, target, kind = int(match.group(2)), match.group(3), match.group(4), match.group(5)
+    target = _router_target(base, section, target)
+    if section == "block_sparse_moe" and target != "router":
+        target = f"block_sparse_moe.{target}"  # not a module LoRA can target here: refused below
+    if (section == "linear_attn") != (SECTIONS.get(target) == "linear_attn"):
+        target = f"{section}.{target}"  # a projection under another layer section than its own: refused below
+    if target not in checkpoint_shapes(base):
+        raise fail("unsupported_target", f"tensor {show(name)} targets {show(target)}; supported "
+                                          f"targets: {', '.join(names)}{_fusion_hint(base, target)}")
+    if layer >= base.num_layers:
+        raise fail("layer_out_of_range", f"tensor {show(name)} is for layer {layer}, the base model "
+                                          f"has {base.num_layers} layers")
+    if target == "router" and base.moe is not None and not base.moe.sparse_layers[layer]:
+        raise fail("target_mismatch", f"tensor {show(name)} is a LoRA on the router of layer {layer}, "
+                                       f"a dense layer of this base model (it has no router)")
+    if base.moe is not None and base.moe.sparse_layers[layer] and SECTIONS[target] == "mlp":
+        raise fail("target_mismatch", f"tensor {show(name)} is for layer {layer} {target}, but layer "
+                                       f"{layer} of this base model has routed experts, not a dense MLP: LoRA on "
+                                       "the experts is mlp.experts.* (target_parameters, or per-expert modules)")
+    if target not in layer_targets(base, layer):  # a hybrid's layer: the other kind of token mixer
+        mixer = layer_kind(base, layer)
+        kind_name = "a linear-attention (Gated DeltaNet)" if mixer == "linear_attn" else "a full-attention"
+        own = ", ".join(f"{mixer}.{t}" for t in layer_targets(base, layer) if SECTIONS[t] == mixer)
+        raise fail("target_mismatch", f"tensor {show(name)} is a LoRA on {SECTIONS[target]}.{target} of layer "
+                                       f"{layer}, but layer {layer} of this base model is {kind_name} layer ({own}): "
+                                       "the adapter was made for a model with other layer types (layer_types)")
+    return layer, target, kind
+
+
 def _layer_options(config: Mapping) -> str:
     """The config's layer options, as a message fragment ('' when it has none)."""
     parts = [f"{k} {show(config[k])}" for k in ("layers_to_transform", "layers_pattern", "exclude_modules")
@@ -499,15 +549,18 @@ def validate_adapter_files(files: Mapping[str, bytes | Path], base: ModelConfig,
         check_weights_file(weights_src, WEIGHTS_FILE, limits, "adapter", "; use a smaller rank or fewer targets")
         config = validate_config(config_src.read(0, config_src.size), limits.max_rank)
         claimed_base = check_base_model(config.get("base_model_name_or_path"), base_model_id, allow_base_mismatch)
-        rank, names = config["r"], module_names(base)
-        expected = module_rank_alpha(config, {key: names[key] for key in select_modules(config, names)})
+        rank = config["r"]
         expert_params = check_expert_config(config, base)
+        entries, data_start = parse_header(weights_src, _tensor_cap_for(base, limits))
+        refuse_unserved((entry.name for entry in entries), base)
+        # The module names PEFT matched the config against: those of the model class the tensors were saved from.
+        prefix = module_prefix(base, tensor_prefix(entry.name for entry in entries))
+        names = module_names(base, prefix)
+        expected = module_rank_alpha(config, {key: names[key] for key in select_modules(config, names)})
         expected.update(module_rank_alpha(config, {(layer, "router"): names[(layer, "router")]
                                                    for layer in router_parameter_layers(config, base)}))
-
-        entries, data_start = parse_header(weights_src, _tensor_cap_for(base, limits))
-        hc = head_config(config, _embedding_targeted(_targets_from_config(config, base)))
-        _check_embedding_patterns(config, hc, rank)
+        hc = head_config(config, _embedding_targeted(_targets_from_config(config, base), prefix))
+        _check_embedding_patterns(config, hc, rank, prefix)
         head_entries, entries = _head_entries(entries, hc, rank, base, limits)
         expert_plan, entries = split_expert_entries(entries, config, base, expert_params)
         entries, magnitude_entries = split_magnitudes(entries, dora_enabled(config))
@@ -568,24 +621,31 @@ def _tensor_cap_for(base: ModelConfig, limits: UploadLimits) -> UploadLimits:
     return replace(limits, max_tensors=max(limits.max_tensors, per_expert + dense))
 
 
-def _check_embedding_patterns(config: Mapping, hc, rank: int) -> None:
+def _head_names(prefix: str) -> dict[str, str]:
+    """PEFT's module names of embed_tokens and lm_head when the decoder layers sit under `prefix` (transformers 4.x
+    Gemma 3's `language_model.model.`: the head is `language_model.lm_head`; else it is the model's own)."""
+    head = "language_model.lm_head" if prefix == "language_model.model." else HEAD
+    return {EMBED: f"{prefix}{EMBED}", HEAD: head}
+
+
+def _check_embedding_patterns(config: Mapping, hc, rank: int, prefix: str = "model.") -> None:
     """An embedding LoRA is served at r and lora_alpha: refuse rank_pattern / alpha_pattern entries that give
     embed_tokens its own (PEFT's matching, as for the projections)."""
     if not hc.embedding_lora:
         return
-    (r, alpha), = module_rank_alpha(config, {(-1, EMBED): "model.embed_tokens"}).values()
+    (r, alpha), = module_rank_alpha(config, {(-1, EMBED): _head_names(prefix)[EMBED]}).values()
     if r != rank or alpha != config["lora_alpha"]:
         raise fail("unsupported_option", "rank_pattern / alpha_pattern gives embed_tokens its own rank or alpha; "
                                           "an embedding LoRA is served at r and lora_alpha only for now")
 
 
-def _embedding_targeted(declared: set[str] | _TargetPattern) -> bool:
+def _embedding_targeted(declared: set[str] | _TargetPattern, prefix: str = "model.") -> bool:
     """Whether target_modules selects embed_tokens (PEFT: a name matches as the key or its last part; a regex
     matches the whole module name) and refuse a LoRA on lm_head (PEFT's Linear LoRA on the output head)."""
     if isinstance(declared, set):
         hits = {m for m in HEAD_MODULES if m in declared}
     else:
-        hits = {m for m, name in ((EMBED, "model.embed_tokens"), (HEAD, "lm_head")) if declared.matches(name)}
+        hits = {m for m, name in _head_names(prefix).items() if declared.matches(name)}
     if HEAD in hits:
         raise fail("unsupported_target", "target_modules selects lm_head: LoRA on the output head is not supported; "
                                           "train it with modules_to_save=[\"lm_head\"] (a full head) or "
@@ -623,7 +683,17 @@ def _head_entries(entries: list[TensorEntry], hc, rank: int, base: ModelConfig, 
 
 
 def _fusion_hint(base: ModelConfig, target: str) -> str:
-    if base.fused_projections and target in _SECTIONS:
+    linear = base.linear_attention
+    if target in (*LINEAR_TARGETS, *FUSED_LINEAR_TARGETS):
+        if linear is None:
+            return (f" ({target} is a projection of a hybrid model's linear-attention layers (Qwen3.5, Qwen3-Next); "
+                    f"model_type {base.model_type!r} has none)")
+        if linear.fused_projections:
+            return (f" (model_type {base.model_type!r} fuses in_proj_qkv / in_proj_z into in_proj_qkvz and in_proj_b /"
+                    " in_proj_a into in_proj_ba: train the adapter on those modules)")
+        return (f" ({target} is a fused module of Qwen3-Next; model_type {base.model_type!r} has in_proj_qkv, "
+                "in_proj_z, in_proj_b and in_proj_a instead)")
+    if base.fused_projections and SECTIONS.get(target) in ("self_attn", "mlp"):
         return (f" (model_type {base.model_type!r} fuses q/k/v into qkv_proj and gate/up into gate_up_proj: "
                 "train the adapter on those modules)")
     if not base.fused_projections and target in FUSED_TARGETS:

@@ -15,11 +15,12 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
+from loramux.adapters.formats.layer_modules import TENSOR_PREFIX
 from loramux.adapters.formats.safetensors_header import TensorEntry
 from loramux.adapters.formats.validation_common import CONFIG_FILE, fail, show
 
 _MAGNITUDE_NAME = re.compile(
-    r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)"
+    r"^(?:base_model\.model\.)?" + TENSOR_PREFIX + r"layers\.(\d+)\.(?:self_attn|linear_attn|mlp)\.(\w+)"
     r"\.lora_magnitude_vector(?:\.default)?(?:\.weight)?$")
 _MAGNITUDE_SUFFIX = re.compile(r"\.lora_magnitude_vector(?:\.default)?(?:\.weight)?$")
 _NOT_LINEAR = ("embed_tokens", "lm_head")
@@ -68,7 +69,7 @@ def split_magnitudes(entries: list[TensorEntry], dora: bool
                                                   "use_dora")
             raise fail("unknown_tensor", f"unexpected DoRA magnitude {show(entry.name)}: only magnitudes of the "
                                           "decoder projections are accepted")
-        key = (int(match.group(1)), match.group(2))
+        key = (int(match.group(2)), match.group(3))
         if key in found:
             raise fail("duplicate_tensor", f"layer {key[0]} {key[1]} has lora_magnitude_vector twice (e.g. with "
                                             "and without a '.weight' or adapter-name suffix)")

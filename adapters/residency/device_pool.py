@@ -151,6 +151,10 @@ class DevicePool:
         # Bytes one unit of rank costs per projection path: A rows and B columns of its slices, every layer.
         self.bytes_per_rank: dict[str, int] = {}
         self.shapes = {path: (m.in_features, m.slices) for _, path, m in model.lora_modules()}
+        # How many layers have each path (a hybrid's layers have linear_attn.* or self_attn.*; a MoE's router or MLP).
+        self.path_layers: dict[str, int] = {}
+        for _, path, _ in model.lora_modules():
+            self.path_layers[path] = self.path_layers.get(path, 0) + 1
         self.element = element
         self.dora_bytes: dict[str, int] = {}  # bytes of one slot's DoRA scales per projection path, every layer
         for _, path, m in model.lora_modules():
@@ -186,7 +190,7 @@ class DevicePool:
             self._check_dora(adapter)
         head_slots.absorb_base_copies(adapter, self.model)  # once: PEFT's saved copies of the base embedding
         return BucketKey(adapter.rank, tuple(p for p in LORA_MODULES if p in paths),
-                         layer_ranks=pool_layout.layer_ranks(adapter, self.shapes, len(self.model.layers)),
+                         layer_ranks=pool_layout.layer_ranks(adapter, self.shapes, self.path_layers),
                          dora=bool(adapter.magnitudes), extras=head_slots.extras_of(adapter),
                          experts=expert_slots.key_of(adapter))
 
@@ -202,8 +206,8 @@ class DevicePool:
         modules its `layer_ranks` lists, with their per-slice scales)."""
         key = BucketKey(*key)
         if key.layer_ranks:
-            lora = pool_layout.lora_slot_bytes(key.rank, key.paths, key.layer_ranks, self.shapes,
-                                               len(self.model.layers), self.element)
+            lora = pool_layout.lora_slot_bytes(key.rank, key.paths, key.layer_ranks, self.shapes, self.path_layers,
+                                               self.element)
             # DoRA: one g row of the merged projection's width per (layer, path) the table lists.
             dora = sum(sum(size for _, size in self.shapes[path][1]) for _, path, _ in key.layer_ranks) * self.element
         else:

@@ -13,11 +13,16 @@ each at its own rank and stacked in slice order, one B per covered slice, and a 
 slice (rank_pattern / alpha_pattern scales differ per module). Uncovered slices, projections and layers hold
 nothing and cost nothing. Everything here is pure arithmetic on shapes (the summary and `loramux plan` use
 it without a model).
+
+Not every layer has every projection: a hybrid's linear-attention layers have `linear_attn.*` instead of
+`self_attn.*`, a mixture-of-experts base's sparse layers the router instead of a dense MLP. A plain adapter covers
+every layer that has each projection it targets (`path_layers` counts them), and its slot holds exactly those.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
 
+from loramux.adapters.formats.layer_modules import layer_targets
 from loramux.adapters.formats.validation import projection_shapes
 from loramux.model.config import ModelConfig
 from loramux.model.llama import LORA_MODULES, PROJECTION_SLICES
@@ -40,6 +45,24 @@ def path_shapes(cfg: ModelConfig) -> dict[str, tuple[int, tuple[tuple[str, int],
     return {path: (d_in, tuple(slices)) for path, (d_in, slices) in out.items()}
 
 
+def path_layers(cfg: ModelConfig) -> dict[str, int]:
+    """How many decoder layers have each merged projection of `path_shapes(cfg)` (0: none has it)."""
+    counts = dict.fromkeys(path_shapes(cfg), 0)
+    for layer in range(cfg.num_layers):
+        # Phi-3's fused checkpoint names stand for the same merged paths as their parts.
+        for path in {PROJECTION_SLICES[_FUSED_PARTS.get(t, t)][0] for t in layer_targets(cfg, layer)}:
+            counts[path] = counts.get(path, 0) + 1
+    return counts
+
+
+_FUSED_PARTS = {"qkv_proj": "q_proj", "gate_up_proj": "gate_proj"}
+
+
+def _layer_counts(layers: int | Mapping[str, int], paths) -> Mapping[str, int]:
+    """`layers` as a count per path: an int means every layer has every path."""
+    return {path: layers for path in paths} if isinstance(layers, int) else layers
+
+
 class LayerRanks(tuple):
     """A per-module table that computes its hash once: bucket keys are looked up for every projection of
     every step, and a tuple of a few hundred entries would be hashed anew each time (about 20 us)."""
@@ -51,16 +74,19 @@ class LayerRanks(tuple):
         return cached
 
 
-def layer_ranks(adapter, shapes: PathShapes, num_layers: int) -> tuple:
-    """The `layer_ranks` of `adapter`'s bucket key: () when it is plain, else its per-module table."""
+def layer_ranks(adapter, shapes: PathShapes, layers: int | Mapping[str, int]) -> tuple:
+    """The `layer_ranks` of `adapter`'s bucket key: () when it is plain, else its per-module table. `layers`: how many
+    layers have each path (`path_layers`), or the number of layers when every layer has every path. Plain: one rank
+    and scale, each target on every layer that has it (an adapter's modules are the base's, so counting suffices)."""
     ranks = {key: a.shape[0] for key, (a, _) in adapter.weights.items()}
     targets = {t for _, t in ranks}
-    plain = not adapter.module_scales and len(ranks) == num_layers * len(targets) and \
-        all(r == adapter.rank for r in ranks.values())
+    counts = _layer_counts(layers, shapes)
+    every_layer = len(ranks) == sum(counts.get(PROJECTION_SLICES[t][0], 0) for t in targets)
+    plain = not adapter.module_scales and every_layer and all(r == adapter.rank for r in ranks.values())
     if plain:
         return ()
     table = []
-    for layer in range(num_layers):
+    for layer in range(1 + max((layer for layer, _ in ranks), default=-1)):
         for path in LORA_MODULES:
             if path not in shapes:
                 continue
@@ -77,12 +103,15 @@ def _target_of(path: str, slice_name: str) -> str:
 _TARGET_OF = {where: target for target, where in PROJECTION_SLICES.items()}
 
 
-def lora_slot_bytes(rank: int, paths, table: tuple, shapes: PathShapes, num_layers: int, element: int) -> int:
+def lora_slot_bytes(rank: int, paths, table: tuple, shapes: PathShapes, layers: int | Mapping[str, int],
+                    element: int) -> int:
     """Device bytes of one slot's LoRA weights (and, patterned, its per-slice scales) in a bucket of key
-    (rank, paths, table) for a model of `num_layers` layers, at `element` bytes per weight."""
+    (rank, paths, table), at `element` bytes per weight; `layers`: how many layers have each path (`path_layers`),
+    or the number of layers when every layer has every path."""
     if not table:
-        return rank * num_layers * sum(
-            (len(shapes[p][1]) * shapes[p][0] + sum(d for _, d in shapes[p][1])) * element for p in paths)
+        counts = _layer_counts(layers, shapes)
+        return rank * sum(counts[p] * (len(shapes[p][1]) * shapes[p][0] + sum(d for _, d in shapes[p][1])) * element
+                          for p in paths)
     total = 0
     for _, path, ranks in table:
         d_in, slices = shapes[path]
