@@ -99,8 +99,10 @@ _EQUAL_RANKS = ("linear", "ties", "dare_linear", "dare_ties")
 _DENSITY = ("ties", "dare_linear", "dare_ties")
 SIGN_METHODS = ("total", "frequency")
 # The order HF's Phi-3 defines its projections in (o_proj before qkv_proj), which is the order PEFT visits them
-# and DARE draws its masks in; the other families define theirs in base_targets' order.
+# and DARE draws its masks in; Qwen3.5's linear-attention layers define out_proj before their input projections;
+# the other families define theirs in base_targets' order.
 _PHI3_ORDER = ("o_proj", "qkv_proj", "gate_up_proj", "down_proj")
+_QWEN3_5_LINEAR_ORDER = ("out_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 MAX_COMPONENTS = 16
 MAX_SEED = 2**63 - 1
 MERGED = "merged"
@@ -378,7 +380,7 @@ def _skeleton(base: ModelConfig) -> torch.nn.Module:
     scalar broadcast to its shape (no memory; see the module docstring for why not meta)."""
     zero = torch.zeros((), dtype=torch.float32)
     root, shapes = torch.nn.Module(), checkpoint_shapes(base)
-    order = _PHI3_ORDER if base.fused_projections else base_targets(base)
+    order = _hf_order(base)
     for (_, target), name in sorted(module_names(base).items(), key=lambda kv: (kv[0][0], order.index(kv[0][1]))):
         parent = root
         *path, leaf = name.split(".")
@@ -391,6 +393,18 @@ def _skeleton(base: ModelConfig) -> torch.nn.Module:
         linear.weight = torch.nn.Parameter(zero.expand(d_out, d_in), requires_grad=False)
         parent.add_module(leaf, linear)
     return root
+
+
+def _hf_order(base: ModelConfig) -> tuple[str, ...]:
+    """The order HF's model class defines a layer's projections in (see _PHI3_ORDER)."""
+    if base.fused_projections:
+        return _PHI3_ORDER
+    order = base_targets(base)
+    if "in_proj_qkv" in order:  # Qwen3.5
+        order = tuple(t for t in order if t not in _QWEN3_5_LINEAR_ORDER)
+        at = order.index("o_proj") + 1
+        order = (*order[:at], *_QWEN3_5_LINEAR_ORDER, *order[at:])
+    return order
 
 
 def merge(method: str, params: Mapping, components: Sequence[MergeComponent], base: ModelConfig,
@@ -456,13 +470,14 @@ def _merge_here(method: str, params: Mapping, components: Sequence[MergeComponen
 
 def _peft_files(model, base: ModelConfig) -> MergedAdapter:
     """The merged adapter of `model` as PEFT's two files: target_modules a projection's short name where every
-    layer has it, else the module names."""
+    layer has it, else the module names (always on a multimodal base, whose vision tower has modules of the same
+    short names)."""
     from safetensors.torch import save
 
     config = model.peft_config[MERGED]
     modules = dict(model.base_model.model.named_modules())
-    tensors, covered = {}, []
-    for (layer, target), name in module_names(base).items():
+    tensors, covered, names = {}, [], module_names(base)
+    for (layer, target), name in names.items():
         module = modules[name]
         if not hasattr(module, "lora_A") or MERGED not in module.lora_A:
             continue
@@ -473,10 +488,10 @@ def _peft_files(model, base: ModelConfig) -> MergedAdapter:
     targets = []
     for target in base_targets(base):
         layers = [layer for layer, t in covered if t == target]
-        if len(layers) == base.num_layers:
+        if len(layers) == base.num_layers and not base.multimodal:
             targets.append(target)
         else:
-            targets += [module_names(base)[(layer, target)] for layer in layers]
+            targets += [names[(layer, target)] for layer in layers]
     body = {"peft_type": "LORA", "r": config.r, "lora_alpha": config.lora_alpha, "use_rslora": config.use_rslora,
             "target_modules": targets, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
             "base_model_name_or_path": None}
