@@ -15,12 +15,10 @@ from conftest import run_to_completion
 from loramux.adapters.composition.weighted import CompositionError, compose, composition_digest, refusal_reason
 from loramux.adapters.formats.peft import load_adapter_dir
 from loramux.engine.sampling.params import SamplingParams
-from loramux.model.llama import PROJECTION_SLICES
 from loramux.testing import save_tiny_hf_model
 
-TARGETS = [t for t in PROJECTION_SLICES if t != "router"]  # a dense base's projections
-
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TARGETS = ALL  # a dense base's projections
 NEW_TOKENS = 8
 PROMPTS = [[1, 450, 3200, 17, 99, 23001, 871], [1, 12, 5, 4000, 300, 17, 12, 5], [1, 2048, 77, 77, 9000]]
 # Components of different ranks, scales and targets: plain, rsLoRA with rank/alpha patterns, a layer subset.

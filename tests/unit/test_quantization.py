@@ -31,7 +31,9 @@ from loramux.settings import Settings
 from loramux.testing import save_tiny_hf_model, write_peft_adapter
 
 VOCAB = 300
-DENSE_SLICES = {target: where for target, where in PROJECTION_SLICES.items() if target != "router"}  # no MoE here
+# a dense Llama's projections: no MoE router, no hybrid's linear-attention projections
+DENSE_SLICES = {target: where for target, where in PROJECTION_SLICES.items()
+                if target != "router" and not where[0].startswith("linear_attn.")}
 KERNELS = [k for k in quantization.KERNELS if quantization.kernel_works(k, "cpu", torch.float32)]
 # Relative error bounds against the dequantised float reference: int8pack and dequant compute in float; the
 # two-pass kernels also round activations to ~15 bits per row (~13 with 7-bit passes).
