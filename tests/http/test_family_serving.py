@@ -1,7 +1,8 @@
-"""Bring your own base model, through the server: a tiny Qwen3, Gemma 3 and Qwen3-MoE directory served with
-LORAMUX_MODEL=<dir> and a PEFT adapter from LORAMUX_ADAPTERS (on Qwen3-MoE, LoRA on the routed experts through
-`target_parameters` as well as on attention); the official openai client gets, for a chat request with the
-adapter, the text HF transformers + PEFT generate for the same chat."""
+"""Bring your own base model, through the server: a tiny Qwen3, Gemma 3, Qwen3-MoE and Qwen3.5 directory served
+with LORAMUX_MODEL=<dir> and a PEFT adapter from LORAMUX_ADAPTERS (on Qwen3-MoE, LoRA on the routed experts through
+`target_parameters` as well as on attention; on the hybrid Qwen3.5, on its linear-attention projections too); the
+official openai client gets, for a chat request with the adapter, the text HF transformers + PEFT generate for the
+same chat."""
 from __future__ import annotations
 
 import openai
@@ -28,6 +29,10 @@ FAMILIES = {  # name: (model_type, config overrides, LoRA targets)
                                 "num_experts_per_tok": 2, "norm_topk_prob": True},
                   {"target_modules": ["q_proj", "v_proj"],
                    "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}),
+    "qwen3_5": ("qwen3_5_text", {"head_dim": 16, "num_hidden_layers": 4, "linear_num_key_heads": 2,
+                                 "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8},
+                {"target_modules": ["q_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj",
+                                    "down_proj"]}),
 }
 
 
