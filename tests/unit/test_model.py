@@ -123,8 +123,9 @@ def test_unsupported_architectures_are_refused_clearly():
     with pytest.raises(UnsupportedModelError) as refused:
         ModelConfig.from_hf({**base, "model_type": "gpt2"})
     assert str(refused.value) == ("model_type 'gpt2' is not supported; supported: llama, mistral, qwen2, qwen3, "
-                                  "gemma2, gemma3_text, phi3, qwen3_moe, qwen2_moe, mixtral, olmoe, gpt_oss")
-    with pytest.raises(UnsupportedModelError, match="gemma3_text"):  # the multimodal checkpoint: name the text one
+                                  "gemma2, gemma3_text, phi3, qwen3_moe, qwen2_moe, mixtral, olmoe, gpt_oss, "
+                                  "qwen3_next, qwen3_5_text, gemma3, qwen3_5")
+    with pytest.raises(UnsupportedModelError, match="text_config"):  # a multimodal checkpoint: its language model
         ModelConfig.from_hf({**base, "model_type": "gemma3"})
     with pytest.raises(UnsupportedModelError, match="relu2"):
         ModelConfig.from_hf({**base, "model_type": "llama", "hidden_act": "relu2"})
