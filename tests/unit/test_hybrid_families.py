@@ -214,3 +214,15 @@ def test_broken_hybrid_configs_are_refused_by_name(broken, says):
 def test_multimodal_config_without_text_config_is_refused():
     with pytest.raises(UnsupportedModelError, match="text_config"):
         ModelConfig.from_hf({"model_type": "gemma3", "vision_config": {}})
+
+
+def test_a_hybrid_draft_model_is_refused_by_name(tokenizer):
+    from loramux.engine.speculation.draft_runner import DraftMismatchError, check_draft_compatible
+
+    hybrid = ModelConfig.from_hf(dict(model_type="qwen3_5_text", vocab_size=len(tokenizer), hidden_size=64,
+                                      intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                                      linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                                      linear_conv_kernel_dim=4))
+    with pytest.raises(DraftMismatchError, match="hybrid"):
+        check_draft_compatible(tokenizer, tokenizer, hybrid, hybrid)

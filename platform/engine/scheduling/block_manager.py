@@ -246,6 +246,6 @@ class BlockManager:
         assert free | set(self.evictable) == idle, "leaked or double-used block"
         assert all(self.block_hash[b] is not None for b in self.evictable), "an evictable block has no hash"
         assert all(self.block_hash[b] == h for h, b in self.cached.items()), "cache index out of sync"
-        held = [seq.state_slot for seq in live if seq.state_slot is not None]
+        held = [s for s in (getattr(seq, "state_slot", None) for seq in live) if s is not None]
         assert len(set(held)) == len(held), "a state slot is held twice"
         assert sorted(held + list(self.free_state_slots)) == list(range(self.num_state_slots)), "leaked state slot"

@@ -224,10 +224,14 @@ SPECIAL_TOKENS = ("bos", "eos", "pad", "unk")
 
 
 def check_draft_compatible(target_tokenizer, draft_tokenizer, target_cfg, draft_cfg) -> None:
-    """Raise DraftMismatchError naming the first difference between the target's and the draft's vocabulary:
-    the models' vocab sizes, the tokenizers' sizes, the first token id whose string differs, or a special token
-    (bos, eos, pad, unk) that differs."""
+    """Raise DraftMismatchError for a hybrid draft model (its linear-attention state has no rollback), or naming the
+    first difference between the target's and the draft's vocabulary: the models' vocab sizes, the tokenizers'
+    sizes, the first token id whose string differs, or a special token (bos, eos, pad, unk) that differs."""
     hint = "pick a draft model that uses the same tokenizer as the target model"
+    if getattr(draft_cfg, "linear_attention", None) is not None:
+        raise DraftMismatchError(f"the draft model is a hybrid ({draft_cfg.model_type}, linear-attention layers), "
+                                 "whose per-sequence state a draft cannot roll back after a rejected token: pick a "
+                                 "draft model with attention layers only")
     if target_cfg.vocab_size != draft_cfg.vocab_size:
         raise DraftMismatchError(
             f"draft model's vocab_size is {draft_cfg.vocab_size}, the target's is {target_cfg.vocab_size}: {hint}"
