@@ -28,7 +28,7 @@ its first token to the end (the prefill left out; the tok/s with it is printed b
   group is first tried alone through loramux's adapter validation: a group it refuses is left out, its refusal
   printed (a REFUSED line) and a NOTE line before the FIGURE lines says which targets the figure covers; if every
   group is refused the figure is `n/a`. The ceiling from bytes moved is printed beside it: what a decode step moves
-  at least (below) against what the adapters add (each row its own adapter, whole).
+  at least (as in the first figure) against what the adapters add (each row its own adapter, whole).
 
 Also printed: the per-sequence state (`ModelConfig.state_bytes_per_sequence`: conv windows in the run's dtype,
 recurrent matrices in float32) beside the KV cache of a 4096-token context (`kv_bytes_per_token` x 4096) for the
