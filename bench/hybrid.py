@@ -44,7 +44,6 @@ the descheduled one) and the rounds scatter; `--threads 1` stays within a few pe
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -52,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from model_families import build_checkpoint
-from moe import log, loramux_generate
+from moe import log, loramux_generate, pin_threads
 
 MODELS_DIR = Path.home() / ".cache" / "loramux-bench" / "models"
 RANK, ALPHA = 16, 32
@@ -370,19 +369,7 @@ def run(args, cpus: list[int]) -> int:  # noqa: C901 - one linear script: build,
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    import torch
-
-    from loramux.testing import describe_cpu
-
-    allowed = sorted(os.sched_getaffinity(0))
-    cpus = allowed[:args.threads]
-    if len(cpus) < args.threads:
-        raise SystemExit(f"--threads {args.threads}: only cores {allowed} are allowed")
-    os.sched_setaffinity(0, cpus)
-    torch.set_num_threads(args.threads)
-    print(f"hybrid linear-attention bench{' (smoke)' if args.smoke else ''}: {time.strftime('%Y-%m-%d %H:%M')} UTC")
-    print(describe_cpu())
-    return run(args, cpus)
+    return run(args, pin_threads(args, "hybrid linear-attention bench"))
 
 
 if __name__ == "__main__":

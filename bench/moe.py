@@ -699,6 +699,12 @@ def main(argv=None) -> int:
     if argv[:1] == ["--vllm-worker"]:
         return vllm_worker_main(json.loads(argv[1]))
     args = parse_args(argv)
+    return run(args, pin_threads(args, "mixture of experts bench"))
+
+
+def pin_threads(args, title: str) -> list[int]:
+    """Pin this process to the first `args.threads` allowed cores with as many torch threads, print the bench's
+    title, date and CPU, and return the cores."""
     import torch
 
     from loramux.testing import describe_cpu
@@ -709,9 +715,9 @@ def main(argv=None) -> int:
         raise SystemExit(f"--threads {args.threads}: only cores {allowed} are allowed")
     os.sched_setaffinity(0, cpus)
     torch.set_num_threads(args.threads)
-    print(f"mixture of experts bench{' (smoke)' if args.smoke else ''}: {time.strftime('%Y-%m-%d %H:%M')} UTC")
+    print(f"{title}{' (smoke)' if args.smoke else ''}: {time.strftime('%Y-%m-%d %H:%M')} UTC")
     print(describe_cpu())
-    return run(args, cpus)
+    return cpus
 
 
 if __name__ == "__main__":

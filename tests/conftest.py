@@ -273,6 +273,16 @@ def greedy_tokens(engine: LLMEngine, requests: dict[str, tuple[list[int], str | 
     return {rid: out.token_ids for rid, out in zip(requests, outs)}
 
 
+def hf_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """HF `generate`'s greedy continuation of each prompt alone, `new_tokens` tokens each."""
+    outs = []
+    for ids in prompts:
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False)
+        outs.append(out[0, len(ids):].tolist())
+    return outs
+
+
 def decode_step_lora_cost(engine: LLMEngine, requests: dict[str, str | None], prompt) -> tuple[int, int]:
     """LoRA multiply-adds and weight bytes of one decode step of `requests` (id -> adapter), each started with
     `prompt` and past its prefill; the requests are aborted afterwards."""

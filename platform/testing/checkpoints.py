@@ -65,7 +65,15 @@ def save_tiny_hf_model(path: Path, vocab_size: int, model_type: str = "llama", s
     config = AutoConfig.for_model(model_type, **kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():  # HF zero-initialises biases; random ones make the bias path observable
+    return _perturb_and_save(model, path, weight_scale, tokenizer)
+
+
+def _perturb_and_save(model, path: Path, weight_scale: float, tokenizer):
+    """Random biases (HF zero-initialises them; random ones make the bias path observable), noisy norm weights,
+    matrices times `weight_scale`; save the model (and the tokenizer beside it) and return it."""
+    import torch
+
+    with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("bias"):
                 param.normal_(0, 0.5)
@@ -105,15 +113,4 @@ def save_tiny_multimodal_model(path: Path, vocab_size: int, model_type: str, see
     config = AutoConfig.for_model(model_type, text_config=text, vision_config=vision)
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("bias"):
-                param.normal_(0, 0.5)
-            elif param.dim() == 1:
-                param.add_(torch.randn_like(param) * 0.1)
-            elif weight_scale != 1.0:
-                param.mul_(weight_scale)
-    model.save_pretrained(path)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(path)
-    return model
+    return _perturb_and_save(model, path, weight_scale, tokenizer)

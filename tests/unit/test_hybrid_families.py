@@ -11,7 +11,7 @@ import logging
 import pytest
 import torch
 
-from conftest import family_engine, greedy_tokens
+from conftest import family_engine, greedy_tokens, hf_greedy
 from loramux.engine.config import EngineConfig
 from loramux.engine.engine import LLMEngine
 from loramux.model.config import ModelConfig, UnsupportedModelError
@@ -37,22 +37,13 @@ def hybrid_prompts() -> list[list[int]]:
     return [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (23, 90, 9)]
 
 
-def hf_greedy(model, prompts) -> list[list[int]]:
-    outs = []
-    for ids in prompts:
-        with torch.inference_mode():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
-        outs.append(out[0, len(ids):].tolist())
-    return outs
-
-
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def hybrid_family(request, tmp_path_factory, tokenizer):
     """(name, model dir, HF greedy outputs per prompt)."""
     builder, model_type, overrides = FAMILIES[request.param]
     model_dir = tmp_path_factory.mktemp(f"hybrid-{request.param}") / "model"
     hf = builder(model_dir, len(tokenizer), model_type, weight_scale=4.0, tokenizer=tokenizer, **overrides)
-    return request.param, model_dir, hf_greedy(hf, hybrid_prompts())
+    return request.param, model_dir, hf_greedy(hf, hybrid_prompts(), NEW_TOKENS)
 
 
 def engine_with(model_dir, tokenizer, **overrides) -> LLMEngine:

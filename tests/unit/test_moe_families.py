@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import drafts_expected, family_engine, greedy_tokens
+from conftest import drafts_expected, family_engine, greedy_tokens, hf_greedy
 from loramux.engine.engine import LLMEngine
 from loramux.testing import save_tiny_hf_model
 
@@ -52,15 +52,6 @@ def moe_prompts() -> list[list[int]]:
             tails[2] + shared + tails[2] + shared[:4]]
 
 
-def hf_greedy(model, prompts) -> list[list[int]]:
-    outs = []
-    for ids in prompts:
-        with torch.inference_mode():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
-        outs.append(out[0, len(ids):].tolist())
-    return outs
-
-
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def moe_family(request, tmp_path_factory, tokenizer):
     """(name, model dir, {adapter: dir}, HF greedy outputs {(prompt index, None | adapter): tokens})."""
@@ -89,10 +80,10 @@ def moe_family(request, tmp_path_factory, tokenizer):
         return model.eval()
 
     prompts = moe_prompts()
-    outputs = {(i, None): out for i, out in enumerate(hf_greedy(fresh(), prompts))}
+    outputs = {(i, None): out for i, out in enumerate(hf_greedy(fresh(), prompts, NEW_TOKENS))}
     for adapter, path in dirs.items():
         peft = PeftModel.from_pretrained(fresh(), path).eval()
-        outputs.update({(i, adapter): out for i, out in enumerate(hf_greedy(peft, prompts))})
+        outputs.update({(i, adapter): out for i, out in enumerate(hf_greedy(peft, prompts, NEW_TOKENS))})
     return name, model_dir, dirs, outputs
 
 
@@ -241,7 +232,7 @@ def test_bfloat16_gpt_oss_checkpoint_loads_and_equals_hf(tmp_path, tokenizer):
     prompts = moe_prompts()
     engine = make_engine(tmp_path / "model", tokenizer)
     got = run_all(engine, {str(i): (ids, None) for i, ids in enumerate(prompts)})
-    assert [got[str(i)] for i in range(len(prompts))] == hf_greedy(model, prompts)
+    assert [got[str(i)] for i in range(len(prompts))] == hf_greedy(model, prompts, NEW_TOKENS)
 
 
 def test_all_linear_adapter_with_router_and_experts_equals_peft(tmp_path, tokenizer):
@@ -262,7 +253,7 @@ def test_all_linear_adapter_with_router_and_experts_equals_peft(tmp_path, tokeni
     base.generation_config.eos_token_id = None
     base.generation_config.pad_token_id = 0
     prompts = moe_prompts()
-    expected = hf_greedy(PeftModel.from_pretrained(base.eval(), tmp_path / "lora").eval(), prompts)
+    expected = hf_greedy(PeftModel.from_pretrained(base.eval(), tmp_path / "lora").eval(), prompts, NEW_TOKENS)
     engine = make_engine(tmp_path / "model", tokenizer)
     engine.load_adapter_dir(tmp_path / "lora", "lora")
     got = run_all(engine, {str(i): (ids, "lora") for i, ids in enumerate(prompts)})
