@@ -173,7 +173,7 @@ def load_weights(model: LlamaModel, model_dir: Path) -> None:
             raise ValueError(f"shape mismatch loading weights: expected {tuple(dst.shape)}, got {tuple(tensor.shape)}")
         dst.copy_(tensor)
 
-    skipped = 0  # tensors of a multimodal checkpoint's vision tower and projector
+    skipped = 0  # tensors of a multimodal checkpoint outside its language model (vision tower, projector, ...)
     with torch.no_grad():
         for path in _weight_files(model_dir):
             with safe_open(str(path), framework="pt") as f:
@@ -184,8 +184,8 @@ def load_weights(model: LlamaModel, model_dir: Path) -> None:
                         continue
                     _load_tensor(model, key, f.get_tensor(name), put, loaded)
     if skipped:
-        log.info("serving the language model of this %s checkpoint: %d tensors of its vision tower and projector "
-                 "are not loaded (images are not served)", cfg.multimodal, skipped)
+        log.info("serving the language model of this %s checkpoint: %d tensors outside it (its vision tower and "
+                 "projector) are not loaded; images are not served", cfg.multimodal, skipped)
     # A merged parameter counts as loaded only when every one of its slices arrived.
     missing = [n for n in expected if n not in _complete(loaded, model)]
     if missing:

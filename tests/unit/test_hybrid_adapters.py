@@ -1,7 +1,8 @@
 """PEFT LoRA adapters on hybrid bases (Qwen3.5 `qwen3_5_text`, Qwen3-Next `qwen3_next`: Gated DeltaNet layers between
 full-attention layers) and on the language model of multimodal checkpoints (`qwen3_5`, `gemma3`), against HF
 transformers + PEFT: greedy output token for token in one mixed batch of every adapter and the base model, with
-prompts longer than the convolution window (and on Qwen3.5 more than 64 new tokens). Module names per layer equal
+prompts longer than the convolution window (one per family more than 64 new tokens, with and without an adapter),
+also with preemption forced. Module names per layer equal
 the ones PEFT wraps ("all-linear" included); LoRA on `linear_attn.conv1d`, on the vision side of a multimodal model,
 and on a projection a layer does not have is refused by name; other forms PEFT saves a multimodal adapter in load the
 same weights; blobs, summaries, pool slots and merges handle the new projections exactly. Tiny random models."""
@@ -48,7 +49,9 @@ FAMILIES = {  # name: (model_type, text config overrides, {adapter: LoraConfig a
 }
 MULTIMODAL = ("qwen3_5", "gemma3")
 NEW_TOKENS, LONG_TOKENS = 10, 70
-LONG = {("qwen3_5_text", 0, None), ("qwen3_5_text", 0, "all")}  # (family, prompt, adapter) run past 64 new tokens
+# (family, prompt, adapter) run past 64 new tokens: the base and an adapter on linear-attention projections each
+LONG = {("qwen3_5_text", 0, None), ("qwen3_5_text", 0, "all"), ("qwen3_next", 0, None), ("qwen3_next", 0, "mixer"),
+        ("qwen3_5", 0, None), ("qwen3_5", 0, "lm"), ("gemma3", 0, None), ("gemma3", 0, "lm")}
 
 
 def prompts(count: int = 3) -> list[list[int]]:
@@ -153,6 +156,40 @@ def test_mixed_batch_equals_peft_token_for_token(families, name, tokenizer):
         assert describe(adapter, family.cfg, 4)["device_bytes"]["total"] == engine.pool.slot_bytes(key), adapter.name
         if adapter.name in ("all", "linear", "mixer", "mlp"):  # one rank and scale on every layer that has each
             assert key.layer_ranks == (), adapter.name
+    assert engine.stats()["adapter_slots_pinned"] == 0
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_text", "qwen3_next"])
+def test_mixed_adapters_with_preemption_forced_equal_peft(families, name, tokenizer):
+    """Every adapter and the base in one batch on too few KV blocks and two state slots: preempted sequences drop
+    their state and recompute it through their own adapters; HF + PEFT's tokens, nothing leaked."""
+    from loramux.engine.config import EngineConfig
+    from loramux.engine.engine import LLMEngine
+    from loramux.engine.sampling.params import SamplingParams
+    from loramux.model.loader import build_model, end_of_turn_ids
+
+    family = families(name)
+    model, cfg = build_model(family.model_dir, torch.float32, torch.device("cpu"))
+    config = EngineConfig(block_size=4, num_blocks=30, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128,
+                          kv_cache_bytes=4 * cfg.state_bytes_per_sequence(4), adapter_pool_bytes=64 << 20,
+                          async_adapter_loads=False)
+    engine = LLMEngine(model, tokenizer, config, end_of_turn_ids(tokenizer, cfg, family.model_dir))
+    assert engine.num_state_slots == 2
+    for adapter, path in family.dirs.items():
+        engine.load_adapter_dir(path, adapter)
+    keys = [(i, a) for i in range(len(family.prompts)) for a in (None, *family.dirs)]
+    for n, (i, a) in enumerate(keys):
+        engine.add_request(str(n), family.prompts[i], SamplingParams(max_tokens=new_tokens(name, i, a),
+                                                                     ignore_eos=True), adapter=a)
+    finished = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finished[keys[int(out.request_id)]] = out.token_ids
+        engine.block_manager.check_invariants(engine.scheduler.running)
+    assert finished == {key: family.expected[key] for key in keys}
+    assert engine.stats()["preemptions"] > 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert engine.stats()["adapter_slots_pinned"] == 0
 
 
