@@ -210,12 +210,16 @@ def _load_tensor(model: LlamaModel, key: str, tensor, put, loaded: set[str]) -> 
 
 
 def _load_layer_tensor(model: LlamaModel, key: str, tensor, put, loaded: set[str]) -> None:
-    # key: layers.{i}.{self_attn|mlp}.{x_proj}.{weight|bias} or layers.{i}.{norm}.weight
+    # key: layers.{i}.{self_attn|linear_attn|mlp}.{x_proj}.{weight|bias} or layers.{i}.{norm}.weight
     parts = key.split(".")
     if len(parts) < 4 or not parts[1].isdigit() or int(parts[1]) >= len(model.layers):
         raise ValueError(f"checkpoint tensor {key!r} does not name a layer of this {model.config.num_layers}-layer "
                          f"model")
     layer = model.layers[int(parts[1])]
+    if parts[2] in ("self_attn", "linear_attn") and (parts[2] == "linear_attn") != layer.is_linear:
+        kind = "a linear_attention" if layer.is_linear else "an attention"
+        raise ValueError(f"checkpoint tensor {key!r} is a {parts[2]} tensor, but the config's layer_types make layer "
+                         f"{parts[1]} {kind} layer: config.json does not describe these weights")
     if isinstance(layer.mlp, MoEBlock) and load_moe_tensor(layer.mlp, int(parts[1]), parts[2:], tensor, put, loaded):
         return
     if _load_layer_extra(model, layer, key, parts, tensor, put, loaded):
@@ -252,7 +256,7 @@ def _load_layer_tensor(model: LlamaModel, key: str, tensor, put, loaded: set[str
 def _load_layer_extra(model: LlamaModel, layer, key: str, parts: list[str], tensor, put, loaded: set[str]) -> bool:
     """A layer norm, gpt-oss's attention sinks or a linear-attention layer's own parameters; False for any other
     tensor."""
-    if parts[2] == "linear_attn" and getattr(layer, "is_linear", False):
+    if parts[2] == "linear_attn":  # the caller checked that this layer is a linear-attention one
         target = LINEAR_EXTRAS.get(".".join(parts[3:]))
         if target is None:
             return False  # a projection: the caller loads it by PROJECTION_SLICES

@@ -102,12 +102,11 @@ def test_preemption_and_scarce_state_slots_keep_hf_output(hybrid_family, tokeniz
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+@pytest.mark.parametrize("hybrid_family", ["qwen3_5", "qwen3_5_text", "qwen3_next"], indirect=True)
 def test_decodes_on_scattered_state_slots_equal_hf(hybrid_family, tokenizer):
     """Slots handed out with gaps between them (0, 2, 4): decode steps gather and write back copies instead of
     updating one range in place, with the same result."""
     name, model_dir, expected = hybrid_family
-    if name == "gemma3":
-        pytest.skip("no linear-attention layers")
     engine = engine_with(model_dir, tokenizer)
     engine.block_manager.free_state_slots = [0, 2, 4, 6]  # a heap: lowest first
     got = greedy_tokens(engine, {str(i): (p, None) for i, p in enumerate(hybrid_prompts())}, NEW_TOKENS)
@@ -136,6 +135,19 @@ def test_multimodal_checkpoint_serves_its_language_model_only(tmp_path, tokenize
     said = [r.getMessage() for r in caplog.records if "vision tower" in r.getMessage()]
     assert len(said) == 1 and "qwen3_5" in said[0]
     assert not any("visual" in name for name, _ in model.named_parameters())
+
+
+def test_weights_of_the_other_layer_kind_are_refused_clearly(tmp_path, tokenizer):
+    """A config whose layer_types disagree with the checkpoint's layers: a ValueError naming the tensor and the
+    layer, not an AttributeError from deep in the loader."""
+    from safetensors.torch import load_file, save_file
+
+    save_tiny_hf_model(tmp_path, len(tokenizer), "qwen3_5_text", **FAMILIES["qwen3_5_text"][2])
+    state = load_file(tmp_path / "model.safetensors")
+    state["model.layers.0.self_attn.q_proj.weight"] = state["model.layers.3.self_attn.q_proj.weight"].clone()
+    save_file(state, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="layers.0.self_attn.q_proj.weight.*layer 0 a linear_attention layer"):
+        build_model(tmp_path, torch.float32, torch.device("cpu"))
 
 
 def test_hybrid_state_and_kv_are_counted():
