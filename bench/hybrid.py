@@ -47,11 +47,10 @@ import argparse
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from model_families import build_checkpoint
-from moe import log, loramux_generate, pin_threads
+from moe import Side, log, loramux_generate, pin_threads
 
 MODELS_DIR = Path.home() / ".cache" / "loramux-bench" / "models"
 RANK, ALPHA = 16, 32
@@ -93,14 +92,6 @@ def native_bf16() -> bool:
     from loramux.testing import cpu_info
 
     return bool({"avx512_bf16", "amx_bf16"} & set(cpu_info().flags.split()))
-
-
-@dataclass
-class Side:
-    name: str
-    decode_tok_s: list[float] = field(default_factory=list)
-    tok_s: list[float] = field(default_factory=list)
-    ids: list[list[int]] | None = None
 
 
 # --- checkpoints and adapters ------------------------------------------------------------------------------
