@@ -5,10 +5,21 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 
 from loramux.admin.deps import get_admin
-from loramux.admin.routes import adapters, admin_keys, billing, medusa, prices, replicas, stats, tenants, tiers
+from loramux.admin.routes import (
+    adapters,
+    admin_keys,
+    billing,
+    budgets,
+    medusa,
+    prices,
+    replicas,
+    stats,
+    tenants,
+    tiers,
+)
 
 router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(get_admin)])
-for _resource in (tenants, adapters, medusa, tiers, prices, billing, admin_keys, stats, replicas):
+for _resource in (tenants, budgets, adapters, medusa, tiers, prices, billing, admin_keys, stats, replicas):
     router.include_router(_resource.router)
 
 __all__ = ["router"]

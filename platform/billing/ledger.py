@@ -44,6 +44,7 @@ from pathlib import Path
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
+from loramux.billing.budgets import book_spend
 from loramux.billing.ledger_lines import RejectedFile, encode
 from loramux.billing.ledger_records import (
     PRICE_RELOAD_S,
@@ -92,15 +93,17 @@ def write_records(db: Database, records: Sequence[RequestRecord],
         insert = sqlite_insert
     else:
         raise NotImplementedError(f"the ledger supports PostgreSQL and SQLite, not {dialect}")
-    # executemany without RETURNING: psycopg pipelines it and sums the row counts, sqlite3 sums them too.
-    stmt = insert(_TABLE).on_conflict_do_nothing(index_elements=["request_id", "part"]).execution_options(
-        preserve_rowcount=True)
+    # RETURNING tells the rows inserted from those already there (SQLAlchemy batches it as insertmanyvalues);
+    # the budgets of the inserted ones are charged in the same transaction (`book_spend`).
+    stmt = insert(_TABLE).on_conflict_do_nothing(index_elements=["request_id", "part"]).returning(
+        _TABLE.c.request_id, _TABLE.c.part)
     with db.session() as session:
         if prices is None:
             prices = load_prices(session)
         rows = [ledger_row(r, prices) for r in unique]
-        inserted = session.execute(stmt, rows).rowcount
-    return inserted, len(records) - inserted
+        keys = {tuple(k) for k in session.execute(stmt, rows).all()}
+        book_spend(session, [r for r in rows if (r["request_id"], r["part"]) in keys])
+    return len(keys), len(records) - len(keys)
 
 
 async def durable(future: Future, timeout: float | None = None) -> bool:

@@ -81,6 +81,9 @@ def check_record(record) -> None:
             isinstance(record.composition, list) and record.composition
             and all(isinstance(c, dict) for c in record.composition)):
         raise bad("composition must be None or a non-empty list of objects")
+    if record.tags is not None and not (isinstance(record.tags, list) and all(
+            isinstance(t, str) and 0 < len(t) <= 64 and "\x00" not in t for t in record.tags)):
+        raise bad("tags must be None or a list of strings of 1 to 64 characters")
     if not isinstance(record.created_at, datetime) or record.created_at.utcoffset() is None:
         raise bad("created_at must be a timezone-aware datetime")
 
@@ -105,7 +108,7 @@ def ledger_row(record: RequestRecord, prices: Sequence[PriceInfo]) -> dict:
         output_per_mtok=price.output_per_mtok if price else _ZERO,
         cost=cost_of(record.prompt_tokens, record.cached_tokens, record.completion_tokens, price),
         created_at=record.created_at, end_user=record.end_user, replica=record.replica, part=record.part,
-        composition=record.composition)
+        composition=record.composition, tags=record.tags or None)
 
 
 def short_error(exc: BaseException) -> str:

@@ -238,3 +238,21 @@ def cost_of(prompt_tokens: int, cached_tokens: int, completion_tokens: int, pric
                             ctx.multiply(Decimal(cached_tokens), price.cached_input_per_mtok)),
                     ctx.multiply(Decimal(completion_tokens), price.output_per_mtok))
     return ctx.divide(total, Decimal(_MTOK)).quantize(Money.SCALE, context=ctx)
+
+
+def cost_bound(prompt_tokens: int, completion_tokens: int, price: PriceInfo | None) -> Decimal:
+    """The most `cost_of` can be for a request of `prompt_tokens` with at most `completion_tokens`, however many
+    prompt tokens the prefix cache holds: every prompt token at the dearer of the input and cached-input price
+    (cost_of is linear in the cached count, so one of the two ends is the maximum)."""
+    return max(cost_of(prompt_tokens, 0, completion_tokens, price),
+               cost_of(prompt_tokens, prompt_tokens, completion_tokens, price))
+
+
+def worst_case_cost(prices: Sequence[PriceInfo], base_model: str, adapter_ids: Sequence[str | None], tier: str | None,
+                    at: datetime, prompt_tokens: int, completion_tokens: int) -> Decimal:
+    """What a request can cost at most: `prompt_tokens` in, at most `completion_tokens` out, served by the one
+    adapter of `adapter_ids` (None: the base model), or by their composition when there are several (billed at
+    the costliest component's or the base model's price, see `price_for_composition`)."""
+    candidates = [*adapter_ids, None] if len(adapter_ids) > 1 else list(adapter_ids) or [None]
+    return max(cost_bound(prompt_tokens, completion_tokens, price_for(prices, base_model, adapter_id, tier, at))
+               for adapter_id in candidates)

@@ -6,6 +6,7 @@ import logging
 import threading
 from pathlib import Path
 
+from loramux.billing.budgets import BudgetBook, holder_of
 from loramux.billing.ledger import LedgerWriter
 from loramux.billing.ledger_wal import LEGACY_WAL_NAMES, WAL_NAME, LogInUseError
 from loramux.db import Database
@@ -48,6 +49,8 @@ def adopt_orphans(db: Database, root: Path, own: Path, timeout_s: float = 300.0)
             if writer.flush(timeout_s):
                 drained += 1
                 log.warning("ledger: drained the orphaned log in %s", folder)
+                # Its requests that are not in SQL now never reached the log: their reservations go.
+                BudgetBook(db, holder_of(writer.wal_path)).clear_leftovers()
         finally:
             writer.close()
     return drained

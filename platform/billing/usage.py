@@ -35,6 +35,7 @@ class RequestRecord:
     part: int = 0  # which part of its request this row bills: a fan-out's adapter index, else 0
     # A request that combined adapters with weights: [{"adapter_id", "version", "digest", "weight"}, ...].
     composition: list[dict] | None = None
+    tags: list[str] | None = None  # the request's labels (`X-Loramux-Tags` / `metadata.tags`)
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -6,13 +6,19 @@ from loramux.db.models import (
     AdminKey,
     ApiKey,
     Base,
+    Budget,
+    BudgetHold,
+    BudgetSpend,
     LedgerEntry,
     MedusaHeads,
     Money,
     Price,
     Tenant,
     Tier,
+    Webhook,
+    WebhookEvent,
 )
 
-__all__ = ["AdminKey", "Adapter", "AdapterVersion", "ApiKey", "Base", "Database", "LedgerEntry", "MedusaHeads", "Money",
-           "Price", "Tenant", "Tier"]
+__all__ = ["AdminKey", "Adapter", "AdapterVersion", "ApiKey", "Base", "Budget", "BudgetHold", "BudgetSpend", "Database", "LedgerEntry", "MedusaHeads", "Money",
+           "Price", "Tenant", "Tier", "Webhook",
+           "WebhookEvent"]

@@ -314,3 +314,97 @@ class LedgerEntry(Base):
     replica: Mapped[str | None] = mapped_column(String(64), nullable=True)
     # A request that combined adapters with weights: [{"adapter_id", "version", "digest", "weight"}, ...].
     composition: Mapped[list | None] = mapped_column(JSON, nullable=True, default=None)
+    # Request labels (`X-Loramux-Tags` / `metadata.tags`), for tag budgets and spend reports; None without any.
+    tags: Mapped[list | None] = mapped_column(JSON, nullable=True, default=None)
+
+
+class Budget(Base):
+    """A spend limit in USD over a period, for a tenant or, within a tenant, one of its keys, an end user (the
+    `user` request field) or a tag. `hard`: requests that would not fit are refused (402); soft budgets only
+    alert. `subject` is "" for the tenant scope, else the key id, end user or tag."""
+
+    __tablename__ = "budgets"
+    __table_args__ = (UniqueConstraint("tenant_id", "scope", "subject", name="uq_budgets_scope"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    scope: Mapped[str] = mapped_column(String(8))  # tenant | key | user | tag
+    subject: Mapped[str] = mapped_column(String(256), default="")
+    limit_usd: Mapped[Decimal] = mapped_column(Money)
+    period: Mapped[str] = mapped_column(String(8))  # day | week | month | total (resets at 00:00 UTC)
+    hard: Mapped[bool] = mapped_column(Boolean, default=True)
+    alert_at: Mapped[list] = mapped_column(JSON)  # fractions of the limit, as decimal strings ("0.5", "0.8", "1")
+    # Bumped by each reservation: on PostgreSQL the row lock, on SQLite the write lock, that orders them.
+    lock_version: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class BudgetSpend(Base):
+    """What a budget's period has spent: the ledger costs of the requests it reserved for, added in the
+    transaction that writes their ledger rows (plus, for the period a budget was set in, what the ledger held
+    then)."""
+
+    __tablename__ = "budget_spend"
+
+    budget_id: Mapped[int] = mapped_column(ForeignKey("budgets.id", ondelete="CASCADE"), primary_key=True)
+    period_start: Mapped[datetime] = mapped_column(UTCDateTime, primary_key=True)
+    spent: Mapped[Decimal] = mapped_column(Money)
+
+
+class BudgetHold(Base):
+    """A reservation: a request's worst-case cost for one part (a fan-out has one per adapter; else part 0)
+    against one budget, held from admission until the ledger row of that part is written (which deletes it
+    and adds the real cost to `budget_spend`), or until the request ends unbilled. `holder` is the ledger log
+    that will bill it and `run` that process's run: after a crash the log's next owner replays it, then drops
+    the holds of earlier runs (their requests never reached the log)."""
+
+    __tablename__ = "budget_holds"
+    __table_args__ = (Index("ix_budget_holds_budget_period", "budget_id", "period_start"),
+                      Index("ix_budget_holds_holder", "holder"))
+
+    request_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    part: Mapped[int] = mapped_column(Integer, primary_key=True)
+    budget_id: Mapped[int] = mapped_column(ForeignKey("budgets.id", ondelete="CASCADE"), primary_key=True)
+    period_start: Mapped[datetime] = mapped_column(UTCDateTime)
+    amount: Mapped[Decimal] = mapped_column(Money)
+    holder: Mapped[str] = mapped_column(String(64))
+    run: Mapped[str] = mapped_column(String(32))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class Webhook(Base):
+    """A tenant's alert endpoint: budget threshold crossings are POSTed there, signed with `secret`
+    (HMAC-SHA256 over "<timestamp>.<body>")."""
+
+    __tablename__ = "webhooks"
+
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
+    url: Mapped[str] = mapped_column(String(2000))
+    secret: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class WebhookEvent(Base):
+    """The outbox: one event to deliver to a tenant's webhook, written in the transaction that caused it (a
+    budget threshold crossed by a ledger row), so none is lost or made twice (`dedupe_key` is unique).
+    `state`: pending (until delivered; retried with backoff from `next_attempt_at`), delivered, or failed
+    (gave up after the last attempt)."""
+
+    __tablename__ = "webhook_events"
+    __table_args__ = (Index("ix_webhook_events_due", "state", "next_attempt_at"),
+                      Index("ix_webhook_events_tenant", "tenant_id", "created_at"))
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("evt"))
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    kind: Mapped[str] = mapped_column(String(40))  # budget.threshold
+    dedupe_key: Mapped[str] = mapped_column(String(200), unique=True)
+    payload: Mapped[dict] = mapped_column(JSON)
+    state: Mapped[str] = mapped_column(String(16), default="pending")  # pending | delivered | failed
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    last_status: Mapped[int | None] = mapped_column(Integer, nullable=True, default=None)
+    last_error: Mapped[str | None] = mapped_column(String(500), nullable=True, default=None)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    delivered_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True, default=None)

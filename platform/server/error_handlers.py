@@ -12,6 +12,7 @@ from loramux.adapters.formats.validation import AdapterFormatError
 from loramux.adapters.residency.cache_levels import AdapterLoadError
 from loramux.adapters.storage.medusa_registry import MedusaNotFoundError
 from loramux.adapters.storage.registry import AdapterNotFoundError, RegistryError
+from loramux.billing.budgets import BudgetError, BudgetNotFound
 from loramux.billing.pricing import PriceError
 from loramux.billing.reports import BillingQueryError
 from loramux.names import InvalidNameError
@@ -70,6 +71,8 @@ def install_error_handlers(app: FastAPI) -> None:
     handle(AdapterLoadError, lambda e: error_response(503, str(e), "adapter_unavailable", retry_after_s=5))
     handle(AdapterUnavailableError, lambda e: error_response(503, str(e), "adapter_unavailable", retry_after_s=5))
     handle(PriceError, lambda e: error_response(400, str(e), "invalid_price"))
+    handle(BudgetError, lambda e: error_response(400, str(e), "invalid_budget"))
+    handle(BudgetNotFound, lambda e: error_response(404, str(e), "budget_not_found"))
     handle(BillingQueryError, lambda e: error_response(400, str(e), "invalid_period"))
     handle(AdminKeyError, lambda e: error_response(404, str(e), "admin_key_not_found"))
     handle(SelfRevocationError, lambda e: error_response(400, str(e), "invalid_request"))

@@ -8,6 +8,7 @@ built from Settings, once for every way loramux runs.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,6 +19,7 @@ from loramux.adapters.residency.medusa_cache import MedusaCache
 from loramux.adapters.storage.medusa_registry import MedusaRegistry
 from loramux.adapters.storage.registry import AdapterRegistry
 from loramux.adapters.storage.store import ObjectStore, open_store
+from loramux.billing.budgets import BudgetBook, holder_of
 from loramux.billing.ledger import LedgerWriter
 from loramux.billing.ledger_wal import WAL_NAME
 from loramux.billing.pricing import PriceBook
@@ -130,8 +132,14 @@ def build_services(settings: Settings, *, engine: InProcess | Remote, ledger_slo
         ledger.start()
     else:
         ledger = claim_ledger(db, ledger_slots)
+    budgets = BudgetBook(db, holder_of(ledger.wal_path))
+    # The holds an earlier run left: its log's replay (in SQL once this flush returns) drops those of requests it
+    # billed; the rest never reached the log, and go.
+    threading.Thread(target=lambda: ledger.flush() and budgets.clear_leftovers(), daemon=True,
+                     name="budget-leftovers").start()
     services = Services(settings, db, store, registry, cache, client, tenancy, admin_keys, PriceBook(db), ledger,
-                        medusa=medusa, medusa_cache=medusa_cache, serves_medusa_heads=local, combines_adapters=local)
+                        medusa=medusa, medusa_cache=medusa_cache, serves_medusa_heads=local, combines_adapters=local,
+                        budgets=budgets)
     if not local and (stored := medusa.list()):
         # Uploads are refused (409); heads a single-process server stored can still be listed and deleted.
         log.warning("%d Medusa heads upload(s) in the registry are not used on a scaled-out deployment: requests "

@@ -14,6 +14,7 @@ from loramux.adapters.residency.pins import PinnedAdapters
 from loramux.adapters.storage.medusa_registry import MedusaRegistry
 from loramux.adapters.storage.registry import AdapterRegistry
 from loramux.adapters.storage.store import ObjectStore
+from loramux.billing.budgets import BudgetBook
 from loramux.billing.ledger import LedgerWriter
 from loramux.billing.pricing import PriceBook
 from loramux.db import Database
@@ -53,6 +54,8 @@ class Services:
     # Whether requests may combine adapters with weights (`adapters`): the composite is built from weights in
     # this process's host RAM, which a Ray Serve ingress does not hold (its replicas do): False there (a 400).
     combines_adapters: bool = True
+    # Spend limits and the reservations of requests in flight (None only for Services built by hand in tests).
+    budgets: BudgetBook | None = None
     pinned: PinnedAdapters = field(init=False)  # adapters operators pin in host RAM (through adapter_cache)
 
     def __post_init__(self) -> None:

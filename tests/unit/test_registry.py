@@ -53,7 +53,7 @@ def test_migrations_match_the_models_and_downgrade_cleanly(database):
     with database.engine.connect() as conn:
         diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata)
     assert diff == []
-    assert database.current_revision() == "0013"
+    assert database.current_revision() == "0014"
     limits = {t.name: t.max_choices for t in Tenancy(database).tiers()}
     assert limits == {"free": 2, "standard": 8, "premium": 16}
     with database.engine.connect() as conn:
@@ -64,6 +64,11 @@ def test_migrations_match_the_models_and_downgrade_cleanly(database):
     database.upgrade()
     assert {"tenants", "adapters", "adapter_versions", "tiers", "api_keys", "admin_keys", "prices", "ledger",
             "adapter_blobs", "medusa_heads"} <= set(inspect(database.engine).get_table_names())
+    database.downgrade("0013")  # 0014 alone goes down and up again
+    assert {"budgets", "budget_spend", "budget_holds", "webhooks", "webhook_events"}.isdisjoint(
+        inspect(database.engine).get_table_names())
+    assert "tags" not in {c["name"] for c in inspect(database.engine).get_columns("ledger")}
+    database.upgrade()
     database.downgrade("0012")  # 0013 alone goes down and up again
     assert {"part", "composition"}.isdisjoint(c["name"] for c in inspect(database.engine).get_columns("ledger"))
     assert "provenance" not in {c["name"] for c in inspect(database.engine).get_columns("adapter_versions")}
@@ -87,7 +92,7 @@ def test_migrations_match_the_models_and_downgrade_cleanly(database):
     database.downgrade("0003")  # 0004 alone goes down and up again
     assert "adapter_blobs" not in inspect(database.engine).get_table_names()
     database.upgrade()
-    assert database.current_revision() == "0013"
+    assert database.current_revision() == "0014"
     assert "medusa_heads" in set(inspect(database.engine).get_table_names())
     assert {"end_user", "replica"} <= {c["name"] for c in inspect(database.engine).get_columns("ledger")}
 

@@ -1,0 +1,526 @@
+"""Budgets: spend limits in USD per period for a tenant, one of its keys, an end user or a tag, that hold under
+concurrency because every request reserves its worst-case cost before it runs (torch-free, no HTTP types).
+
+How the money moves, for one budget and one period:
+- `spent` (table budget_spend) is the ledger cost of the requests the budget reserved for. It grows in the
+  very transaction that writes their ledger rows (`book_spend`, called by `loramux.billing.ledger`), so it
+  can never count a row twice or miss one, whichever process or restart writes the row.
+- `reserved` is the sum of the holds (table budget_holds) of requests in flight: each part of a request
+  holds its worst case (prompt + max output at the price in force, for all its choices) from admission until
+  its ledger row is written, which deletes the hold and adds the real cost to `spent`; or until the request
+  ends unbilled (`release`). A request is admitted only if every hard budget that applies still has
+  `spent + reserved + worst case <= limit`: so the ledger's sum never passes a hard limit, by construction.
+- Reservations are serialized per budget by a row lock (PostgreSQL `FOR NO KEY UPDATE`; SQLite's single
+  writer), so every replica sharing the database shares them.
+- After kill -9, the process that takes the crashed one's ledger log replays it (which deletes the holds of
+  requests that were answered) and then `clear_leftovers` drops the crashed run's remaining holds: their
+  requests never reached the log, were never answered and are never billed.
+
+Periods reset at 00:00 UTC: `day`, `week` (Mondays), `month` (the 1st), or never (`total`). A budget set in the
+middle of a period starts with what the ledger already holds for it; requests in flight at that moment are
+not counted against it. Threshold crossings of `spent` (`alert_at`, fractions of the limit) put one event
+per budget, period and threshold in the webhook outbox (table webhook_events) of a tenant with a webhook.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from decimal import Decimal, InvalidOperation
+
+from sqlalchemy import delete, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from loramux.billing.money import MONEY_CONTEXT, sum_money
+from loramux.db import Database
+from loramux.db.models import (
+    Budget,
+    BudgetHold,
+    BudgetSpend,
+    LedgerEntry,
+    Money,
+    Tenant,
+    Webhook,
+    WebhookEvent,
+    new_id,
+    utcnow,
+)
+
+log = logging.getLogger(__name__)
+
+SCOPES = ("tenant", "key", "user", "tag")
+PERIODS = ("day", "week", "month", "total")
+DEFAULT_ALERTS = (Decimal("0.5"), Decimal("0.8"), Decimal("1"))
+MAX_LIMIT_USD = Decimal(10) ** 12  # far inside NUMERIC(30, 12)
+MAX_TAGS = 8
+TAG_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")
+EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+_ZERO = Decimal(0).quantize(Money.SCALE)
+_SUBJECT_MAX = Budget.__table__.c.subject.type.length
+
+
+class BudgetError(ValueError):
+    """A budget that cannot be set, or tags that cannot be used (the message says what to fix)."""
+
+
+class BudgetNotFound(LookupError):
+    """No budget of that scope and subject."""
+
+
+class BudgetUnavailable(RuntimeError):
+    """The database that keeps the reservations cannot be reached: hard budgets cannot be enforced."""
+
+
+@dataclass(frozen=True)
+class BudgetInfo:
+    id: int
+    tenant_id: str
+    scope: str
+    subject: str
+    limit_usd: Decimal
+    period: str
+    hard: bool
+    alert_at: tuple[Decimal, ...]
+
+    def applies(self, key_id: str | None, user: str | None, tags: Sequence[str]) -> bool:
+        """Whether a request of this tenant with this key, end user and tags counts against the budget."""
+        if self.scope == "tenant":
+            return True
+        if self.scope == "key":
+            return key_id == self.subject
+        if self.scope == "user":
+            return user == self.subject
+        return self.subject in tags
+
+    def describe(self) -> str:
+        return "the tenant" if self.scope == "tenant" else f"{self.scope} {self.subject!r}"
+
+
+@dataclass(frozen=True)
+class BudgetStatus:
+    """A budget in its current period: `spent` (ledger costs), `reserved` (worst cases of requests in flight)
+    and what remains of the limit (never below 0), with when the period ends (`resets_at`; None for total)."""
+
+    budget: BudgetInfo
+    period_start: datetime
+    resets_at: datetime | None
+    spent: Decimal
+    reserved: Decimal
+
+    @property
+    def remaining(self) -> Decimal:
+        return max(_ZERO, MONEY_CONTEXT.subtract(MONEY_CONTEXT.subtract(self.budget.limit_usd, self.spent),
+                                                 self.reserved))
+
+    def as_dict(self) -> dict:
+        b = self.budget
+        return {"scope": b.scope, "subject": b.subject or None, "limit_usd": money_text(b.limit_usd),
+                "period": b.period, "hard": b.hard, "alert_at": [format(a, "f") for a in b.alert_at],
+                "spent_usd": money_text(self.spent), "reserved_usd": money_text(self.reserved),
+                "remaining_usd": money_text(self.remaining), "period_start": self.period_start.isoformat(),
+                "resets_at": self.resets_at.isoformat() if self.resets_at else None}
+
+
+class BudgetExceeded(Exception):
+    """A request whose worst case does not fit a hard budget: `status` is that budget's (before this request),
+    `needed` the request's worst-case cost."""
+
+    def __init__(self, status: BudgetStatus, needed: Decimal):
+        self.status, self.needed = status, needed
+        b = status.budget
+        when = f"; it resets at {status.resets_at.isoformat()}" if status.resets_at else ""
+        super().__init__(
+            f"the {b.period} budget of {b.describe()} (${money_text(b.limit_usd)}) has ${money_text(status.remaining)} "
+            f"left, and this request may cost up to ${money_text(needed)} (its prompt plus max_tokens of output for "
+            f"every choice){when}; ask for fewer max_tokens or choices to fit, or raise the budget")
+
+
+def money_text(value: Decimal) -> str:
+    """A money amount as a plain decimal string without trailing zeros past the cents ("0.05", "1.234567")."""
+    text = format(value.quantize(Money.SCALE), "f").rstrip("0")
+    whole, _, frac = text.partition(".")
+    return f"{whole}.{frac.ljust(2, '0')}"
+
+
+def period_bounds(period: str, at: datetime) -> tuple[datetime, datetime | None]:
+    """The [start, end) of the `period` that holds `at`, in UTC (end None: `total` never resets)."""
+    at = at.astimezone(timezone.utc)
+    day = at.replace(hour=0, minute=0, second=0, microsecond=0)
+    if period == "day":
+        return day, day + timedelta(days=1)
+    if period == "week":
+        start = day - timedelta(days=day.weekday())
+        return start, start + timedelta(days=7)
+    if period == "month":
+        start = day.replace(day=1)
+        return start, (start + timedelta(days=32)).replace(day=1)
+    if period == "total":
+        return EPOCH, None
+    raise BudgetError(f"period must be one of {', '.join(PERIODS)}, not {period!r}")
+
+
+def parse_tags(values: Iterable[str]) -> list[str]:
+    """A request's tags, checked: at most MAX_TAGS distinct ones, each 1-64 characters of letters, digits and
+    `_.:-` (starting with a letter or digit); order kept, duplicates dropped. Raises BudgetError."""
+    tags: list[str] = []
+    for value in values:
+        if not isinstance(value, str) or not TAG_PATTERN.fullmatch(value):
+            raise BudgetError(f"tag {str(value)[:80]!r} is not valid: use 1 to 64 letters, digits or '_.:-', "
+                              "starting with a letter or digit")
+        if value not in tags:
+            tags.append(value)
+    if len(tags) > MAX_TAGS:
+        raise BudgetError(f"{len(tags)} tags: a request may carry at most {MAX_TAGS}")
+    return tags
+
+
+def check_budget(scope: str, subject: str, limit_usd, period: str, alert_at) -> tuple[str, Decimal, tuple[Decimal, ...]]:
+    """The subject, limit and thresholds of a budget to set, checked (BudgetError says what to fix)."""
+    if scope not in SCOPES:
+        raise BudgetError(f"scope must be one of {', '.join(SCOPES)}, not {scope!r}")
+    if period not in PERIODS:
+        raise BudgetError(f"period must be one of {', '.join(PERIODS)}, not {period!r}")
+    subject = subject or ""
+    if scope == "tenant":
+        subject = ""
+    elif not subject or len(subject) > _SUBJECT_MAX or "\x00" in subject:
+        raise BudgetError(f"a {scope} budget needs its {scope} (1 to {_SUBJECT_MAX} characters)")
+    if scope == "tag":
+        parse_tags([subject])
+    if isinstance(limit_usd, (float, bool)):
+        raise BudgetError("limit_usd must be a decimal string such as \"500.00\" (a float is inexact)")
+    try:
+        limit = Decimal(str(limit_usd)) if not isinstance(limit_usd, Decimal) else limit_usd
+    except (InvalidOperation, ValueError):
+        raise BudgetError(f"limit_usd {str(limit_usd)[:40]!r} is not a decimal number") from None
+    if not limit.is_finite() or limit < 0 or limit >= MAX_LIMIT_USD:
+        raise BudgetError(f"limit_usd must be at least 0 and below {MAX_LIMIT_USD}, got {limit_usd}")
+    if limit != limit.quantize(Money.SCALE):
+        raise BudgetError("limit_usd has more than 12 decimal places")
+    thresholds = DEFAULT_ALERTS if alert_at is None else alert_at
+    try:
+        fractions = tuple(sorted({Decimal(str(a)) for a in thresholds}))
+    except (InvalidOperation, ValueError, TypeError):
+        raise BudgetError("alert_at must be a list of fractions of the limit, such as [0.5, 0.8, 1.0]") from None
+    if len(fractions) > 10 or any(not a.is_finite() or a <= 0 or a > 10 for a in fractions):
+        raise BudgetError("alert_at takes at most 10 fractions of the limit, each above 0 and at most 10")
+    return subject, limit.quantize(Money.SCALE), tuple(f.normalize() for f in fractions)
+
+
+def _info(row: Budget) -> BudgetInfo:
+    return BudgetInfo(row.id, row.tenant_id, row.scope, row.subject, row.limit_usd, row.period, row.hard,
+                      tuple(Decimal(a) for a in row.alert_at))
+
+
+def _insert(session: Session):
+    return pg_insert if session.get_bind().dialect.name == "postgresql" else sqlite_insert
+
+
+def _ledger_spend(session: Session, budget: BudgetInfo, start: datetime, end: datetime | None) -> Decimal:
+    """What the ledger holds for `budget`'s scope in [start, end)."""
+    t = LedgerEntry
+    where = [t.tenant_id == budget.tenant_id, t.created_at >= start]
+    if end is not None:
+        where.append(t.created_at < end)
+    if budget.scope == "key":
+        where.append(t.key_id == budget.subject)
+    elif budget.scope == "user":
+        where.append(t.end_user == budget.subject)
+    elif budget.scope == "tag":  # JSON lists: filtered here, the same on every backend
+        total = _ZERO
+        rows = session.execute(select(t.cost, t.tags).where(*where, t.tags.is_not(None)))
+        for cost, tags in rows:
+            if budget.subject in (tags or ()):
+                total = MONEY_CONTEXT.add(total, cost)
+        return total.quantize(Money.SCALE)
+    return sum_money(session, t.cost, *where)
+
+
+def _spent(session: Session, budget_id: int, start: datetime) -> Decimal | None:
+    return session.scalar(select(BudgetSpend.spent).where(BudgetSpend.budget_id == budget_id,
+                                                          BudgetSpend.period_start == start))
+
+
+def _reserved(session: Session, budget_id: int, start: datetime) -> Decimal:
+    return sum_money(session, BudgetHold.amount, BudgetHold.budget_id == budget_id, BudgetHold.period_start == start)
+
+
+def _add_spend(session: Session, budget_id: int, start: datetime, amount: Decimal) -> tuple[Decimal, Decimal]:
+    """Add `amount` to the budget period's spend (creating its row); returns (before, after)."""
+    if session.get_bind().dialect.name == "postgresql":  # NUMERIC addition is exact and atomic per row
+        stmt = pg_insert(BudgetSpend).values(budget_id=budget_id, period_start=start, spent=amount)
+        after = session.scalar(stmt.on_conflict_do_update(
+            index_elements=["budget_id", "period_start"],
+            set_={"spent": BudgetSpend.spent + stmt.excluded.spent}).returning(BudgetSpend.spent))
+        return MONEY_CONTEXT.subtract(after, amount), after
+    before = _spent(session, budget_id, start)  # SQLite keeps decimal text: added here, under its write lock
+    after = MONEY_CONTEXT.add(before or _ZERO, amount)
+    if before is None:
+        session.add(BudgetSpend(budget_id=budget_id, period_start=start, spent=after))
+        session.flush()
+    else:
+        session.execute(update(BudgetSpend).where(BudgetSpend.budget_id == budget_id,
+                                                  BudgetSpend.period_start == start).values(spent=after))
+    return before or _ZERO, after
+
+
+def book_spend(session: Session, rows: Sequence[dict]) -> None:
+    """In the ledger's transaction, for its newly inserted `rows` (dicts with request_id, part and cost): add
+    each row's cost to the spend of the budgets its request reserved, drop those holds, and queue an alert
+    event for each threshold that crossed (for tenants with a webhook)."""
+    if not rows:
+        return
+    costs = {(r["request_id"], r["part"]): r["cost"] for r in rows}
+    holds = []
+    ids = sorted({r["request_id"] for r in rows})
+    for i in range(0, len(ids), 500):
+        holds += session.execute(select(BudgetHold.request_id, BudgetHold.part, BudgetHold.budget_id,
+                                        BudgetHold.period_start).where(BudgetHold.request_id.in_(ids[i:i + 500]))).all()
+    holds = [h for h in holds if (h.request_id, h.part) in costs]
+    if not holds:
+        return
+    added: dict[tuple[int, datetime], Decimal] = {}
+    for h in holds:
+        key = (h.budget_id, h.period_start)
+        added[key] = MONEY_CONTEXT.add(added.get(key, _ZERO), costs[(h.request_id, h.part)])
+    crossings = []
+    for (budget_id, start), amount in sorted(added.items()):
+        before, after = _add_spend(session, budget_id, start, amount)
+        crossings.append((budget_id, start, before, after))
+    for h in holds:
+        session.execute(delete(BudgetHold).where(BudgetHold.request_id == h.request_id, BudgetHold.part == h.part,
+                                                 BudgetHold.budget_id == h.budget_id))
+    _queue_alerts(session, crossings)
+
+
+def _queue_alerts(session: Session, crossings: list[tuple[int, datetime, Decimal, Decimal]]) -> None:
+    budgets = {b.id: b for b in session.scalars(select(Budget).where(Budget.id.in_({c[0] for c in crossings})))}
+    hooked = set(session.scalars(select(Webhook.tenant_id).where(
+        Webhook.tenant_id.in_({b.tenant_id for b in budgets.values()}))))
+    for budget_id, start, before, after in crossings:
+        row = budgets.get(budget_id)
+        if row is None or row.tenant_id not in hooked:
+            continue
+        budget = _info(row)
+        _, end = period_bounds(budget.period, start)
+        for fraction in budget.alert_at:
+            line = MONEY_CONTEXT.multiply(budget.limit_usd, fraction)
+            if not before < line <= after:
+                continue
+            event_id = new_id("evt")
+            payload = {"id": event_id, "type": "budget.threshold", "tenant_id": budget.tenant_id,
+                       "budget": {"scope": budget.scope, "subject": budget.subject or None,
+                                  "limit_usd": money_text(budget.limit_usd), "period": budget.period,
+                                  "hard": budget.hard, "period_start": start.isoformat(),
+                                  "resets_at": end.isoformat() if end else None},
+                       "threshold": format(fraction, "f"), "spent_usd": money_text(after),
+                       "created_at": utcnow().isoformat()}
+            stmt = _insert(session)(WebhookEvent).values(
+                id=event_id, tenant_id=budget.tenant_id, kind="budget.threshold",
+                dedupe_key=f"budget:{budget_id}:{start.isoformat()}:{format(fraction, 'f')}", payload=payload,
+                state="pending", attempts=0, next_attempt_at=utcnow(), created_at=utcnow())
+            session.execute(stmt.on_conflict_do_nothing(index_elements=["dedupe_key"]))
+
+
+def holder_of(wal_path) -> str:
+    """The holder name of a ledger log: stable across restarts of the process that owns that log."""
+    import socket
+    from pathlib import Path
+
+    return hashlib.sha256(f"{socket.gethostname()}:{Path(wal_path).resolve()}".encode()).hexdigest()[:32]
+
+
+class BudgetBook:
+    """Budgets and their reservations in the database (blocking calls: the server runs them in its threadpool).
+
+    `holder`: the ledger log this process bills into (`holder_of`); `clock`: the time that picks a request's
+    period (injectable for tests); `cache_ttl_s`: how long a tenant's list of budgets is reused on the request
+    path (changes made through this book apply at once; through another replica within this time)."""
+
+    def __init__(self, db: Database, holder: str, clock: Callable[[], datetime] = utcnow,
+                 cache_ttl_s: float = 1.0):
+        self.db, self.holder, self.clock, self.cache_ttl_s = db, holder, clock, cache_ttl_s
+        self.run = uuid.uuid4().hex
+        self._cache: dict[str, tuple[float, list[BudgetInfo]]] = {}
+        self._lock = threading.Lock()
+
+    # -- admin -------------------------------------------------------------------------------------------
+    def put(self, tenant_id: str, scope: str, subject: str, limit_usd, period: str, hard: bool = True,
+            alert_at=None) -> tuple[BudgetStatus, bool]:
+        """Set (create or replace) a budget; returns its status and whether it was created. A new budget, or
+        one whose period changed, starts its current period with what the ledger holds for it."""
+        subject, limit, fractions = check_budget(scope, subject, limit_usd, period, alert_at)
+        now = self.clock()
+        with self.db.session() as session:
+            if session.get(Tenant, tenant_id) is None:
+                raise BudgetNotFound(f"no tenant {tenant_id!r}")
+            row = session.scalar(select(Budget).where(Budget.tenant_id == tenant_id, Budget.scope == scope,
+                                                      Budget.subject == subject).with_for_update(key_share=True))
+            created = row is None
+            if created:
+                row = Budget(tenant_id=tenant_id, scope=scope, subject=subject, created_at=now, lock_version=0)
+                session.add(row)
+            recount = created or row.period != period
+            row.limit_usd, row.period, row.hard = limit, period, bool(hard)
+            row.alert_at, row.updated_at = [format(f, "f") for f in fractions], now
+            try:
+                session.flush()
+            except IntegrityError:  # set at the same moment by another request: that one won
+                raise BudgetError("the budget was set concurrently by another request; retry") from None
+            info = _info(row)
+            start, end = period_bounds(period, now)
+            if recount:
+                session.execute(delete(BudgetSpend).where(BudgetSpend.budget_id == row.id))
+                session.add(BudgetSpend(budget_id=row.id, period_start=start,
+                                        spent=_ledger_spend(session, info, start, end)))
+                session.flush()
+            status = self._status(session, info, now)
+        self._forget(tenant_id)
+        return status, created
+
+    def status(self, tenant_id: str, scope: str, subject: str = "") -> BudgetStatus:
+        """A budget's current period (BudgetNotFound when there is none)."""
+        with self.db.session() as session:
+            row = self._row(session, tenant_id, scope, subject)
+            return self._status(session, _info(row), self.clock())
+
+    def delete(self, tenant_id: str, scope: str, subject: str = "") -> None:
+        """Remove a budget, with its spend and holds (requests in flight go on unbudgeted)."""
+        with self.db.session() as session:
+            row = self._row(session, tenant_id, scope, subject)
+            session.execute(delete(BudgetHold).where(BudgetHold.budget_id == row.id))
+            session.execute(delete(BudgetSpend).where(BudgetSpend.budget_id == row.id))
+            session.delete(row)
+        self._forget(tenant_id)
+
+    def statuses(self, tenant_id: str | None = None) -> list[BudgetStatus]:
+        """Every budget (of one tenant), in its current period, by tenant, scope and subject."""
+        now = self.clock()
+        with self.db.session() as session:
+            stmt = select(Budget).order_by(Budget.tenant_id, Budget.scope, Budget.subject)
+            if tenant_id is not None:
+                stmt = stmt.where(Budget.tenant_id == tenant_id)
+            return [self._status(session, _info(row), now) for row in session.scalars(stmt).all()]
+
+    # -- the request path --------------------------------------------------------------------------------
+    def budgets_for(self, tenant_id: str) -> list[BudgetInfo]:
+        """The tenant's budgets (reused for `cache_ttl_s`). Raises BudgetUnavailable when the database cannot
+        be read and nothing is cached."""
+        now = time.monotonic()
+        with self._lock:
+            cached = self._cache.get(tenant_id)
+        if cached is not None and now - cached[0] < self.cache_ttl_s:
+            return cached[1]
+        try:
+            with self.db.session() as session:
+                budgets = [_info(r) for r in session.scalars(select(Budget).where(Budget.tenant_id == tenant_id))]
+        except Exception as exc:  # noqa: BLE001 - a database outage: the last list read stays in force
+            if cached is not None:
+                return cached[1]
+            raise BudgetUnavailable(f"budgets cannot be read ({type(exc).__name__})") from exc
+        with self._lock:
+            self._cache[tenant_id] = (now, budgets)
+        return budgets
+
+    def reserve(self, request_id: str, budgets: Sequence[BudgetInfo], parts: Sequence[Decimal]) -> list[BudgetStatus]:
+        """Hold `parts` (each part's worst-case cost) against every budget in `budgets` (those that apply to
+        the request), atomically: either all are held or none. Raises BudgetExceeded, naming the hard budget
+        with the least left, when the request does not fit one; BudgetUnavailable when the database fails.
+        Returns each budget's status with this request's holds included."""
+        if not budgets:
+            return []
+        needed = sum(parts, _ZERO)
+        now = self.clock()
+        try:
+            with self.db.session() as session:
+                ids = sorted(b.id for b in budgets)
+                if session.get_bind().dialect.name == "postgresql":
+                    rows = session.scalars(select(Budget).where(Budget.id.in_(ids)).order_by(Budget.id)
+                                           .with_for_update(key_share=True)).all()
+                else:  # SQLite: a write first takes the database's write lock, which orders reservations
+                    session.execute(update(Budget).where(Budget.id.in_(ids))
+                                    .values(lock_version=Budget.lock_version + 1))
+                    rows = session.scalars(select(Budget).where(Budget.id.in_(ids)).order_by(Budget.id)).all()
+                statuses, short = [], []
+                for row in rows:  # the rows as they are now (a budget deleted meanwhile no longer applies)
+                    info = _info(row)
+                    status = self._status(session, info, now, create=True)
+                    statuses.append(status)
+                    if info.hard and MONEY_CONTEXT.add(MONEY_CONTEXT.add(status.spent, status.reserved), needed) \
+                            > info.limit_usd:
+                        short.append(status)
+                if short:
+                    raise BudgetExceeded(min(short, key=lambda s: (s.remaining, s.budget.id)), needed)
+                created = utcnow()
+                session.add_all([BudgetHold(request_id=request_id, part=part, budget_id=s.budget.id,
+                                            period_start=s.period_start, amount=amount, holder=self.holder,
+                                            run=self.run, created_at=created)
+                                 for s in statuses for part, amount in enumerate(parts)])
+        except (BudgetExceeded, BudgetUnavailable):
+            raise
+        except Exception as exc:  # noqa: BLE001
+            log.warning("budgets: reservation for %s failed: %s", request_id, exc)
+            raise BudgetUnavailable(f"budget reservations cannot be made ({type(exc).__name__})") from exc
+        return [BudgetStatus(s.budget, s.period_start, s.resets_at, s.spent, MONEY_CONTEXT.add(s.reserved, needed))
+                for s in statuses]
+
+    def release(self, request_id: str) -> None:
+        """Drop a request's holds: it ended without a ledger row (refused after admission, lost, unbilled)."""
+        try:
+            with self.db.session() as session:
+                session.execute(delete(BudgetHold).where(BudgetHold.request_id == request_id))
+        except Exception:  # noqa: BLE001 - kept: the next start's `clear_leftovers` drops it
+            log.exception("budgets: could not release the holds of %s", request_id)
+
+    def clear_leftovers(self, holder: str | None = None) -> int:
+        """Drop the holds that earlier runs of `holder` (default: this process's log) left: call it once that
+        log's replay is in SQL. Returns how many were dropped."""
+        holder = holder or self.holder
+        try:
+            with self.db.session() as session:
+                result = session.execute(delete(BudgetHold).where(BudgetHold.holder == holder,
+                                                                  BudgetHold.run != self.run)
+                                         .execution_options(preserve_rowcount=True))
+                dropped = result.rowcount or 0
+        except Exception as exc:  # noqa: BLE001 - they stay reserved (the safe side) until the next start
+            log.warning("budgets: could not drop the reservations a crash left: %s", exc)
+            return 0
+        if dropped:
+            log.warning("budgets: dropped %d reservations of requests that a crash cut short", dropped)
+        return dropped
+
+    # -- internals ---------------------------------------------------------------------------------------
+    def _row(self, session: Session, tenant_id: str, scope: str, subject: str) -> Budget:
+        if scope not in SCOPES:
+            raise BudgetError(f"scope must be one of {', '.join(SCOPES)}, not {scope!r}")
+        row = session.scalar(select(Budget).where(Budget.tenant_id == tenant_id, Budget.scope == scope,
+                                                  Budget.subject == ("" if scope == "tenant" else subject)))
+        if row is None:
+            what = "the tenant" if scope == "tenant" else f"{scope} {subject!r}"
+            raise BudgetNotFound(f"no budget is set for {what} of tenant {tenant_id}")
+        return row
+
+    def _status(self, session: Session, info: BudgetInfo, now: datetime, create: bool = False) -> BudgetStatus:
+        start, end = period_bounds(info.period, now)
+        spent = _spent(session, info.id, start)
+        if spent is None:
+            # A new period: every request counted in it reserved first, so nothing was spent before.
+            spent = _ZERO
+            if create:
+                session.execute(_insert(session)(BudgetSpend).values(budget_id=info.id, period_start=start,
+                                                                     spent=_ZERO)
+                                .on_conflict_do_nothing(index_elements=["budget_id", "period_start"]))
+        return BudgetStatus(info, start, end, spent, _reserved(session, info.id, start))
+
+    def _forget(self, tenant_id: str) -> None:
+        with self._lock:
+            self._cache.pop(tenant_id, None)
