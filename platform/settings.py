@@ -221,3 +221,7 @@ class Settings(BaseSettings):
     redis_timeout_s: float = Field(default=0.25, gt=0, le=10)
     redis_cooldown_s: float = Field(default=5.0, ge=0)
     shared_limits_fail_mode: Literal["open", "closed"] = "open"
+    # Budgets (docs/admin-and-billing.md, "Budgets"): their reservations live in the database. While it cannot be
+    # reached, a tenant with budgets is refused with 503 ("closed": money is never spent past a limit) or served
+    # unreserved ("open").
+    budget_fail_mode: Literal["open", "closed"] = "closed"

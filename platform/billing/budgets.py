@@ -30,6 +30,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal, InvalidOperation
@@ -40,7 +41,9 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from loramux.billing.ledger_records import PRICE_RELOAD_S, PriceCache
 from loramux.billing.money import MONEY_CONTEXT, sum_money
+from loramux.billing.pricing import PriceInfo
 from loramux.db import Database
 from loramux.db.models import (
     Budget,
@@ -183,7 +186,8 @@ def parse_tags(values: Iterable[str]) -> list[str]:
     return tags
 
 
-def check_budget(scope: str, subject: str, limit_usd, period: str, alert_at) -> tuple[str, Decimal, tuple[Decimal, ...]]:
+def check_budget(scope: str, subject: str, limit_usd, period: str,
+                 alert_at) -> tuple[str, Decimal, tuple[Decimal, ...]]:
     """The subject, limit and thresholds of a budget to set, checked (BudgetError says what to fix)."""
     if scope not in SCOPES:
         raise BudgetError(f"scope must be one of {', '.join(SCOPES)}, not {scope!r}")
@@ -352,6 +356,9 @@ class BudgetBook:
         self.run = uuid.uuid4().hex
         self._cache: dict[str, tuple[float, list[BudgetInfo]]] = {}
         self._lock = threading.Lock()
+        self._prices = PriceCache(PRICE_RELOAD_S)
+        self._prices_lock = threading.Lock()
+        self._releases = ThreadPoolExecutor(1, thread_name_prefix="budget-release")
 
     # -- admin -------------------------------------------------------------------------------------------
     def put(self, tenant_id: str, scope: str, subject: str, limit_usd, period: str, hard: bool = True,
@@ -472,6 +479,22 @@ class BudgetBook:
             raise BudgetUnavailable(f"budget reservations cannot be made ({type(exc).__name__})") from exc
         return [BudgetStatus(s.budget, s.period_start, s.resets_at, s.spent, MONEY_CONTEXT.add(s.reserved, needed))
                 for s in statuses]
+
+    def prices(self) -> list[PriceInfo]:
+        """The price table as the ledger writer prices rows (reloaded at most every PRICE_RELOAD_S)."""
+        with self._prices_lock:
+            return self._prices.get(self.db)
+
+    def release_later(self, request_id: str) -> None:
+        """`release` on a thread of the book's own, for callers on an event loop."""
+        try:
+            self._releases.submit(self.release, request_id)
+        except RuntimeError:  # shut down: the next start's `clear_leftovers` drops the holds
+            pass
+
+    def close(self) -> None:
+        """Finish the releases queued so far."""
+        self._releases.shutdown(wait=True)
 
     def release(self, request_id: str) -> None:
         """Drop a request's holds: it ended without a ledger row (refused after admission, lost, unbilled)."""

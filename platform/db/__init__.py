@@ -19,6 +19,5 @@ from loramux.db.models import (
     WebhookEvent,
 )
 
-__all__ = ["AdminKey", "Adapter", "AdapterVersion", "ApiKey", "Base", "Budget", "BudgetHold", "BudgetSpend", "Database", "LedgerEntry", "MedusaHeads", "Money",
-           "Price", "Tenant", "Tier", "Webhook",
-           "WebhookEvent"]
+__all__ = ["AdminKey", "Adapter", "AdapterVersion", "ApiKey", "Base", "Budget", "BudgetHold", "BudgetSpend", "Database",
+           "LedgerEntry", "MedusaHeads", "Money", "Price", "Tenant", "Tier", "Webhook", "WebhookEvent"]

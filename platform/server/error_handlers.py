@@ -52,7 +52,7 @@ def install_error_handlers(app: FastAPI) -> None:
             return respond(exc)
         app.add_exception_handler(family, handler)
 
-    handle(ApiError, lambda e: error_response(e.status, str(e), e.code, e.param, e.retry_after_s))
+    handle(ApiError, lambda e: error_response(e.status, str(e), e.code, e.param, e.retry_after_s, extra=e.extra))
     handle(StarletteHTTPException, lambda e: error_response(e.status_code, str(e.detail), headers=e.headers))
     handle(RequestValidationError, _validation_error)
     handle(ToolError, lambda e: error_response(400, str(e), "invalid_tools", "tools"))

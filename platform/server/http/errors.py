@@ -13,7 +13,7 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away before t
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error", 415: "invalid_request_error",
-          422: "invalid_request_error",
+          422: "invalid_request_error", 402: "insufficient_quota",
           429: "rate_limit_error", CLIENT_CLOSED_REQUEST: "cancelled", 503: "service_unavailable"}
 
 
@@ -21,24 +21,29 @@ class ApiError(Exception):
     """A request refused by the HTTP layer: `status` with this message (and Retry-After when given)."""
 
     def __init__(self, status: int, message: str, retry_after_s: float | None = None, code: str = "invalid_request",
-                 param: str | None = None):
+                 param: str | None = None, extra: dict | None = None):
         super().__init__(message)
         self.status = status
         self.retry_after_s = retry_after_s
         self.code = code
         self.param = param
+        self.extra = extra  # more fields of the error object (a 402's budget: scope, remaining_usd, ...)
 
 
-def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": param, "code": code}}
+def error_body(status: int, message: str, code: str | None = None, param: str | None = None,
+               extra: dict | None = None) -> dict:
+    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": param, "code": code,
+                      **(extra or {})}}
 
 
 def error_response(status: int, message: str, code: str | None = None, param: str | None = None,
-                   retry_after_s: float | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+                   retry_after_s: float | None = None, headers: dict[str, str] | None = None,
+                   extra: dict | None = None) -> JSONResponse:
     headers = dict(headers or {})
     if retry_after_s is not None:
         headers["Retry-After"] = str(max(1, round(retry_after_s)))
-    return JSONResponse(error_body(status, message, code, param), status_code=status, headers=headers or None)
+    return JSONResponse(error_body(status, message, code, param, extra), status_code=status,
+                        headers=headers or None)
 
 
 def client_disconnected() -> JSONResponse:

@@ -34,6 +34,7 @@ class Intake:
     - `sampling`: more `SamplingParams` fields the route decides (`structured`, `top_logprobs`).
     - `logprobs_per_token`: logprob entries one answer holds per generated token (top_logprobs + 1 when
       logprobs are asked for and not streamed, else 0), bounded by `check_logprob_volume`.
+    - `tags`: the request's labels (`X-Loramux-Tags` and `metadata.tags`, see `request_tags`).
     - `constraints`: (structured-output constraint, what it is called in messages) pairs to compile before
       the request is queued: the one `sampling` sets, or one compiled only to check it.
     """
@@ -49,3 +50,4 @@ class Intake:
     logprobs_per_token: int = 0
     constraints: Sequence[tuple[StructuredOutput | None, str | None]] = ()
     models: Sequence[str] | None = None
+    tags: Sequence[str] = ()  # the request's labels (`request_tags`), on its ledger rows

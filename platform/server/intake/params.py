@@ -138,6 +138,10 @@ class GenerationParams(RequestBody):
                                   'before sampling; -100 bans a token, +100 all but forces it')
     user: str | None = Field(default=None, max_length=MAX_USER_CHARS,
                              description="your id of the end user, recorded in this request's ledger row")
+    metadata: dict[str, Any] | None = Field(
+        default=None, description="OpenAI's key-value labels (at most 16, string values); `tags` (a list of strings "
+                                  "or a comma-separated string) labels the request for tag budgets and spend "
+                                  "reports, like the X-Loramux-Tags header")
     # Parsed by loramux.server.intake.composition (400s naming the entry), not by pydantic (422s).
     adapters: Any = Field(
         default=None, description='combine adapters with weights (then `model` is the base model): '

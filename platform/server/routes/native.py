@@ -18,6 +18,7 @@ from loramux.server.intake.generation import Intake, RouteDefaults
 from loramux.server.intake.params import ChatMessage, GenerationParams
 from loramux.server.intake.prompts import Prompt
 from loramux.server.intake.response_format import MAX_CHOICES, ResponseFormat, from_native
+from loramux.server.intake.tags import TAGS_HEADER, request_tags
 from loramux.server.intake.tool_calls import template_messages
 from loramux.server.routes.responses import respond
 from loramux.server.serving.running import Running
@@ -86,7 +87,8 @@ async def generate(body: GenerateRequest, request: Request, tenant: TenantDep, p
     structured = from_native(body.response_format, body.regex, body.choice)
     running = await pipeline.start_generation(tenant, Intake(
         body.adapter_id, prompt, body, arrival, DEFAULTS, max_tokens=body.max_tokens,
-        sampling={"structured": structured}, constraints=[(structured, None)]))
+        sampling={"structured": structured}, constraints=[(structured, None)],
+        tags=request_tags(request.headers.get(TAGS_HEADER), body.metadata)))
 
     def final(outs: list[RequestOutput]) -> JSONResponse:
         return JSONResponse(_final_body(running, outs[0]), headers=running.headers())

@@ -18,6 +18,7 @@ from loramux.server.intake.generation import Intake, RouteDefaults
 from loramux.server.intake.params import ChatMessage
 from loramux.server.intake.prompts import Prompt, renders_tools
 from loramux.server.intake.response_format import ResponseFormat, from_response_format
+from loramux.server.intake.tags import TAGS_HEADER, request_tags
 from loramux.server.intake.tool_calls import (
     MAX_TOOLS,
     Tool,
@@ -118,7 +119,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servic
         body.model, prompt, body, arrival, DEFAULTS, max_tokens=body.max_completion_tokens or body.max_tokens,
         n=body.n, sampling={"structured": structured, "top_logprobs": top},
         logprobs_per_token=logprobs_in_one_answer(body.logprobs, top, body.stream), constraints=constraints,
-        models=body.models))
+        models=body.models, tags=request_tags(request.headers.get(TAGS_HEADER), body.metadata)))
 
     def choice(index: int, out: RequestOutput) -> dict:
         calls = parse_calls(out.text, plan) if plan is not None and out.finish_reason == "stop" else None

@@ -17,6 +17,7 @@ from loramux.server.intake.generation import Intake, RouteDefaults
 from loramux.server.intake.params import MAX_TOP_LOGPROBS
 from loramux.server.intake.prompts import Prompt, decode
 from loramux.server.intake.response_format import ResponseFormat, from_response_format
+from loramux.server.intake.tags import TAGS_HEADER, request_tags
 from loramux.server.routes.openai_common import (
     DEFAULT_TEMPERATURE,
     OpenAIParams,
@@ -88,7 +89,8 @@ async def completions(body: CompletionRequest, request: Request, services: Servi
     running = await pipeline.start_generation(tenant, Intake(
         body.model, prompt, body, arrival, DEFAULTS, max_tokens=body.max_tokens, n=body.n,
         sampling={"structured": structured, "top_logprobs": k}, constraints=[(structured, None)],
-        logprobs_per_token=logprobs_in_one_answer(want_logprobs, k, body.stream), models=body.models))
+        logprobs_per_token=logprobs_in_one_answer(want_logprobs, k, body.stream), models=body.models,
+        tags=request_tags(request.headers.get(TAGS_HEADER), body.metadata)))
     echo = _Echo(engine, prompt, running, body.logprobs) if body.echo else None
     before = len(echo.text) if echo else 0  # characters ahead of the generated text
 

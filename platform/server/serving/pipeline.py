@@ -47,6 +47,7 @@ from loramux.server.serving.composition_choice import Composition, acquire_compo
 from loramux.server.serving.fanout import Part, acquire_parts, check_fanout, release_parts
 from loramux.server.serving.record import finish
 from loramux.server.serving.running import Running
+from loramux.server.serving.spend import Spend, SpendAsk, reserve_spend
 from loramux.services.medusa import heads_for_request
 from loramux.tenancy.rate_limits import RateLimiter
 from loramux.tenancy.tenants import TenantContext
@@ -149,10 +150,10 @@ class RequestPipeline:
             admitted.release()
             raise
         return await self.launch(admitted, Target(model, components, models), prompt_ids, params, request_id, n=n,
-                                 user=body.user)
+                                 user=body.user, tags=intake.tags)
 
     async def launch(self, admitted: Admitted, target: Target, prompt_ids: list[int], params: SamplingParams,
-                     request_id: str, n: int = 1, user: str | None = None) -> Running:
+                     request_id: str, n: int = 1, user: str | None = None, tags: Sequence[str] = ()) -> Running:
         """Start an admitted request: what serves it in host RAM (`_parts`: 404, 400, 503 or the tenant's
         fallback), each part's Medusa heads, then the engine. From here the admission belongs to the request
         (given back once when it ends); on an error it and every lease are given back at once and ApiError
@@ -163,15 +164,21 @@ class RequestPipeline:
         first token, when its prompt's full KV blocks are in the prefix cache, so they reuse them instead of
         computing the prompt again; with a seed, choice i samples with seed + i (reproducible, and distinct from
         its siblings). A fan-out's choice i is part i, all started at once (their prompts' KV differ, so none
-        waits for another's), each with the same parameters and seed."""
+        waits for another's), each with the same parameters and seed.
+
+        Before the engine, the request's worst case is reserved against the budgets that apply to its tenant,
+        key, `user` and `tags` (`reserve_spend`: 402 when one cannot hold it)."""
         tenant, arrival, fanout = admitted.tenant, admitted.arrival, target.fanout is not None
         params.timeout_s = admitted.timeout_s
         parts: list[Part] = []
         composition: Composition | None = None
         streams: list[AsyncIterator[RequestOutput]] = []
         started: list[Running] = []  # the Running, once it exists, for an abort of a stalled reader
+        spend: Spend | None = None
         try:
             parts, composition = await self._parts(admitted, target)
+            spend = await self._reserve(admitted, request_id, parts, composition, len(prompt_ids),
+                                        params.max_tokens * (1 if fanout else n), user, tags)
             heads = await asyncio.gather(*(heads_for_request(self.services, part.version, _time_left(admitted))
                                            for part in parts))
             for part in parts:
@@ -204,12 +211,15 @@ class RequestPipeline:
                 await stream.aclose()  # aborts the choices already in the engine
             admitted.release()
             release_parts(self.services.adapter_cache, parts)
+            if spend is not None:
+                spend.release()
             raise
         self._admissions[request_id] = admitted.admission
         single = Part("", None, None) if fanout else parts[0]  # a fan-out's are in `parts`
         running = Running(request_id, tenant, target.model or BASE_MODEL_ALIAS, single.version, single.lease,
                           single.fallback_reason, len(prompt_ids), arrival, ids, streams, firsts, self._finished,
-                          user=user, prompt_ids=prompt_ids, composition=composition, parts=parts if fanout else [])
+                          user=user, prompt_ids=prompt_ids, composition=composition, parts=parts if fanout else [],
+                          spend=spend, tags=list(tags))
         started.append(running)
         return running
 
@@ -234,6 +244,20 @@ class RequestPipeline:
         version, lease, fallback_reason = await acquire_adapter(
             services.registry, services.adapter_cache, tenant, target.model, _time_left(admitted), self.model_id)
         return [Part(requested, version, lease, fallback_reason)], None
+
+    async def _reserve(self, admitted: Admitted, request_id: str, parts: list[Part], composition: Composition | None,
+                       prompt_tokens: int, max_completion: int, user: str | None, tags: Sequence[str]) -> Spend | None:
+        """`reserve_spend` for the parts that serve the request (None where no budget book is kept)."""
+        book = self.services.budgets
+        if book is None:
+            return None
+        if composition is not None:
+            served: list[list[str | None]] = [[c.get("adapter_id") for c in composition.ledger()]]
+        else:
+            served = [[part.version.adapter_id if part.version is not None else None] for part in parts]
+        ask = SpendAsk(admitted.tenant, request_id, self.model_id, served, prompt_tokens, max_completion,
+                       admitted.arrival, user, tags)
+        return await reserve_spend(book, ask, self.services.settings.budget_fail_mode == "open")
 
     def _placement(self, tenant: TenantContext) -> dict:
         """What every engine request of `tenant` carries: its tier's priority, who it is and its tier's weight

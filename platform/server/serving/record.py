@@ -56,6 +56,8 @@ def finish(running: Running, outcome: str, admission: Admission | None, adapter_
         metrics.observe_inter_token(gap, running.tenant.tier.name)
     if outcome == LOST:  # the client got a retriable 503 for it: its retry is what gets billed
         log.warning("request %s lost with its engine; not billed", running.request_id)
+        if running.spend is not None:
+            running.spend.release()
         return []
     # Billed at the price in force when the request arrived: its wall-clock arrival time.
     created_at = utcnow() - timedelta(seconds=time.monotonic() - running.arrival)
@@ -67,14 +69,26 @@ def finish(running: Running, outcome: str, admission: Admission | None, adapter_
                            fallback=running.fallback_reason is not None, outcome=outcome,
                            prompt_tokens=running.prompt_tokens, cached_tokens=cached, completion_tokens=completion,
                            queue_ms=queue_ms, ttft_ms=ttft_ms, total_ms=total_ms, replica=running.replica,
-                           composition=running.composition.ledger() if running.composition is not None else None)]
+                           composition=running.composition.ledger() if running.composition is not None else None,
+                           tags=running.tags or None)]
+    if running.spend is not None:
+        running.spend.settle(records)
+    billing = _submit(records, ledger_hooks, metrics, running.request_id)
+    if running.spend is not None:
+        running.spend.watch(billing)
+    return billing
+
+
+def _submit(records: list[RequestRecord], ledger_hooks: list[Callable[[RequestRecord], object]],
+            metrics: ServerMetrics, request_id: str) -> list[Future]:
+    """Hand each record to every hook; the futures hooks return (the ledger's durability)."""
     billing = []
     for record in records:
         for hook in ledger_hooks:
             try:
                 result = hook(record)
             except Exception:  # a ledger problem must never fail or hang the request path
-                log.exception("ledger hook failed for request %s", running.request_id)
+                log.exception("ledger hook failed for request %s", request_id)
                 continue
             if isinstance(result, Future):
                 result.add_done_callback(lambda done: _count_if_unbilled(done, metrics))
@@ -104,7 +118,7 @@ def _part_record(running: Running, index: int, outcome: str, model_id: str, crea
                    prompt_tokens=running.prompt_tokens, cached_tokens=out.num_cached_tokens if out else 0,
                    completion_tokens=len(out.token_ids) if out else 0, queue_ms=timings.get("queue_ms"),
                    ttft_ms=timings.get("ttft_ms"), total_ms=timings.get("total_ms") or elapsed_ms,
-                   replica=out.replica if out else None)
+                   replica=out.replica if out else None, tags=running.tags or None)
 
 
 def _count_if_unbilled(future: Future, metrics: ServerMetrics) -> None:

@@ -18,6 +18,7 @@ from loramux.engine.outputs import RequestOutput
 from loramux.server.http.errors import ApiError
 from loramux.server.serving.composition_choice import Composition
 from loramux.server.serving.fanout import Part
+from loramux.server.serving.spend import Spend
 from loramux.tenancy.tenants import TenantContext
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,8 @@ class Running:
     # A fan-out's parts: choice i is served by parts[i] (its own adapter, lease and ledger row); empty for a
     # plain request, whose choices all use `version` / `lease`.
     parts: list[Part] = field(default_factory=list)
+    spend: Spend | None = None  # its budget reservation and, once it ended, its cost
+    tags: list[str] = field(default_factory=list)  # its labels, for the ledger (tag budgets, spend reports)
     _ended: bool = field(default=False, init=False)
     _billing: list[Future] = field(default_factory=list, init=False)  # the ledger's durability futures
     inter_token_s: list[float] = field(default_factory=list, init=False)
@@ -129,6 +132,8 @@ class Running:
             ext["choice_cached_tokens"] = [o.num_cached_tokens if o is not None else 0 for o in self.lasts]
         if self.parts:
             ext["fanout"] = [_part_extension(p) for p in self.parts]
+        if self.spend is not None:
+            ext.update(self.spend.extension())
         return ext
 
     def headers(self) -> dict[str, str]:
@@ -138,6 +143,8 @@ class Running:
             headers["X-Loramux-Adapter-Tier"] = self.adapter_level or ""
         if self.fallback_reason is not None:
             headers["X-Loramux-Fallback"] = "base" if self.version is None else self.version.name
+        if self.spend is not None:
+            headers.update(self.spend.headers())
         return headers
 
     def _took(self, index: int, out: RequestOutput, previous: list[float | None]) -> None:
