@@ -1,7 +1,8 @@
 """Billing survives kill -9: a real server (its own process) under 64 concurrent streaming clients across
 tenants and adapters is SIGKILLed mid-load and started again on the same database and data dir. Every
 request whose client received the final usage chunk has exactly one ledger row, and the rows' tokens are
-what the clients were told. On SQLite and PostgreSQL."""
+what the clients were told. The budgets those requests reserved against end with no reservation left and
+their spend equal to the ledger. On SQLite and PostgreSQL."""
 from __future__ import annotations
 
 import asyncio
@@ -11,15 +12,20 @@ import os
 import shutil
 import signal
 import subprocess
+from datetime import datetime, timezone
+from decimal import Decimal
 from pathlib import Path
 
 import httpx
 import pytest
 from sqlalchemy import func, select
 
+from loramux.billing.budgets import BudgetBook
+from loramux.billing.pricing import PriceBook
 from loramux.child_python import python_command
-from loramux.db import Database, LedgerEntry
+from loramux.db import BudgetHold, Database, LedgerEntry
 from loramux.model.loader import read_model_config
+from loramux.names import base_model_id
 from loramux.tenancy.tenants import Tenancy
 from loramux.testing import free_port, write_peft_adapter
 from polling import wait_until
@@ -63,6 +69,7 @@ async def run_clients(url: str, keys: list[str], done: list[dict], stop: asyncio
     """64 streaming clients; each finished request (final usage chunk received) is appended to `done`."""
     async def client(k: int) -> None:
         headers = {"Authorization": f"Bearer {keys[k % len(keys)]}"}
+        headers["X-Loramux-Tags"] = "load"
         body = {"model": MODELS[k % len(MODELS)], "stream": True, "stream_options": {"include_usage": True},
                 "max_tokens": 12 + k % 8, "temperature": 0, "ignore_eos": True,
                 "messages": [{"role": "user", "content": f"client {k} says hello"}]}
@@ -101,6 +108,14 @@ def test_every_answered_request_is_billed_exactly_once_after_kill_9(database_url
     for name in TENANTS:
         tenancy.create_tenant(name, tier="premium")
         keys.append(tenancy.create_key(name)[1])
+    # Budgets far above what the load spends: every request reserves, none is refused.
+    PriceBook(db).set_price(base_model_id(str(model_dir)), "10", "5", "100",
+                            effective_from=datetime(2026, 1, 1, tzinfo=timezone.utc))
+    book = BudgetBook(db, "the test")
+    budgets = [(tenancy.tenant(name).id, "tenant", "") for name in TENANTS]
+    budgets.append((tenancy.tenant("kill-b").id, "tag", "load"))
+    for tenant_id, scope, subject in budgets:
+        book.put(tenant_id, scope, subject, "1000", "month")
     env = {**os.environ, "LORAMUX_MODEL": str(model_dir), "LORAMUX_DATA_DIR": str(tmp_path / "data"),
            "LORAMUX_DATABASE_URL": database_url, "LORAMUX_JSON_LOGS": "false", "LORAMUX_MAX_LORAS": "2",
            "LORAMUX_MAX_LORA_RANK": "8", "LORAMUX_MAX_MODEL_LEN": "256", "LORAMUX_KV_CACHE_BYTES": str(64 << 20),
@@ -123,6 +138,9 @@ def test_every_answered_request_is_billed_exactly_once_after_kill_9(database_url
         answered = list(done)
         assert len(answered) >= KILL_AFTER
         restarted = start_server(env, port)  # same database, same data dir: the ledger's log is replayed
+        # The replay drops the reservations of the requests it bills; the rest (never answered) go after it.
+        wait_until(lambda: _holds(db) == 0, "the reservations the kill left to be dropped", 60,
+                   detail=lambda: f"{_holds(db)} left")
         restarted.send_signal(signal.SIGTERM)  # a clean shutdown writes every replayed row
         restarted.wait(timeout=60)  # uvicorn re-raises SIGTERM after its graceful shutdown
         log = restarted.stderr.read().decode()
@@ -145,4 +163,17 @@ def test_every_answered_request_is_billed_exactly_once_after_kill_9(database_url
         assert (row.prompt_tokens, row.completion_tokens) == (a["prompt_tokens"], a["completion_tokens"])
         assert row.cached_tokens == a["prompt_tokens_details"]["cached_tokens"]
     assert sum(r.completion_tokens for r in rows.values()) == sum(a["completion_tokens"] for a in answered)
+    for tenant_id, scope, subject in budgets:
+        status = book.status(tenant_id, scope, subject)
+        with db.session() as s:
+            ledger = [(r.cost, r.tags) for r in s.scalars(select(LedgerEntry)
+                                                           .where(LedgerEntry.tenant_id == tenant_id))]
+        assert status.reserved == 0
+        assert status.spent == sum((c for c, tags in ledger if scope == "tenant" or subject in (tags or ())),
+                                   Decimal(0)) > 0
     db.dispose()
+
+
+def _holds(db: Database) -> int:
+    with db.session() as s:
+        return s.scalar(select(func.count()).select_from(BudgetHold)) or 0
