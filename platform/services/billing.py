@@ -1,5 +1,6 @@
-"""Billing over the cost ledger: a period's totals, its rows exported as CSV / JSONL / Parquet, and the
-last hour's requests and tokens per adapter. Rows of requests that finished a moment ago are flushed to
+"""Billing over the cost ledger: a period's totals, its rows exported as CSV / JSONL / Parquet, spend per
+day / week / month and tenant, adapter, key, end user or tag, and the last hour's requests and tokens per
+adapter. Rows of requests that finished a moment ago are flushed to
 the database before every read, so an answer the client already has is counted."""
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from loramux.billing.reports import Period, content_type, export, parse_period, summary
+from loramux.billing.spend import check_spend_query, spend_report
 from loramux.db.models import utcnow
 from loramux.services.container import Services
 
@@ -45,6 +47,19 @@ def billing_export(services: Services, fmt: str, tenant_ref: str | None = None, 
     services.ledger.flush(FLUSH_TIMEOUT_S)
     name = f"loramux-billing{'-' + tenant_id if tenant_id else ''}.{fmt}"
     return BillingExport(name, media_type, export(services.db, fmt, tenant_id, period))
+
+
+def spend(services: Services, group_by: str, period: str, tenant_ref: str | None = None, start: str | None = None,
+          end: str | None = None) -> dict:
+    """Spend per `period` (day, week, month; UTC, weeks from Monday) and `group_by` (tenant, adapter, key, user,
+    tag) over [start, end) (ISO 8601), for one tenant (by id or name) or all: `loramux.billing.spend.spend_report`
+    (money as exact decimal strings; requests without tags are not in a tag report). BillingQueryError for a
+    bad group_by, period or date; TenantNotFoundError for an unknown tenant."""
+    check_spend_query(group_by, period)
+    bounds = parse_period(start, end)
+    tenant_id = tenant_filter(services, tenant_ref)
+    services.ledger.flush(FLUSH_TIMEOUT_S)
+    return spend_report(services.db, group_by, period, tenant_id, bounds.start, bounds.end)
 
 
 def usage_last_hour(services: Services, flush_timeout_s: float = 5.0) -> dict[str, dict]:
