@@ -67,6 +67,7 @@ def _final_body(running: Running, out: RequestOutput) -> dict:
         "adapter_tier": running.adapter_level,  # the field keeps its published name
         "fallback": running.extension(out).get("fallback"),
         "composition": running.composition.extension() if running.composition is not None else None,
+        **(running.spend.extension() if running.spend is not None else {}),  # cost, budgets
     }
 
 
