@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from urllib.parse import quote
 
 from loramux.settings import Settings
 from loramux.tenancy.cli import add_tenant_parsers, cmd_keys, cmd_tenants
@@ -13,7 +14,7 @@ from loramux.tenancy.cli import add_tenant_parsers, cmd_keys, cmd_tenants
 
 def add_parser(sub) -> None:
     a = sub.add_parser("admin", help="operate the platform: tenants, keys, adapters, Medusa heads, tiers, prices, "
-                                     "billing")
+                                     "billing, budgets")
     a.add_argument("--url", help="server URL (default http://LORAMUX_HOST:LORAMUX_PORT)")
     a.add_argument("--key", help="admin key (default: $LORAMUX_ADMIN_KEY)")
     asub = a.add_subparsers(dest="admin_command", required=True)
@@ -73,6 +74,37 @@ def add_parser(sub) -> None:
         if name == "export":
             p.add_argument("--format", choices=["csv", "jsonl", "parquet"], default="csv")
             p.add_argument("--out", help="file to write (default: stdout)")
+    sp = b.add_parser("spend", help="spend per UTC day, week (from Monday) or month and per tenant, adapter, key, "
+                                    "end user or tag (a request counts under each of its tags)")
+    sp.add_argument("--group-by", default="tenant", help="tenant (default), adapter, key, user or tag")
+    sp.add_argument("--period", default="day", help="day (default), week or month")
+    sp.add_argument("--tenant", "--tenant-id", dest="tenant_id", help="only this tenant (an id or a name)")
+    sp.add_argument("--start", help="ISO 8601 date or time, inclusive")
+    sp.add_argument("--end", help="ISO 8601 date or time, exclusive")
+
+    bu = asub.add_parser("budgets", help="spend limits in USD per period: of a tenant, or of one of its keys, end "
+                                         "users or tags").add_subparsers(dest="action", required=True)
+    bl = bu.add_parser("list", help="every budget, or one tenant's, in its current period")
+    bl.add_argument("tenant", metavar="TENANT", nargs="?", help="a tenant id or name (default: all tenants)")
+    bg = bu.add_parser("get", help="one budget in its current period")
+    bs = bu.add_parser("set", help="create or replace a budget")
+    bd = bu.add_parser("delete", help="remove a budget")
+    for p in (bg, bs, bd):
+        p.add_argument("tenant", metavar="TENANT", help="a tenant id or name")
+        if p is bs:
+            p.add_argument("limit_usd", metavar="LIMIT_USD", help="the limit in USD, a decimal such as 500.00")
+            p.add_argument("--period", required=True, help="day, week, month (reset at 00:00 UTC) or total (never)")
+            hard = p.add_mutually_exclusive_group()
+            hard.add_argument("--hard", dest="hard", action="store_true", default=True,
+                              help="refuse requests that would pass the limit (the default)")
+            hard.add_argument("--soft", dest="hard", action="store_false", help="only alert")
+            p.add_argument("--alert-at", help="comma-separated fractions of the limit whose crossing sends a webhook "
+                                              "event (default 0.5,0.8,1)")
+        subject = p.add_mutually_exclusive_group()
+        # dest key_id: `key` is the admin key given before the command
+        subject.add_argument("--key", dest="key_id", help="the budget of this API key (its id) instead of the tenant's")
+        subject.add_argument("--user", help="the budget of this end user (the requests' `user`)")
+        subject.add_argument("--tag", help="the budget of this tag")
 
     pr = asub.add_parser("prices", help="prices (USD per 1M tokens)").add_subparsers(dest="action", required=True)
     pr.add_parser("list")
@@ -163,9 +195,14 @@ def _dispatch(client, args) -> int:
                 "output_per_mtok": args.output, "adapter_id": args.adapter_id, "tier": args.tier,
                 "effective_from": args.effective_from}
         return _show(client.post("/admin/prices", json={k: v for k, v in body.items() if v is not None}))
+    if cmd == "budgets":
+        return _budgets(client, args)
     params = {k: v for k, v in {"tenant_id": args.tenant_id, "start": args.start, "end": args.end}.items() if v}
     if action == "summary":
         return _show(client.get("/admin/billing/summary", params=params))
+    if action == "spend":
+        return _show(client.get("/admin/billing/spend",
+                                params={**params, "group_by": args.group_by, "period": args.period}))
     params["format"] = args.format
     with client.stream("GET", "/admin/billing/export", params=params) as resp:
         if resp.status_code >= 400:
@@ -179,6 +216,37 @@ def _dispatch(client, args) -> int:
             if args.out:
                 out.close()
     return 0
+
+
+def budget_path(tenant: str, key: str | None = None, user: str | None = None, tag: str | None = None) -> str:
+    """The admin API path of a tenant's budget, or of its key's, end user's or tag's (each part escaped)."""
+    path = f"/admin/tenants/{quote(tenant, safe='')}"
+    for kind, subject in (("keys", key), ("users", user), ("tags", tag)):
+        if subject is not None:
+            return f"{path}/{kind}/{quote(subject, safe='')}/budget"
+    return f"{path}/budget"
+
+
+def _budgets(client, args) -> int:
+    if args.action == "list":
+        return _show(client.get(f"/admin/tenants/{quote(args.tenant, safe='')}/budgets" if args.tenant
+                                else "/admin/budgets"))
+    path = budget_path(args.tenant, args.key_id, args.user, args.tag)
+    if args.action == "get":
+        return _show(client.get(path))
+    if args.action == "set":
+        body: dict = {"limit_usd": args.limit_usd, "period": args.period, "hard": args.hard}
+        if args.alert_at is not None:
+            body["alert_at"] = [a.strip() for a in args.alert_at.split(",") if a.strip()]
+        return _show(client.put(path, json=body))
+    resp = client.delete(path)
+    if resp.status_code == 204:
+        subjects = {"key": args.key_id, "user": args.user, "tag": args.tag}
+        scope = next((s for s, v in subjects.items() if v is not None), "tenant")
+        print(json.dumps({"tenant": args.tenant, "scope": scope, "subject": subjects.get(scope), "deleted": True},
+                         indent=2))
+        return 0
+    return _show(resp)
 
 
 def _upload(client, args) -> int:
