@@ -52,6 +52,8 @@ def create_app(services_factory, ledger_hooks: list | None = None, limiter_facto
         metrics.set_state_source(lambda: {**{k: v for k, v in services.engine.stats().items()
                                              if tenant_series or k != "fair_share"},
                                           "adapter_cache": services.adapter_cache.stats()})
+        if tenant_series and services.budgets is not None:  # budgets name tenants' end users and tags
+            metrics.set_budget_source(services.budgets.statuses)
         app.state.services = services
         app.state.console_signer = SessionSigner(services.settings.console_secret or None,
                                                  services.settings.console_session_s)
@@ -99,6 +101,7 @@ def create_app(services_factory, ledger_hooks: list | None = None, limiter_facto
         if not scrape_allowed(services.settings.metrics_key, request.headers.get("authorization")):
             return error_response(401, "this server's metrics need `Authorization: Bearer <LORAMUX_METRICS_KEY>`",
                                   headers={"WWW-Authenticate": "Bearer"})
+        await run_in_threadpool(request.app.state.metrics.refresh_budgets)  # a query: off the event loop
         body, content_type = request.app.state.metrics.render()
         return Response(body, media_type=content_type)
 

@@ -20,6 +20,12 @@ adapters one batch may hold), value the current Unix time, as vLLM sets it. So t
 with the number of adapters or tenants (a Prometheus server storing it sees a new series whenever the set
 of names changes, as it does for vLLM; routers read only the latest sample).
 
+Budgets are the other exception: `loramux_budget_limit_usd`, `loramux_budget_spent_usd` and
+`loramux_budget_reserved_usd` (labels `tenant` (id), `scope`, `subject`: a key id, end user or tag, "" for a
+tenant's own budget) have one series per budget, so they grow with the budgets operators set, and they name
+tenants' users and tags: the server gives them a source (`set_budget_source`) only when /metrics is behind a
+metrics key, and without a source they are not in the exposition at all.
+
 Request-level numbers are pushed by the server (`observe_finished`, `observe_inter_token`,
 `count_rejected`); engine and adapter-cache state is pulled at scrape time from a callable
 (`set_state_source`), so gauges are always current and the hot path does no extra work for them.
@@ -31,7 +37,8 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -39,6 +46,9 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from loramux.engine.speculation.policy import METHODS
+
+if TYPE_CHECKING:
+    from loramux.billing.budgets import BudgetStatus
 
 log = logging.getLogger(__name__)
 
@@ -355,6 +365,74 @@ def _step_families(steps) -> list[Metric]:
     return families
 
 
+BUDGET_LABELS: tuple[str, ...] = ("tenant", "scope", "subject")
+BUDGET_CACHE_S = 5.0
+
+
+class _BudgetCollector(Collector):
+    """Every budget's limit, spent and reserved USD, read from a callable at most once per `ttl_s` (a scrape in
+    between gets the last read); nothing at all without a source, or while the last read failed."""
+
+    def __init__(self):
+        self._fn: Callable[[], Sequence[BudgetStatus]] | None = None
+        self._ttl_s = BUDGET_CACHE_S
+        self._clock: Callable[[], float] = time.monotonic
+        self._read_at: float | None = None
+        self._statuses: list[BudgetStatus] | None = None
+        self._lock = threading.Lock()
+
+    def set_source(self, fn: Callable[[], Sequence[BudgetStatus]] | None, ttl_s: float,
+                   clock: Callable[[], float]) -> None:
+        with self._lock:
+            self._fn, self._ttl_s, self._clock = fn, ttl_s, clock
+            self._read_at = self._statuses = None
+
+    def refresh(self) -> None:
+        """Read the budgets when the last read is older than `ttl_s`; a blocking call (one query). When another
+        thread is reading them already, return at once: this scrape gets the last read."""
+        if self._fn is None or not self._lock.acquire(blocking=False):
+            return
+        try:
+            fn = self._fn
+            if fn is None or (self._read_at is not None and self._clock() - self._read_at < self._ttl_s):
+                return
+            try:
+                statuses: list[BudgetStatus] | None = list(fn())
+            except Exception:  # a database outage must not fail /metrics: these gauges sit this one out
+                log.exception("reading budgets for /metrics failed; budget gauges left out until the next read")
+                statuses = None
+            self._statuses, self._read_at = statuses, self._clock()
+        finally:
+            self._lock.release()
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(self._families([]))
+
+    def collect(self) -> Iterator[Metric]:
+        self.refresh()
+        statuses = self._statuses if self._fn is not None else None
+        if not statuses:
+            return iter([])
+        return iter(self._families(statuses))
+
+    @staticmethod
+    def _families(statuses: Sequence[BudgetStatus]) -> list[Metric]:
+        limit = GaugeMetricFamily("loramux_budget_limit_usd", "Each budget's limit in USD per period.",
+                                  labels=list(BUDGET_LABELS))
+        spent = GaugeMetricFamily("loramux_budget_spent_usd",
+                                  "Each budget's ledger spend in its current period, in USD.",
+                                  labels=list(BUDGET_LABELS))
+        reserved = GaugeMetricFamily("loramux_budget_reserved_usd",
+                                     "Worst-case cost of each budget's requests in flight, in USD.",
+                                     labels=list(BUDGET_LABELS))
+        for status in statuses:
+            b = status.budget
+            labels = [b.tenant_id, b.scope, b.subject or ""]
+            for family, value in ((limit, b.limit_usd), (spent, status.spent), (reserved, status.reserved)):
+                family.add_metric(labels, float(value))
+        return [limit, spent, reserved]
+
+
 class ServerMetrics:
     """All server metrics on one private `CollectorRegistry`; `render()` gives the /metrics response."""
 
@@ -400,6 +478,8 @@ class ServerMetrics:
 
         self._state = _StateCollector()
         r.register(self._state)
+        self._budgets = _BudgetCollector()
+        r.register(self._budgets)
 
     # -- label normalisation -------------------------------------------------------------------
     def tier_label(self, tier: object) -> str:
@@ -470,6 +550,19 @@ class ServerMetrics:
         `loramux_state_source_errors_total` goes up and the rest of the scrape is served.
         """
         self._state.set_source(fn)
+
+    def set_budget_source(self, fn: Callable[[], Sequence[BudgetStatus]] | None, ttl_s: float = BUDGET_CACHE_S,
+                          clock: Callable[[], float] = time.monotonic) -> None:
+        """Export every budget from `fn()` (e.g. `BudgetBook.statuses`, `BudgetStatus`es) as
+        `loramux_budget_{limit,spent,reserved}_usd`, read at most once per `ttl_s` seconds of `clock`. Set it only
+        when /metrics needs a key: the labels name tenants' end users and tags. None removes the gauges. If `fn`
+        raises, the error is logged and the gauges are left out until the next read (`ttl_s` later)."""
+        self._budgets.set_source(fn, ttl_s, clock)
+
+    def refresh_budgets(self) -> None:
+        """Read the budgets now if the last read is older than the source's `ttl_s`: a blocking database query,
+        for the server to run off its event loop before `render()` (which then only reads the cache)."""
+        self._budgets.refresh()
 
     # -- exposition ------------------------------------------------------------------------------
     def render(self) -> tuple[bytes, str]:
