@@ -219,3 +219,77 @@ def test_a_period_reset_frees_the_budget_at_resets_at(stack, admin):
     assert total == Decimal(again.json()["loramux"]["cost"]) * 2
     now[0] += timedelta(days=1)
     assert admin.get("/admin/tenants/acme/budget").json()["spent_usd"] == "0.00"
+
+
+def test_choices_fanouts_and_streams_reserve_their_worst_case_and_say_what_they_cost(stack, admin, tiny_cfg, tmp_path):
+    from loramux.testing import write_peft_adapter
+
+    server = stack
+    key = new_tenant_key(server.services, "acme", "premium")
+    tenant = server.services.tenancy.tenant("acme")
+    directory = write_peft_adapter(tmp_path / "ad1", tiny_cfg, 4, ["q_proj", "v_proj"], seed=1)
+    server.services.registry.register(tenant.id, "ad1", {f: directory / f for f in
+                                                         ("adapter_config.json", "adapter_model.safetensors")})
+    assert admin.put("/admin/tenants/acme/budget", json={"limit_usd": "0.0005", "period": "month"}).status_code == 201
+    # n choices reserve n x max_tokens of output: 3 x 2 tokens here, over what is left.
+    three = complete(server, key, max_tokens=2, n=3)
+    assert three.status_code == 402
+    prompt = len(server.services.engine.tokenizer.encode("one two three four five six seven"))
+    assert Decimal(three.json()["error"]["needed_usd"]) == cost(prompt, 6)
+    assert admin.put("/admin/tenants/acme/budget", json={"limit_usd": "1", "period": "month"}).status_code == 200
+    answer = complete(server, key, max_tokens=2, n=3)
+    assert answer.status_code == 200
+    usage = answer.json()["usage"]
+    assert Decimal(answer.json()["loramux"]["cost"]) == cost(usage["prompt_tokens"], usage["completion_tokens"])
+    # A fan-out holds one reservation per part, each replaced by its own row.
+    fanout = complete(server, key, max_tokens=3, models=["base", "ad1"])
+    assert fanout.status_code == 200, fanout.text
+    rows = [r for r in ledger(server) if r.request_id == fanout.json()["id"]]
+    assert sorted(r.part for r in rows) == [0, 1]
+    assert Decimal(fanout.json()["loramux"]["cost"]) == sum((r.cost for r in rows), Decimal(0))
+    # A stream: the header as of admission (its whole reservation held), the cost in the final usage chunk.
+    before = Decimal(admin.get("/admin/tenants/acme/budget").json()["remaining_usd"])
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                      timeout=120, json={"model": "base", "messages": [{"role": "user", "content": "hi"}],
+                                         "max_tokens": 4, "ignore_eos": True, "stream": True,
+                                         "stream_options": {"include_usage": True}}) as resp:
+        assert resp.status_code == 200
+        held = before - Decimal(resp.headers["X-Loramux-Budget-Remaining"])
+        chunks = [line for line in resp.iter_lines() if line.startswith("data: {")]
+    import json
+
+    last = [event for event in map(lambda c: json.loads(c[6:]), chunks) if "loramux" in event][-1]
+    spent = Decimal(last["loramux"]["cost"])
+    assert spent == cost(last["usage"]["prompt_tokens"], last["usage"]["completion_tokens"]) and held >= spent > 0
+    assert Decimal(last["loramux"]["budgets"][0]["remaining_usd"]) == before - spent
+    ledger(server)
+    wait_until(lambda: holds(server) == 0, "every reservation to be replaced by its row")
+    status = admin.get("/admin/tenants/acme/budget").json()
+    with server.services.db.session() as s:
+        assert Decimal(status["spent_usd"]) == sum_money(s, LedgerEntry.cost)
+
+
+@pytest.mark.parametrize("fail_mode", ["closed", "open"])
+def test_a_database_outage_refuses_budgeted_tenants_or_serves_them_unreserved(stack, admin, fail_mode, monkeypatch):
+    from sqlalchemy.exc import OperationalError
+
+    server = stack
+    key = new_tenant_key(server.services, "acme")
+    other = new_tenant_key(server.services, "free-spirit")
+    assert admin.put("/admin/tenants/acme/budget", json={"limit_usd": "1", "period": "month"}).status_code == 201
+    for warm in (key, other):  # keys and the budget list cached, as on a busy server
+        assert complete(server, warm, max_tokens=1).status_code == 200
+    book = server.services.budgets
+    monkeypatch.setattr(server.services.settings, "budget_fail_mode", fail_mode)
+
+    def down():
+        raise OperationalError("SELECT 1", {}, Exception("connection refused"))
+
+    monkeypatch.setattr(book.db, "session", down)
+    budgeted = complete(server, key, max_tokens=2)
+    if fail_mode == "closed":
+        assert budgeted.status_code == 503 and budgeted.json()["error"]["code"] == "budgets_unavailable"
+        assert "Retry-After" in budgeted.headers
+    else:
+        assert budgeted.status_code == 200 and "budgets" not in budgeted.json()["loramux"]
+    assert complete(server, other, max_tokens=2).status_code == 200  # no budget: not affected

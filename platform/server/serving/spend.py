@@ -52,11 +52,15 @@ class Spend:
 
     def settle(self, records: Sequence[RequestRecord]) -> None:
         """The request ended with these ledger records: its cost is theirs, priced as the ledger will."""
-        if self.prices is not None:
+        if self.prices is None:
+            return
+        try:
             total = _ZERO
             for record in records:
                 total = MONEY_CONTEXT.add(total, ledger_row(record, self.prices)["cost"])
             self.cost = total
+        except Exception:  # noqa: BLE001 - the answer goes without its cost; the ledger prices the row itself
+            log.exception("request %s: its cost could not be computed for the answer", self.request_id)
 
     def release(self) -> None:
         """The request ended without a ledger row: drop its holds (off the event loop)."""
