@@ -260,3 +260,82 @@ def test_an_operator_merges_adapters_and_sees_where_the_merge_came_from(page, st
     page.get_by_role("button", name="Merge and store").click()
     expect(page.get_by_role("alert")).to_contain_text("components[1]: adapter 'missing' not found")
     assert "bad" not in {v.name for v in server.services.registry.list_all(tenant.id)}
+
+
+def test_the_tenant_page_charts_the_periods_spend_against_the_budget(page, stack):
+    """Last in this module: its ledger rows would change the spend the first test reconciles."""
+    from sqlalchemy import insert
+
+    from loramux.db.models import LedgerEntry, utcnow
+
+    server = stack[0]
+    expect = sync_api.expect
+    services = server.services
+    services.tenancy.ensure_tenant("chartco", tier="standard")
+    tenant = services.tenancy.tenant("chartco")
+    key = services.tenancy.create_key("chartco")[0]
+    now = utcnow()
+    with services.db.session() as session:
+        session.execute(insert(LedgerEntry), [dict(
+            request_id=f"chart-{i}", part=0, tenant_id=tenant.id, key_id=key.id, model="tiny", adapter_id=None,
+            adapter_version=None, tier="standard", outcome="ok", fallback=False, prompt_tokens=10, cached_tokens=0,
+            completion_tokens=5, queue_ms=None, ttft_ms=None, total_ms=1.0, price_id=None,
+            input_per_mtok=Decimal(0), cached_input_per_mtok=Decimal(0), output_per_mtok=Decimal(0),
+            cost=Decimal(cost), created_at=now, tags=tags)
+            for i, (cost, tags) in enumerate((("1.25", ["chart-a"]), ("0.5", ["chart-a", "chart-b"])))])
+    sign_in(page)
+    page.goto(f"/console/tenants/{tenant.id}")
+    page.get_by_label("Scope").select_option(label="the whole tenant")
+    page.get_by_label("Limit (USD)").fill("4.000000000001")
+    page.get_by_label("Period", exact=True).select_option("week")
+    page.get_by_role("button", name="Set budget").click()
+    page.wait_for_url("**?notice=budget-set")
+    row = page.locator("tr[data-budget='tenant:']")
+    expect(row).to_contain_text("4.000000000001")
+    expect(row).to_contain_text("1.75")  # this week's spend, counted from the ledger when the budget was set
+    page.wait_for_function("() => document.getElementById('budget-chart').getAttribute('width') > 0")
+    drawn = """() => {
+        const canvas = document.getElementById('budget-chart');
+        const pixels = canvas.getContext('2d').getImageData(0, 0, canvas.width, canvas.height).data;
+        const bad = getComputedStyle(document.documentElement).getPropertyValue('--bad').trim();
+        const [r, g, b] = [1, 3, 5].map(i => parseInt(bad.slice(i, i + 2), 16));
+        let painted = 0, limit = 0;
+        for (let i = 0; i < pixels.length; i += 4) {
+          if (pixels[i + 3] > 0) { painted++; }
+          if (pixels[i] === r && pixels[i + 1] === g && pixels[i + 2] === b && pixels[i + 3] === 255) { limit++; }
+        }
+        return {painted, limit, datasets: Chart.getChart(canvas).data.datasets.map(d => d.label)};
+    }"""
+    seen = page.evaluate(drawn)
+    assert seen["datasets"] == ["daily spend (USD)", "cumulative spend (USD)", "limit (USD)"], seen
+    assert seen["painted"] > 1000 and seen["limit"] > 20, seen  # bars, axes and the limit's dashed line
+    assert page.get_by_role("img", name="Daily spend in USD").count() == 1
+    shoot(page, "tenant-budget")
+    page.set_viewport_size({"width": 390, "height": 844})  # a narrow window: only the table scrolls, in its box
+    page.reload()
+    page.wait_for_function("() => document.getElementById('budget-chart').getAttribute('width') > 0")
+    wide = page.evaluate("""() => [...document.querySelectorAll('body *')]
+        .filter(e => e.getBoundingClientRect().right > document.documentElement.clientWidth + 1)
+        .map(e => e.tagName + '#' + e.id + '.' + e.className).slice(0, 5)""")
+    assert page.evaluate("() => document.documentElement.scrollWidth - document.documentElement.clientWidth") <= 1, wide
+    shoot(page, "narrow-tenant-budget")
+    page.set_viewport_size({"width": 1280, "height": 800})
+
+    # Removed: the chart is the last 30 days' spend, without a limit line.
+    page.get_by_role("button", name="Remove the tenant budget").click()
+    page.wait_for_url("**?notice=budget-removed")
+    expect(page.locator("tr[data-budget='tenant:']")).to_have_count(0)
+    page.wait_for_function("() => document.getElementById('budget-chart').getAttribute('width') > 0")
+    seen = page.evaluate(drawn)
+    assert seen["datasets"] == ["daily spend (USD)", "cumulative spend (USD)"] and seen["limit"] == 0, seen
+
+    # The usage page stacks the last 30 days' spend by tag.
+    page.goto("/console/usage")
+    expect(page.locator("tr[data-tag='chart-a'] td.num").last).to_have_text("1.75")
+    page.wait_for_function("() => document.getElementById('spend-by-tag').getAttribute('width') > 0")
+    stacked = page.evaluate("""() => {
+        const chart = Chart.getChart(document.getElementById('spend-by-tag'));
+        return {tags: chart.data.datasets.map(d => d.label), stacked: chart.options.scales.y.stacked};
+    }""")
+    assert stacked == {"tags": ["chart-a", "chart-b"], "stacked": True}, stacked
+    shoot(page, "usage-tags")

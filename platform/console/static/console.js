@@ -57,6 +57,41 @@
     bars("tokens-by-adapter", data.adapters.map(a => a.label), data.adapters.map(a => a.tokens), "tokens");
   }
 
+  // Money comes as exact decimal strings; numbers only to draw them (null: a day still to come).
+  const amount = v => (v === null ? null : Number(v));
+  const color = name => getComputedStyle(document.documentElement).getPropertyValue(name).trim();
+  const tint = (hex, alpha) => "rgba(" + [1, 3, 5].map(i => parseInt(hex.slice(i, i + 2), 16)).join(", ") +
+    ", " + alpha + ")";
+  const budget = document.getElementById("budget-data");
+  const budgetCanvas = document.getElementById("budget-chart");
+  if (budget && budgetCanvas && typeof Chart !== "undefined") {
+    const d = JSON.parse(budget.textContent);
+    const datasets = [
+      {type: "bar", label: "daily spend (USD)", data: d.daily.map(amount), order: 3,
+       backgroundColor: tint(color("--accent"), 0.3), borderColor: color("--accent")},
+      {type: "line", label: "cumulative spend (USD)", data: d.cumulative.map(amount), order: 1,
+       borderColor: color("--accent"), backgroundColor: color("--accent"), pointRadius: 2}];
+    if (d.limit !== null) {
+      datasets.push({type: "line", label: "limit (USD)", data: d.labels.map(() => Number(d.limit)), order: 2,
+                     borderColor: color("--bad"), backgroundColor: color("--bad"), borderDash: [6, 4],
+                     pointRadius: 0});
+    }
+    new Chart(budgetCanvas, {type: "bar", data: {labels: d.labels, datasets: datasets},
+                             options: {responsive: true, maintainAspectRatio: false, animation: false,
+                                       scales: {y: {beginAtZero: true}},
+                                       // the lines are drawn over the bars (order), the legend keeps this order
+                                       plugins: {legend: {labels: {sort: (a, b) => a.datasetIndex - b.datasetIndex}}}}});
+  }
+  const tags = document.getElementById("tag-spend-data");
+  const tagCanvas = document.getElementById("spend-by-tag");
+  if (tags && tagCanvas && typeof Chart !== "undefined") {
+    const d = JSON.parse(tags.textContent);
+    new Chart(tagCanvas, {type: "bar",
+      data: {labels: d.labels, datasets: d.tags.map(t => ({label: t.tag, data: t.daily.map(amount)}))},
+      options: {responsive: true, maintainAspectRatio: false, animation: false,
+                scales: {x: {stacked: true}, y: {stacked: true, beginAtZero: true}}}});
+  }
+
   // --- the live engine page ------------------------------------------------------------------------
   const engine = document.getElementById("engine-live");
   if (engine) {
