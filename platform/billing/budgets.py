@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal, InvalidOperation
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import delete, select, tuple_, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError
@@ -300,9 +300,9 @@ def book_spend(session: Session, rows: Sequence[dict]) -> None:
     for (budget_id, start), amount in sorted(added.items()):
         before, after = _add_spend(session, budget_id, start, amount)
         crossings.append((budget_id, start, before, after))
-    for h in holds:
-        session.execute(delete(BudgetHold).where(BudgetHold.request_id == h.request_id, BudgetHold.part == h.part,
-                                                 BudgetHold.budget_id == h.budget_id))
+    keys = sorted({(h.request_id, h.part) for h in holds})
+    for i in range(0, len(keys), 500):
+        session.execute(delete(BudgetHold).where(tuple_(BudgetHold.request_id, BudgetHold.part).in_(keys[i:i + 500])))
     _queue_alerts(session, crossings)
 
 
@@ -387,6 +387,8 @@ class BudgetBook:
             start, end = period_bounds(period, now)
             if recount:
                 session.execute(delete(BudgetSpend).where(BudgetSpend.budget_id == row.id))
+                # Requests in flight count in the new period: their costs land there.
+                session.execute(update(BudgetHold).where(BudgetHold.budget_id == row.id).values(period_start=start))
                 session.add(BudgetSpend(budget_id=row.id, period_start=start,
                                         spent=_ledger_spend(session, info, start, end)))
                 session.flush()

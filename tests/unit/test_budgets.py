@@ -170,10 +170,14 @@ def test_a_new_budget_starts_with_what_the_ledger_holds_for_its_scope(world):
     assert book.put(tenant_id, "user", "u1", "1", "week")[0].spent == one
     assert book.put(tenant_id, "key", "key_x", "1", "total")[0].spent == 3 * one
     assert book.put(tenant_id, "key", "key_other", "1", "total")[0].spent == 0
-    # Changing only the limit keeps the spend; changing the period recounts it.
+    # Changing only the limit keeps the spend; changing the period recounts it, and what is in flight moves along.
     assert book.put(tenant_id, "tenant", "", "2", "month")[0].spent == 3 * one
+    book.reserve("in-flight", book.budgets_for(tenant_id), [Decimal("0.25")])
     book.clock = lambda: datetime(2027, 1, 2, tzinfo=UTC)
-    assert book.put(tenant_id, "tenant", "", "2", "day")[0].spent == 0
+    moved = book.put(tenant_id, "tenant", "", "2", "day")[0]
+    assert (moved.spent, moved.reserved) == (0, Decimal("0.25"))
+    write_records(db, [_record("in-flight", tenant_id, 10, 2)])
+    assert (book.status(tenant_id, "tenant").spent, book.status(tenant_id, "tenant").reserved) == (one, 0)
 
 
 def test_only_budgets_that_apply_count_a_request():
