@@ -2,7 +2,7 @@
 per period and tenant, adapter, key, end user or tag (/admin/billing/spend)."""
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query
 from fastapi.responses import StreamingResponse
@@ -20,8 +20,9 @@ router = APIRouter(prefix="/billing")
 
 Start = Annotated[str | None, Query(description="ISO 8601, inclusive")]
 End = Annotated[str | None, Query(description="ISO 8601, exclusive")]
-EXPORT_RESPONSES = {200: {"description": "The ledger rows, streamed; `Content-Disposition` names the file.",
-                          "content": {content_type(f): {} for f in FORMATS}}}
+EXPORT_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "The ledger rows, streamed; `Content-Disposition` names the file.",
+          "content": {content_type(f): {} for f in FORMATS}}}
 
 
 @router.get("/summary", response_model=BillingSummary)

@@ -74,8 +74,8 @@ def _summed_in_sql(db: Database, group_by: str, period: str, where: list) -> dic
             .where(*where).group_by(bucket, column))
     groups: dict = {}
     with db.session() as session:
-        for start, group, *counters in session.execute(stmt):
-            _add(groups, (start.replace(tzinfo=timezone.utc), group), *counters)
+        for start, group, requests, prompt, cached, completion, cost in session.execute(stmt):
+            _add(groups, (start.replace(tzinfo=timezone.utc), group), requests, prompt, cached, completion, cost)
     return groups
 
 
@@ -87,16 +87,16 @@ def _summed_here(db: Database, group_by: str, period: str, where: list) -> dict:
     groups: dict = {}
     starts: dict[datetime, datetime] = {}  # the day of a row -> its period's start (most rows share a few)
     with db.session() as session:
-        for created, group, *counters in session.execute(stmt):
+        for created, group, prompt, cached, completion, cost in session.execute(stmt):
             day = created.astimezone(timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0)
             start = starts.get(day)
             if start is None:
                 start = starts[day] = period_bounds(period, day)[0]
             if group_by != "tag":
-                _add(groups, (start, group), 1, *counters)
+                _add(groups, (start, group), 1, prompt, cached, completion, cost)
                 continue
             for tag in dict.fromkeys(t for t in (group or ()) if isinstance(t, str)):  # each tag of the row once
-                _add(groups, (start, tag), 1, *counters)
+                _add(groups, (start, tag), 1, prompt, cached, completion, cost)
     return groups
 
 
