@@ -99,6 +99,18 @@ def test_ledger_durability_bench_quick_run_reports_figure():
     assert float(last.split()[-1]) > 0
 
 
+def test_budgets_bench_quick_run_reports_figures():
+    """Smoke mode: one short round on SQLite; every reservation is replaced by its ledger row."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "budgets.py"), "--smoke"], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert "machine: " in proc.stdout and "BUDGET BUG" not in proc.stderr
+    assert [line.split()[1] for line in lines[-3:]] == ["budget_reserve_p50_ms", "budget_admissions_per_s",
+                                                       "budget_ledger_batch_ratio"]
+    assert all(float(line.split()[-1]) > 0 for line in lines[-3:])
+
+
 @pytest.mark.real_model
 def test_many_adapters_bench_quick_run_reports_figures(tmp_path):
     """Smoke mode: the base model, the table set (1 and uniform over 8) and the mixed set at N 1 and 8, 2 clients,
