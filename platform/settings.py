@@ -225,3 +225,11 @@ class Settings(BaseSettings):
     # reached, a tenant with budgets is refused with 503 ("closed": money is never spent past a limit) or served
     # unreserved ("open").
     budget_fail_mode: Literal["open", "closed"] = "closed"
+    # Alert webhooks (docs/admin-and-billing.md, "Alert webhooks"): how often the outbox is polled for events
+    # due, each POST's timeout, the tries per event, and the backoff between tries (doubling from
+    # `webhook_retry_initial_s`, at most `webhook_retry_max_s`).
+    webhook_poll_s: float = Field(default=2.0, gt=0)
+    webhook_timeout_s: float = Field(default=10.0, gt=0)
+    webhook_max_attempts: int = Field(default=10, ge=1)
+    webhook_retry_initial_s: float = Field(default=30.0, gt=0)
+    webhook_retry_max_s: float = Field(default=3600.0, gt=0)

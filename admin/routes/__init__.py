@@ -16,10 +16,12 @@ from loramux.admin.routes import (
     stats,
     tenants,
     tiers,
+    webhooks,
 )
 
 router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(get_admin)])
-for _resource in (tenants, budgets, adapters, medusa, tiers, prices, billing, admin_keys, stats, replicas):
+for _resource in (tenants, budgets, webhooks, adapters, medusa, tiers, prices, billing, admin_keys, stats,
+                  replicas):
     router.include_router(_resource.router)
 
 __all__ = ["router"]

@@ -15,6 +15,7 @@ from loramux.adapters.storage.registry import AdapterNotFoundError, RegistryErro
 from loramux.billing.budgets import BudgetError, BudgetNotFound
 from loramux.billing.pricing import PriceError
 from loramux.billing.reports import BillingQueryError
+from loramux.billing.webhooks import WebhookError, WebhookNotFound
 from loramux.names import InvalidNameError
 from loramux.server.http.errors import ApiError, error_response
 from loramux.services.adapters import AdapterUnavailableError, UploadError
@@ -73,6 +74,8 @@ def install_error_handlers(app: FastAPI) -> None:
     handle(PriceError, lambda e: error_response(400, str(e), "invalid_price"))
     handle(BudgetError, lambda e: error_response(400, str(e), "invalid_budget"))
     handle(BudgetNotFound, lambda e: error_response(404, str(e), "budget_not_found"))
+    handle(WebhookError, lambda e: error_response(400, str(e), "invalid_webhook"))
+    handle(WebhookNotFound, lambda e: error_response(404, str(e), "webhook_not_found"))
     handle(BillingQueryError, lambda e: error_response(400, str(e), "invalid_period"))
     handle(AdminKeyError, lambda e: error_response(404, str(e), "admin_key_not_found"))
     handle(SelfRevocationError, lambda e: error_response(400, str(e), "invalid_request"))

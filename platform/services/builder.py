@@ -24,6 +24,7 @@ from loramux.billing.ledger import LedgerWriter
 from loramux.billing.ledger_wal import WAL_NAME
 from loramux.billing.pricing import PriceBook
 from loramux.billing.recovery import claim_ledger
+from loramux.billing.webhooks import WebhookDispatcher
 from loramux.db import Database
 from loramux.names import base_model_id
 from loramux.services.container import LOCAL_TENANT, Services
@@ -139,7 +140,7 @@ def build_services(settings: Settings, *, engine: InProcess | Remote, ledger_slo
                      name="budget-leftovers").start()
     services = Services(settings, db, store, registry, cache, client, tenancy, admin_keys, PriceBook(db), ledger,
                         medusa=medusa, medusa_cache=medusa_cache, serves_medusa_heads=local, combines_adapters=local,
-                        budgets=budgets)
+                        budgets=budgets, webhooks=WebhookDispatcher.from_settings(db, settings))
     if not local and (stored := medusa.list()):
         # Uploads are refused (409); heads a single-process server stored can still be listed and deleted.
         log.warning("%d Medusa heads upload(s) in the registry are not used on a scaled-out deployment: requests "

@@ -17,6 +17,7 @@ from loramux.adapters.storage.store import ObjectStore
 from loramux.billing.budgets import BudgetBook
 from loramux.billing.ledger import LedgerWriter
 from loramux.billing.pricing import PriceBook
+from loramux.billing.webhooks import WebhookDispatcher
 from loramux.db import Database
 from loramux.request_rates import RequestRates
 from loramux.settings import Settings
@@ -56,6 +57,8 @@ class Services:
     combines_adapters: bool = True
     # Spend limits and the reservations of requests in flight (None only for Services built by hand in tests).
     budgets: BudgetBook | None = None
+    # Delivers budget alerts from the webhook outbox (None only for Services built by hand in tests).
+    webhooks: WebhookDispatcher | None = None
     pinned: PinnedAdapters = field(init=False)  # adapters operators pin in host RAM (through adapter_cache)
 
     def __post_init__(self) -> None:
@@ -88,5 +91,7 @@ class Services:
         self.engine.shutdown()
         self.ledger.close()  # rows still buffered are written (or spooled to disk when the database is down)
         self.adapter_cache.shutdown()  # Medusa heads load through it too
+        if self.webhooks is not None:
+            self.webhooks.close()  # a POST in flight finishes and its outcome is recorded
         self.db.dispose()
 
