@@ -1,6 +1,6 @@
 """Budgets: PUT / GET / DELETE /admin/tenants/{tenant_id}/budget, .../keys/{key_id}/budget,
-.../users/{user}/budget and .../tags/{tag}/budget; GET /admin/tenants/{tenant_id}/budgets lists a tenant's and
-GET /admin/budgets every tenant's."""
+.../users/{user}/budget and .../tags/{tag}/budget (a user id may hold a "/"); GET
+/admin/tenants/{tenant_id}/budgets lists a tenant's and GET /admin/budgets every tenant's."""
 from __future__ import annotations
 
 from decimal import Decimal
@@ -82,31 +82,31 @@ def delete_key_budget(tenant_id: str, key_id: str, services: ServicesDep) -> Non
     ops.delete_budget(services, tenant_id, "key", key_id)
 
 
-@router.put("/tenants/{tenant_id}/users/{user}/budget")
+@router.put("/tenants/{tenant_id}/users/{user:path}/budget")
 def put_user_budget(tenant_id: str, user: str, body: BudgetBody, services: ServicesDep, response: Response) -> dict:
     return _put(services, response, tenant_id, "user", user, body)
 
 
-@router.get("/tenants/{tenant_id}/users/{user}/budget")
+@router.get("/tenants/{tenant_id}/users/{user:path}/budget")
 def get_user_budget(tenant_id: str, user: str, services: ServicesDep) -> dict:
     return _get(services, tenant_id, "user", user)
 
 
-@router.delete("/tenants/{tenant_id}/users/{user}/budget", status_code=204)
+@router.delete("/tenants/{tenant_id}/users/{user:path}/budget", status_code=204)
 def delete_user_budget(tenant_id: str, user: str, services: ServicesDep) -> None:
     ops.delete_budget(services, tenant_id, "user", user)
 
 
-@router.put("/tenants/{tenant_id}/tags/{tag}/budget")
+@router.put("/tenants/{tenant_id}/tags/{tag:path}/budget")
 def put_tag_budget(tenant_id: str, tag: str, body: BudgetBody, services: ServicesDep, response: Response) -> dict:
     return _put(services, response, tenant_id, "tag", tag, body)
 
 
-@router.get("/tenants/{tenant_id}/tags/{tag}/budget")
+@router.get("/tenants/{tenant_id}/tags/{tag:path}/budget")
 def get_tag_budget(tenant_id: str, tag: str, services: ServicesDep) -> dict:
     return _get(services, tenant_id, "tag", tag)
 
 
-@router.delete("/tenants/{tenant_id}/tags/{tag}/budget", status_code=204)
+@router.delete("/tenants/{tenant_id}/tags/{tag:path}/budget", status_code=204)
 def delete_tag_budget(tenant_id: str, tag: str, services: ServicesDep) -> None:
     ops.delete_budget(services, tenant_id, "tag", tag)

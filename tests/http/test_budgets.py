@@ -78,6 +78,9 @@ def test_admin_api_sets_reads_and_removes_budgets_with_clear_errors(stack, admin
         assert admin.put(f"/admin/tenants/acme/{path}/budget", json={"limit_usd": "1.5", "period": "day"}
                          ).status_code == 201
         assert admin.get(f"/admin/tenants/acme/{path}/budget").json()["period"] == "day"
+    slashed = admin.put("/admin/tenants/acme/users/team%2Falice/budget", json={"limit_usd": "1", "period": "day"})
+    assert slashed.status_code == 201 and slashed.json()["subject"] == "team/alice"  # a user id may hold a '/'
+    assert admin.delete("/admin/tenants/acme/users/team/alice/budget").status_code == 204
     listed = admin.get("/admin/tenants/acme/budgets").json()["budgets"]
     assert sorted(b["scope"] for b in listed) == ["key", "tag", "tenant", "user"]
     assert admin.delete("/admin/tenants/acme/tags/team-a/budget").status_code == 204
