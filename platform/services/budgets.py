@@ -5,10 +5,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from loramux.billing.budgets import BudgetNotFound, BudgetStatus
+from loramux.billing.budgets import BudgetBook, BudgetNotFound, BudgetStatus
 
 if TYPE_CHECKING:
     from loramux.services.container import Services
+
+
+def _book(services: Services) -> BudgetBook:
+    if services.budgets is None:
+        raise RuntimeError("these Services were built without a budget book")
+    return services.budgets
 
 
 def _tenant_id(services: Services, tenant_ref: str, scope: str, subject: str) -> str:
@@ -23,18 +29,18 @@ def set_budget(services: Services, tenant_ref: str, scope: str, subject: str, li
                hard: bool = True, alert_at=None) -> tuple[BudgetStatus, bool]:
     """Create or replace the budget; returns its status and whether it is new (BudgetError: bad values)."""
     tenant_id = _tenant_id(services, tenant_ref, scope, subject)
-    return services.budgets.put(tenant_id, scope, subject, limit_usd, period, hard, alert_at)
+    return _book(services).put(tenant_id, scope, subject, limit_usd, period, hard, alert_at)
 
 
 def get_budget(services: Services, tenant_ref: str, scope: str, subject: str = "") -> BudgetStatus:
-    return services.budgets.status(services.tenancy.tenant(tenant_ref).id, scope, subject)
+    return _book(services).status(services.tenancy.tenant(tenant_ref).id, scope, subject)
 
 
 def delete_budget(services: Services, tenant_ref: str, scope: str, subject: str = "") -> None:
-    services.budgets.delete(services.tenancy.tenant(tenant_ref).id, scope, subject)
+    _book(services).delete(services.tenancy.tenant(tenant_ref).id, scope, subject)
 
 
 def list_budgets(services: Services, tenant_ref: str | None = None) -> list[BudgetStatus]:
     """Every budget, or one tenant's."""
     tenant_id = services.tenancy.tenant(tenant_ref).id if tenant_ref else None
-    return services.budgets.statuses(tenant_id)
+    return _book(services).statuses(tenant_id)
