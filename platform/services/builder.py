@@ -24,7 +24,7 @@ from loramux.billing.ledger import LedgerWriter
 from loramux.billing.ledger_wal import WAL_NAME
 from loramux.billing.pricing import PriceBook
 from loramux.billing.recovery import claim_ledger
-from loramux.billing.webhooks import WebhookDispatcher
+from loramux.billing.webhook_delivery import WebhookDispatcher
 from loramux.db import Database
 from loramux.names import base_model_id
 from loramux.services.container import LOCAL_TENANT, Services

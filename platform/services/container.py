@@ -17,7 +17,7 @@ from loramux.adapters.storage.store import ObjectStore
 from loramux.billing.budgets import BudgetBook
 from loramux.billing.ledger import LedgerWriter
 from loramux.billing.pricing import PriceBook
-from loramux.billing.webhooks import WebhookDispatcher
+from loramux.billing.webhook_delivery import WebhookDispatcher
 from loramux.db import Database
 from loramux.request_rates import RequestRates
 from loramux.settings import Settings

@@ -14,7 +14,7 @@ from test_webhook_delivery import Receiver
 from conftest import admin_client, live_stack
 from loramux.billing.ledger import write_records
 from loramux.billing.usage import RequestRecord
-from loramux.billing.webhooks import verify_signature
+from loramux.billing.webhook_signing import verify_signature
 from polling import wait_until
 
 ADMIN_KEY = "lmxa-webhooks-admin-key-0123456789abcdefghijklmnop"

@@ -21,19 +21,15 @@ from loramux.billing.budgets import BudgetBook
 from loramux.billing.ledger import write_records
 from loramux.billing.pricing import PriceInfo
 from loramux.billing.usage import RequestRecord
-from loramux.billing.webhooks import (
+from loramux.billing.webhook_delivery import DeliveryPolicy, WebhookDispatcher, retry_delay
+from loramux.billing.webhook_signing import (
     EVENT_ID_HEADER,
     SIGNATURE_HEADER,
     TIMESTAMP_HEADER,
-    DeliveryPolicy,
-    WebhookDispatcher,
-    WebhookError,
-    WebhookNotFound,
-    check_url,
-    retry_delay,
     signed_headers,
     verify_signature,
 )
+from loramux.billing.webhooks import WebhookError, WebhookNotFound, check_url
 from loramux.db import Database, Webhook, WebhookEvent
 from loramux.db.models import utcnow
 from loramux.settings import Settings
