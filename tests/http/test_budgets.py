@@ -160,6 +160,8 @@ def test_a_request_that_cannot_fit_is_refused_with_what_to_change_and_nothing_is
     assert Decimal(small.headers["X-Loramux-Budget-Remaining"]) == Decimal("0.0005") - Decimal(ext["cost"])
     rows = ledger(server)
     assert [r.request_id for r in rows] == [small.json()["id"]]
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert 'loramux_requests_total{outcome="budget_exceeded",tier="standard"} 1.0' in metrics
     assert holds(server) == 0
     # A soft budget only watches: it never refuses.
     assert admin.put("/admin/tenants/acme/budget", json={"limit_usd": "0.0001", "period": "day", "hard": False}

@@ -53,7 +53,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 OTHER = "other"
-OUTCOMES: tuple[str, ...] = ("stop", "length", "timeout", "cancelled", "error", "rejected", "rate_limited")
+OUTCOMES: tuple[str, ...] = ("stop", "length", "timeout", "cancelled", "error", "rejected", "rate_limited",
+                             "budget_exceeded")
 TOKEN_KINDS: tuple[str, ...] = ("prompt", "cached", "completion")
 CACHE_LEVELS: tuple[str, ...] = ("device", "ram", "disk", "store")
 _OUTCOME_LABELS: dict[str, str] = {o: o for o in OUTCOMES}  # canonical plain str, also for str enums

@@ -257,7 +257,12 @@ class RequestPipeline:
             served = [[part.version.adapter_id if part.version is not None else None] for part in parts]
         ask = SpendAsk(admitted.tenant, request_id, self.model_id, served, prompt_tokens, max_completion,
                        admitted.arrival, user, tags)
-        return await reserve_spend(book, ask, self.services.settings.budget_fail_mode == "open")
+        try:
+            return await reserve_spend(book, ask, self.services.settings.budget_fail_mode == "open")
+        except ApiError as exc:
+            self.metrics.count_rejected(admitted.tenant.tier.name,
+                                        "budget_exceeded" if exc.status == 402 else "rejected")
+            raise
 
     def _placement(self, tenant: TenantContext) -> dict:
         """What every engine request of `tenant` carries: its tier's priority, who it is and its tier's weight
