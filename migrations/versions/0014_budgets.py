@@ -23,7 +23,7 @@ depends_on = None
 
 def upgrade() -> None:
     with op.batch_alter_table("ledger") as batch:
-        batch.add_column(sa.Column("tags", sa.JSON(), nullable=True))
+        batch.add_column(sa.Column("tags", sa.JSON(none_as_null=True), nullable=True))
     op.create_table(
         "budgets",
         sa.Column("id", sa.Integer(), primary_key=True, autoincrement=True),

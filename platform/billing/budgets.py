@@ -23,7 +23,6 @@ per budget, period and threshold in the webhook outbox (table webhook_events) of
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import re
 import threading
@@ -45,6 +44,7 @@ from loramux.billing.ledger_records import PRICE_RELOAD_S, PriceCache
 from loramux.billing.money import MONEY_CONTEXT, sum_money
 from loramux.billing.pricing import PriceInfo
 from loramux.db import Database
+from loramux.db.database import rowcount
 from loramux.db.models import (
     Budget,
     BudgetHold,
@@ -67,12 +67,17 @@ MAX_LIMIT_USD = Decimal(10) ** 12  # far inside NUMERIC(30, 12)
 MAX_TAGS = 8
 TAG_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")
 EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+RELEASE_RETRIES = 10  # about 4 minutes of retries (0.5 s doubling, at most 30 s apart)
 _ZERO = Decimal(0).quantize(Money.SCALE)
 _SUBJECT_MAX = Budget.__table__.c.subject.type.length
 
 
 class BudgetError(ValueError):
     """A budget that cannot be set, or tags that cannot be used (the message says what to fix)."""
+
+
+class BudgetConflict(BudgetError):
+    """Another request set the same budget at the same moment (409: retry)."""
 
 
 class BudgetNotFound(LookupError):
@@ -274,32 +279,66 @@ def _add_spend(session: Session, budget_id: int, start: datetime, amount: Decima
 
 
 def book_spend(session: Session, rows: Sequence[dict]) -> None:
-    """In the ledger's transaction, for its newly inserted `rows` (dicts with request_id, part and cost): add
-    each row's cost to the spend of the budgets its request reserved, drop those holds, and queue an alert
-    event for each threshold that crossed (for tenants with a webhook)."""
+    """In the ledger's transaction, for its newly inserted `rows` (ledger row dicts: request_id, part, cost,
+    tenant_id, key_id, end_user, tags, created_at): add each row's cost to the spend of every budget it counts
+    against, drop its holds, and queue an alert event for each threshold that crossed (for tenants with a
+    webhook). A row counts in the period its hold names (the request's arrival, when it reserved), else in the
+    period of its `created_at`: a row of a request that reserved nothing (served while reservations could not
+    be made, or admitted with a budget list read just before the budget was set) still counts.
+
+    On PostgreSQL the rows' tenants are share-locked first, so a budget being set (`BudgetBook.put`, which counts
+    the ledger under the tenant's row lock) either counts these rows or is charged them here, never neither; and
+    the budgets are key-share-locked, so one being deleted is either gone here or waits."""
     if not rows:
         return
-    costs = {(r["request_id"], r["part"]): r["cost"] for r in rows}
-    holds = []
-    ids = sorted({r["request_id"] for r in rows})
-    for i in range(0, len(ids), 500):
-        holds += session.execute(select(BudgetHold.request_id, BudgetHold.part, BudgetHold.budget_id,
-                                        BudgetHold.period_start).where(BudgetHold.request_id.in_(ids[i:i + 500]))).all()
-    holds = [h for h in holds if (h.request_id, h.part) in costs]
-    if not holds:
-        return
+    by_tenant = _locked_budgets(session, sorted({r["tenant_id"] for r in rows}))
+    if not by_tenant:
+        return  # no budget, so no hold either (holds go with their budget)
+    held = _holds_of(session, sorted({r["request_id"] for r in rows if r["tenant_id"] in by_tenant}))
     added: dict[tuple[int, datetime], Decimal] = {}
-    for h in holds:
-        key = (h.budget_id, h.period_start)
-        added[key] = MONEY_CONTEXT.add(added.get(key, _ZERO), costs[(h.request_id, h.part)])
+    for r in rows:
+        for budget in by_tenant.get(r["tenant_id"], ()):
+            start = held.get((r["request_id"], r["part"], budget.id))
+            if start is None:
+                if not budget.applies(r["key_id"], r["end_user"], r["tags"] or ()):
+                    continue
+                start = period_bounds(budget.period, r["created_at"])[0]
+            key = (budget.id, start)
+            added[key] = MONEY_CONTEXT.add(added.get(key, _ZERO), r["cost"])
     crossings = []
     for (budget_id, start), amount in sorted(added.items()):
         before, after = _add_spend(session, budget_id, start, amount)
         crossings.append((budget_id, start, before, after))
-    keys = sorted({(h.request_id, h.part) for h in holds})
+    inserted = {(r["request_id"], r["part"]) for r in rows}
+    keys = sorted({(request_id, part) for request_id, part, _ in held if (request_id, part) in inserted})
     for i in range(0, len(keys), 500):
         session.execute(delete(BudgetHold).where(tuple_(BudgetHold.request_id, BudgetHold.part).in_(keys[i:i + 500])))
     _queue_alerts(session, crossings)
+
+
+def _locked_budgets(session: Session, tenants: list[str]) -> dict[str, list[BudgetInfo]]:
+    """The tenants' budgets, by tenant; on PostgreSQL with the tenants share-locked and the budgets
+    key-share-locked (see `book_spend`)."""
+    stmt = select(Budget).where(Budget.tenant_id.in_(tenants)).order_by(Budget.id)
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(select(Tenant.id).where(Tenant.id.in_(tenants)).order_by(Tenant.id)
+                        .with_for_update(read=True))
+        stmt = stmt.with_for_update(read=True, key_share=True)
+    by_tenant: dict[str, list[BudgetInfo]] = {}
+    for row in session.scalars(stmt).all():
+        by_tenant.setdefault(row.tenant_id, []).append(_info(row))
+    return by_tenant
+
+
+def _holds_of(session: Session, request_ids: list[str]) -> dict[tuple[str, int, int], datetime]:
+    """(request id, part, budget id) -> the held period's start, for every hold of these requests."""
+    held: dict[tuple[str, int, int], datetime] = {}
+    for i in range(0, len(request_ids), 500):
+        for h in session.execute(select(BudgetHold.request_id, BudgetHold.part, BudgetHold.budget_id,
+                                        BudgetHold.period_start)
+                                 .where(BudgetHold.request_id.in_(request_ids[i:i + 500]))):
+            held[(h.request_id, h.part, h.budget_id)] = h.period_start
+    return held
 
 
 def _queue_alerts(session: Session, crossings: list[tuple[int, datetime, Decimal, Decimal]]) -> None:
@@ -331,18 +370,32 @@ def _queue_alerts(session: Session, crossings: list[tuple[int, datetime, Decimal
             session.execute(stmt.on_conflict_do_nothing(index_elements=["dedupe_key"]))
 
 
+HOLDER_FILE = "budget-holder"
+
+
 def holder_of(wal_path) -> str:
-    """The holder name of a ledger log: stable across restarts of the process that owns that log."""
-    import socket
+    """The holder name of a ledger log: a random id kept in a file beside the log, so it lives as long as the
+    log does (a new container on the same volume takes it over with the log, whatever its hostname), and made
+    with the log's folder when there is none."""
+    import os
     from pathlib import Path
 
-    return hashlib.sha256(f"{socket.gethostname()}:{Path(wal_path).resolve()}".encode()).hexdigest()[:32]
+    path = Path(wal_path).parent / HOLDER_FILE
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fresh = path.with_name(f"{HOLDER_FILE}.{uuid.uuid4().hex}")
+    fresh.write_text(uuid.uuid4().hex)
+    os.replace(fresh, path)  # the folder is one process's (the log's lock): no one else writes it meanwhile
+    return path.read_text().strip()
 
 
 class BudgetBook:
     """Budgets and their reservations in the database (blocking calls: the server runs them in its threadpool).
 
-    `holder`: the ledger log this process bills into (`holder_of`); `clock`: the time that picks a request's
+    `holder`: the name of the ledger log this process bills into (`holder_of`); `clock`: the time that picks a request's
     period (injectable for tests); `cache_ttl_s`: how long a tenant's list of budgets is reused on the request
     path (changes made through this book apply at once; through another replica within this time)."""
 
@@ -364,7 +417,14 @@ class BudgetBook:
         subject, limit, fractions = check_budget(scope, subject, limit_usd, period, alert_at)
         now = self.clock()
         with self.db.session() as session:
-            if session.get(Tenant, tenant_id) is None:
+            # Ordered against the ledger (`book_spend`) and other PUTs by the tenant's row: its lock on
+            # PostgreSQL, the database's write lock (taken by a first write) on SQLite.
+            if session.get_bind().dialect.name == "postgresql":
+                found = session.scalar(select(Tenant.id).where(Tenant.id == tenant_id).with_for_update())
+            else:
+                found = rowcount(session.execute(update(Tenant).where(Tenant.id == tenant_id)
+                                                 .values(status=Tenant.status)))
+            if not found:
                 raise BudgetNotFound(f"no tenant {tenant_id!r}")
             row = session.scalar(select(Budget).where(Budget.tenant_id == tenant_id, Budget.scope == scope,
                                                       Budget.subject == subject).with_for_update(key_share=True))
@@ -378,7 +438,7 @@ class BudgetBook:
             try:
                 session.flush()
             except IntegrityError:  # set at the same moment by another request: that one won
-                raise BudgetError("the budget was set concurrently by another request; retry") from None
+                raise BudgetConflict("the budget was set concurrently by another request; retry") from None
             info = _info(row)
             start, end = period_bounds(period, now)
             if recount:
@@ -401,7 +461,7 @@ class BudgetBook:
     def delete(self, tenant_id: str, scope: str, subject: str = "") -> None:
         """Remove a budget, with its spend and holds (requests in flight go on unbudgeted)."""
         with self.db.session() as session:
-            row = self._row(session, tenant_id, scope, subject)
+            row = self._row(session, tenant_id, scope, subject, lock=True)  # first: the ledger locks it first too
             session.execute(delete(BudgetHold).where(BudgetHold.budget_id == row.id))
             session.execute(delete(BudgetSpend).where(BudgetSpend.budget_id == row.id))
             session.delete(row)
@@ -438,15 +498,17 @@ class BudgetBook:
             self._cache[tenant_id] = (now, budgets)
         return budgets
 
-    def reserve(self, request_id: str, budgets: Sequence[BudgetInfo], parts: Sequence[Decimal]) -> list[BudgetStatus]:
+    def reserve(self, request_id: str, budgets: Sequence[BudgetInfo], parts: Sequence[Decimal],
+                at: datetime | None = None) -> list[BudgetStatus]:
         """Hold `parts` (each part's worst-case cost) against every budget in `budgets` (those that apply to
-        the request), atomically: either all are held or none. Raises BudgetExceeded, naming the hard budget
+        the request), atomically: either all are held or none, in the periods that hold `at` (the request's
+        arrival, as on its ledger row; default: now). Raises BudgetExceeded, naming the hard budget
         with the least left, when the request does not fit one; BudgetUnavailable when the database fails.
         Returns each budget's status with this request's holds included."""
         if not budgets:
             return []
         needed = sum(parts, _ZERO)
-        now = self.clock()
+        now = at or self.clock()  # the request's arrival: the period its ledger row will fall in
         try:
             with self.db.session() as session:
                 ids = sorted(b.id for b in budgets)
@@ -492,13 +554,27 @@ class BudgetBook:
         """Finish the releases queued so far."""
         self._releases.shutdown(wait=True)
 
-    def release(self, request_id: str) -> None:
-        """Drop a request's holds: it ended without a ledger row (refused after admission, lost, unbilled)."""
+    def release(self, request_id: str, attempt: int = 0) -> None:
+        """Drop a request's holds: it ended without a ledger row (refused after admission, lost, unbilled). While
+        the database cannot be reached this is retried with backoff, for a few minutes; after that the holds
+        stay until the log's next start (`clear_leftovers`)."""
         try:
             with self.db.session() as session:
                 session.execute(delete(BudgetHold).where(BudgetHold.request_id == request_id))
-        except Exception:  # noqa: BLE001 - kept: the next start's `clear_leftovers` drops it
-            log.exception("budgets: could not release the holds of %s", request_id)
+        except Exception as exc:  # noqa: BLE001
+            if attempt >= RELEASE_RETRIES:
+                log.error("budgets: gave up releasing the holds of %s (%s); the next start drops them", request_id,
+                          exc)
+                return
+            retry = threading.Timer(min(30.0, 0.5 * 2 ** attempt), self._release_again, (request_id, attempt + 1))
+            retry.daemon = True
+            retry.start()
+
+    def _release_again(self, request_id: str, attempt: int) -> None:
+        try:
+            self._releases.submit(self.release, request_id, attempt)
+        except RuntimeError:  # shut down: the next start drops them
+            pass
 
     def clear_leftovers(self, holder: str | None = None) -> int:
         """Drop the holds that earlier runs of `holder` (default: this process's log) left: call it once that
@@ -518,11 +594,12 @@ class BudgetBook:
         return dropped
 
     # -- internals ---------------------------------------------------------------------------------------
-    def _row(self, session: Session, tenant_id: str, scope: str, subject: str) -> Budget:
+    def _row(self, session: Session, tenant_id: str, scope: str, subject: str, lock: bool = False) -> Budget:
         if scope not in SCOPES:
             raise BudgetError(f"scope must be one of {', '.join(SCOPES)}, not {scope!r}")
-        row = session.scalar(select(Budget).where(Budget.tenant_id == tenant_id, Budget.scope == scope,
-                                                  Budget.subject == ("" if scope == "tenant" else subject)))
+        stmt = select(Budget).where(Budget.tenant_id == tenant_id, Budget.scope == scope,
+                                    Budget.subject == ("" if scope == "tenant" else subject))
+        row = session.scalar(stmt.with_for_update() if lock else stmt)
         if row is None:
             what = "the tenant" if scope == "tenant" else f"{scope} {subject!r}"
             raise BudgetNotFound(f"no budget is set for {what} of tenant {tenant_id}")
@@ -539,14 +616,16 @@ class BudgetBook:
             return []
         bounds = {info.id: period_bounds(info.period, now) for info in infos}
         keys = [(info.id, bounds[info.id][0]) for info in infos]
-        spent = {(r.budget_id, r.period_start): r.spent for r in session.execute(
-            select(BudgetSpend.budget_id, BudgetSpend.period_start, BudgetSpend.spent)
-            .where(tuple_(BudgetSpend.budget_id, BudgetSpend.period_start).in_(keys)))}
+        # The holds first: the ledger (`book_spend`) does not wait for a reservation's locks, and one of its
+        # commits between the two reads then counts a request twice (held and spent), never zero times.
         reserved: dict[tuple[int, datetime], Decimal] = {}
         for r in session.execute(select(BudgetHold.budget_id, BudgetHold.period_start, BudgetHold.amount)
                                  .where(tuple_(BudgetHold.budget_id, BudgetHold.period_start).in_(keys))):
             key = (r.budget_id, r.period_start)
             reserved[key] = MONEY_CONTEXT.add(reserved.get(key, _ZERO), r.amount)
+        spent = {(r.budget_id, r.period_start): r.spent for r in session.execute(
+            select(BudgetSpend.budget_id, BudgetSpend.period_start, BudgetSpend.spent)
+            .where(tuple_(BudgetSpend.budget_id, BudgetSpend.period_start).in_(keys)))}
         missing = [key for key in keys if key not in spent]
         if create and missing:
             # A new period: every request counted in it reserved first, so nothing was spent before.

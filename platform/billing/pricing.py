@@ -248,11 +248,10 @@ def cost_bound(prompt_tokens: int, completion_tokens: int, price: PriceInfo | No
                cost_of(prompt_tokens, prompt_tokens, completion_tokens, price))
 
 
-def worst_case_cost(prices: Sequence[PriceInfo], base_model: str, adapter_ids: Sequence[str | None], tier: str | None,
+def worst_case_cost(prices: Sequence[PriceInfo], base_model: str, candidates: Sequence[str | None], tier: str | None,
                     at: datetime, prompt_tokens: int, completion_tokens: int) -> Decimal:
-    """What a request can cost at most: `prompt_tokens` in, at most `completion_tokens` out, served by the one
-    adapter of `adapter_ids` (None: the base model), or by their composition when there are several (billed at
-    the costliest component's or the base model's price, see `price_for_composition`)."""
-    candidates = [*adapter_ids, None] if len(adapter_ids) > 1 else list(adapter_ids) or [None]
-    return max(cost_bound(prompt_tokens, completion_tokens, price_for(prices, base_model, adapter_id, tier, at))
-               for adapter_id in candidates)
+    """What a request can cost at most: `prompt_tokens` in, at most `completion_tokens` out, billed at the price of
+    one of `candidates` (adapter ids; None: the base model), at most the dearest. One adapter: [its id]. A
+    composition: its components and None, as `price_for_composition` bills it (never below the base model)."""
+    return max((cost_bound(prompt_tokens, completion_tokens, price_for(prices, base_model, adapter_id, tier, at))
+                for adapter_id in candidates or [None]), default=_ZERO)

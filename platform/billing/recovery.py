@@ -6,7 +6,7 @@ import logging
 import threading
 from pathlib import Path
 
-from loramux.billing.budgets import BudgetBook, holder_of
+from loramux.billing.budgets import HOLDER_FILE, BudgetBook, holder_of
 from loramux.billing.ledger import LedgerWriter
 from loramux.billing.ledger_wal import LEGACY_WAL_NAMES, WAL_NAME, LogInUseError
 from loramux.db import Database
@@ -33,13 +33,16 @@ def claim_ledger(db: Database, root: Path, max_slots: int = 1024) -> LedgerWrite
 
 def adopt_orphans(db: Database, root: Path, own: Path, timeout_s: float = 300.0) -> int:
     """Write into SQL every ledger log under `root` (but `own`) that no live process holds, each under its
-    lock; returns how many logs were drained. A log whose database writes fail stays for the next start."""
+    lock, then drop the budget reservations its process left (their requests never reached the log); returns
+    how many logs were drained. A log whose database writes fail stays, with its reservations, for the next
+    start."""
     drained = 0
     for folder in sorted(p for p in root.iterdir() if p.is_dir() and p != own):
         logs = [p for name in (WAL_NAME, *LEGACY_WAL_NAMES) for p in folder.glob(name + "*")
                 if not p.name.endswith((".lock", ".rejected"))]
-        if not any(p.stat().st_size for p in logs):
-            continue  # no log, or an empty one: nothing to replay
+        replay = any(p.stat().st_size for p in logs)
+        if not replay and not (folder / HOLDER_FILE).exists():
+            continue  # nothing to replay, and no reservation can name it
         writer = LedgerWriter(db, folder / WAL_NAME)
         try:
             writer.start()
@@ -47,10 +50,11 @@ def adopt_orphans(db: Database, root: Path, own: Path, timeout_s: float = 300.0)
             continue  # a live ingress holds it
         try:
             if writer.flush(timeout_s):
-                drained += 1
-                log.warning("ledger: drained the orphaned log in %s", folder)
-                # Its requests that are not in SQL now never reached the log: their reservations go.
-                BudgetBook(db, holder_of(writer.wal_path)).clear_leftovers()
+                if replay:
+                    drained += 1
+                    log.warning("ledger: drained the orphaned log in %s", folder)
+                if (folder / HOLDER_FILE).exists():
+                    BudgetBook(db, holder_of(writer.wal_path)).clear_leftovers()
         finally:
             writer.close()
     return drained

@@ -315,7 +315,7 @@ class LedgerEntry(Base):
     # A request that combined adapters with weights: [{"adapter_id", "version", "digest", "weight"}, ...].
     composition: Mapped[list | None] = mapped_column(JSON, nullable=True, default=None)
     # Request labels (`X-Loramux-Tags` / `metadata.tags`), for tag budgets and spend reports; None without any.
-    tags: Mapped[list | None] = mapped_column(JSON, nullable=True, default=None)
+    tags: Mapped[list | None] = mapped_column(JSON(none_as_null=True), nullable=True, default=None)  # SQL NULL
 
 
 class Budget(Base):

@@ -12,7 +12,7 @@ from loramux.adapters.formats.validation import AdapterFormatError
 from loramux.adapters.residency.cache_levels import AdapterLoadError
 from loramux.adapters.storage.medusa_registry import MedusaNotFoundError
 from loramux.adapters.storage.registry import AdapterNotFoundError, RegistryError
-from loramux.billing.budgets import BudgetError, BudgetNotFound
+from loramux.billing.budgets import BudgetConflict, BudgetError, BudgetNotFound
 from loramux.billing.pricing import PriceError
 from loramux.billing.reports import BillingQueryError
 from loramux.billing.webhooks import WebhookError, WebhookNotFound
@@ -73,6 +73,7 @@ def install_error_handlers(app: FastAPI) -> None:
     handle(AdapterUnavailableError, lambda e: error_response(503, str(e), "adapter_unavailable", retry_after_s=5))
     handle(PriceError, lambda e: error_response(400, str(e), "invalid_price"))
     handle(BudgetError, lambda e: error_response(400, str(e), "invalid_budget"))
+    handle(BudgetConflict, lambda e: error_response(409, str(e), "budget_conflict"))
     handle(BudgetNotFound, lambda e: error_response(404, str(e), "budget_not_found"))
     handle(WebhookError, lambda e: error_response(400, str(e), "invalid_webhook"))
     handle(WebhookNotFound, lambda e: error_response(404, str(e), "webhook_not_found"))

@@ -82,9 +82,12 @@ def test_the_worst_case_bounds_every_cache_hit_and_every_length():
             # A cached-input price above the input price (odd, allowed): every prompt token at the dearer one.
             dear = worst_case_cost(prices, "tiny", ["ad_dear"], None, AT, prompt, limit)
             assert dear == cost_of(prompt, prompt, limit, prices[1])
-    # A composition: its costliest component's price or the base model's.
-    assert worst_case_cost(prices, "tiny", ["ad_cheap", "ad_dear"], None, AT, 10, 4) == \
+    # A composition: its costliest component's price or the base model's, even of one $0 component.
+    assert worst_case_cost(prices, "tiny", ["ad_cheap", "ad_dear", None], None, AT, 10, 4) == \
         cost_of(10, 10, 4, prices[1])
+    free = [*prices, _price(3, "ad_free", "0", "0", "0")]
+    assert worst_case_cost(free, "tiny", ["ad_free"], None, AT, 10, 4) == 0
+    assert worst_case_cost(free, "tiny", ["ad_free", None], None, AT, 10, 4) == cost_of(10, 0, 4, prices[0])
     assert worst_case_cost([], "tiny", [None], None, AT, 10, 4) == 0  # no price: free
 
 
@@ -153,9 +156,11 @@ def test_reserve_book_and_release_move_the_money_exactly_once(world):
     assert book.status(tenant_id, "tenant").remaining == 0
     book.release("req-3")
     assert book.status(tenant_id, "tenant").remaining == Decimal("0.0005")
-    # A row of a request that reserved nothing (no budget applied then) is in the ledger, not in the spend.
-    write_records(db, [_record("unreserved", tenant_id, 10, 2)])
-    assert book.status(tenant_id, "tenant").spent == Decimal("0.0005")
+    # A row of a request that reserved nothing (served while reservations could not be made, or in flight when
+    # the budget was set) still counts, in the period of its arrival; a row of another tenant does not.
+    other = Tenancy(db).create_tenant("other").id
+    write_records(db, [_record("unreserved", tenant_id, 10, 2), _record("theirs", other, 10, 2)])
+    assert book.status(tenant_id, "tenant").spent == Decimal("0.0008")
 
 
 def test_a_new_budget_starts_with_what_the_ledger_holds_for_its_scope(world):
@@ -229,3 +234,49 @@ def test_leftovers_of_an_earlier_run_are_dropped_and_a_deleted_budget_takes_its_
         assert s.scalars(select(BudgetSpend)).all() == []
     with pytest.raises(BudgetNotFound):
         restarted.delete(tenant_id, "tenant")
+
+
+def test_a_logs_holder_id_lives_beside_it_and_an_orphaned_logs_reservations_are_dropped(world, tmp_path):
+    from loramux.billing.budgets import holder_of
+    from loramux.billing.ledger_wal import WAL_NAME
+    from loramux.billing.recovery import adopt_orphans
+
+    db, book, tenant_id = world
+    root = tmp_path / "ingress"
+    first = holder_of(root / "slot-0" / WAL_NAME)
+    assert holder_of(root / "slot-0" / WAL_NAME) == first != holder_of(root / "slot-1" / WAL_NAME)
+    book.put(tenant_id, "tenant", "", "1", "month")
+    gone = BudgetBook(db, first, clock=lambda: AT)  # an ingress that died with a request in flight
+    gone.reserve("never-answered", gone.budgets_for(tenant_id), [Decimal("0.1")])
+    live = BudgetBook(db, holder_of(root / "slot-1" / WAL_NAME), clock=lambda: AT)
+    live.reserve("in-flight", live.budgets_for(tenant_id), [Decimal("0.2")])
+    assert adopt_orphans(db, root, root / "slot-1") == 0  # its log is empty: nothing to replay, but its holds go
+    assert [h[0] for h in _holds(db)] == ["in-flight"]
+
+
+def test_a_release_while_the_database_is_down_is_retried(world, monkeypatch):
+    from polling import wait_until
+
+    db, book, tenant_id = world
+    book.put(tenant_id, "tenant", "", "1", "month")
+    book.reserve("doomed", book.budgets_for(tenant_id), [Decimal("0.3")])
+    real, calls = db.session, []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) <= 2:
+            raise ConnectionError("the database is down")
+        return real()
+
+    monkeypatch.setattr(db, "session", flaky)
+    book.release_later("doomed")
+    wait_until(lambda: len(calls) >= 3 and not _holds(db), "the release to get through on its third try")
+
+
+def test_untagged_ledger_rows_store_sql_null(world):
+    from sqlalchemy import text
+
+    db, _, tenant_id = world
+    write_records(db, [_record("plain", tenant_id, 1, 1), _record("tagged", tenant_id, 1, 1, tags=["a"])])
+    with db.session() as s:
+        assert s.execute(text("SELECT request_id FROM ledger WHERE tags IS NULL")).scalars().all() == ["plain"]

@@ -251,8 +251,8 @@ class RequestPipeline:
         book = self.services.budgets
         if book is None:
             return None
-        if composition is not None:
-            served: list[list[str | None]] = [[c.get("adapter_id") for c in composition.ledger()]]
+        if composition is not None:  # billed at its dearest component's price or the base model's
+            served: list[list[str | None]] = [[*(c.get("adapter_id") for c in composition.ledger()), None]]
         else:
             served = [[part.version.adapter_id if part.version is not None else None] for part in parts]
         ask = SpendAsk(admitted.tenant, request_id, self.model_id, served, prompt_tokens, max_completion,

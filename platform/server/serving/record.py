@@ -60,7 +60,8 @@ def finish(running: Running, outcome: str, admission: Admission | None, adapter_
             running.spend.release()
         return []
     # Billed at the price in force when the request arrived: its wall-clock arrival time.
-    created_at = utcnow() - timedelta(seconds=time.monotonic() - running.arrival)
+    created_at = running.spend.arrived_at if running.spend is not None and running.spend.arrived_at else \
+        utcnow() - timedelta(seconds=time.monotonic() - running.arrival)
     if running.parts:
         records = [_part_record(running, i, outcome, model_id, created_at, elapsed_ms)
                    for i in range(len(running.parts))]

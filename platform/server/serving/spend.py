@@ -8,12 +8,13 @@ a composition at its costliest component's (or the base model's) price. The rese
 ledger row is written (`loramux.billing.budgets`), or released when the request ends without one."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from decimal import Decimal
 
 from fastapi.concurrency import run_in_threadpool
@@ -29,7 +30,6 @@ from loramux.billing.ledger_records import ledger_row
 from loramux.billing.money import MONEY_CONTEXT
 from loramux.billing.pricing import PriceInfo, worst_case_cost
 from loramux.billing.usage import RequestRecord
-from loramux.db.models import utcnow
 from loramux.server.http.errors import ApiError
 from loramux.tenancy.tenants import TenantContext
 
@@ -49,6 +49,7 @@ class Spend:
     statuses: list[BudgetStatus] = field(default_factory=list)
     held: Decimal = _ZERO
     cost: Decimal | None = None
+    arrived_at: datetime | None = None  # the request's arrival by the book's clock: its ledger rows' created_at
 
     def settle(self, records: Sequence[RequestRecord]) -> None:
         """The request ended with these ledger records: its cost is theirs, priced as the ledger will."""
@@ -130,7 +131,8 @@ async def reserve_spend(book: BudgetBook, ask: SpendAsk, fail_open: bool = False
     Raises ApiError 402 `budget_exceeded` (naming the budget, what it has left, what the request needs and when
     it resets) or, when the database cannot be reached and the tenant has budgets, 503 `budgets_unavailable`
     (unless `fail_open`: then the request runs unreserved, logged)."""
-    at = utcnow() - timedelta(seconds=time.monotonic() - ask.arrival)  # as the ledger prices it: at arrival
+    # The arrival, by the book's clock: the prices, the budgets' periods and the ledger rows' created_at.
+    at = book.clock() - timedelta(seconds=time.monotonic() - ask.arrival)
     tenant, request_id = ask.tenant, ask.request_id
 
     def blocking() -> Spend:
@@ -140,14 +142,20 @@ async def reserve_spend(book: BudgetBook, ask: SpendAsk, fail_open: bool = False
         except Exception as exc:  # noqa: BLE001
             if budgets:
                 raise BudgetUnavailable(f"prices cannot be read ({type(exc).__name__})") from exc
-            return Spend(request_id, book, None)  # no budget: the answer just goes without its cost
+            return Spend(request_id, book, None, arrived_at=at)  # no budget: the answer goes without its cost
         amounts = [worst_case_cost(prices, ask.model_id, ids, tenant.tier.name, at, ask.prompt_tokens,
                                    ask.max_completion) for ids in ask.parts]
-        statuses = book.reserve(request_id, budgets, amounts) if budgets else []
-        return Spend(request_id, book, prices, statuses, sum(amounts, _ZERO) if statuses else _ZERO)
+        statuses = book.reserve(request_id, budgets, amounts, at) if budgets else []
+        return Spend(request_id, book, prices, statuses, sum(amounts, _ZERO) if statuses else _ZERO, arrived_at=at)
 
+    # Shielded: a cancelled request (its client gone) cannot stop the thread, whose reservation may still
+    # commit; it is then released as soon as it has.
+    reserving = asyncio.ensure_future(run_in_threadpool(blocking))
     try:
-        return await run_in_threadpool(blocking)
+        return await asyncio.shield(reserving)
+    except asyncio.CancelledError:
+        reserving.add_done_callback(_release_if_reserved)
+        raise
     except BudgetExceeded as exc:
         status = exc.status
         raise ApiError(402, str(exc), code="budget_exceeded", param="max_tokens", extra={
@@ -158,6 +166,11 @@ async def reserve_spend(book: BudgetBook, ask: SpendAsk, fail_open: bool = False
     except BudgetUnavailable as exc:
         if fail_open:
             log.warning("request %s runs without its budget reservation: %s", request_id, exc)
-            return Spend(request_id, book, None)
+            return Spend(request_id, book, None, arrived_at=at)
         raise ApiError(503, f"spend limits cannot be checked right now ({exc}); retry shortly",
                        retry_after_s=5, code="budgets_unavailable") from None
+
+
+def _release_if_reserved(reserving: asyncio.Future) -> None:
+    if not reserving.cancelled() and reserving.exception() is None:
+        reserving.result().release()
