@@ -408,6 +408,7 @@ class BudgetBook:
         self._prices = PriceCache(PRICE_RELOAD_S)
         self._prices_lock = threading.Lock()
         self._releases = ThreadPoolExecutor(1, thread_name_prefix="budget-release")
+        self.release_backoff_s = 0.5  # the first retry of a failed release; doubling, at most 30 s
 
     # -- admin -------------------------------------------------------------------------------------------
     def put(self, tenant_id: str, scope: str, subject: str, limit_usd, period: str, hard: bool = True,
@@ -566,7 +567,8 @@ class BudgetBook:
                 log.error("budgets: gave up releasing the holds of %s (%s); the next start drops them", request_id,
                           exc)
                 return
-            retry = threading.Timer(min(30.0, 0.5 * 2 ** attempt), self._release_again, (request_id, attempt + 1))
+            retry = threading.Timer(min(30.0, self.release_backoff_s * 2 ** attempt), self._release_again,
+                                    (request_id, attempt + 1))
             retry.daemon = True
             retry.start()
 

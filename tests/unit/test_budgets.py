@@ -269,6 +269,7 @@ def test_a_release_while_the_database_is_down_is_retried(world, monkeypatch):
         return real()
 
     monkeypatch.setattr(db, "session", flaky)
+    book.release_backoff_s = 0.01
     book.release_later("doomed")
     wait_until(lambda: len(calls) >= 3 and not _holds(db), "the release to get through on its third try")
 
