@@ -4,7 +4,7 @@ the tenant sends requests with the `openai` client, the operator sees spend and 
 CSV and reconciles it with the API's summary, revokes the key, and the tenant's next request is refused.
 
 Screenshots of every page (1280x800, and the narrow layout) go to `test-artifacts/console/`
-(LORAMUX_TEST_ARTIFACTS overrides); docs/console-*.png are two of them, shown in docs/admin-and-billing.md.
+(LORAMUX_TEST_ARTIFACTS overrides); docs/console-*.png are three of them, shown in docs/admin-and-billing.md.
 """
 from __future__ import annotations
 
@@ -311,6 +311,7 @@ def test_the_tenant_page_charts_the_periods_spend_against_the_budget(page, stack
     assert seen["painted"] > 1000 and seen["limit"] > 20, seen  # bars, axes and the limit's dashed line
     assert page.get_by_role("img", name="Daily spend in USD").count() == 1
     shoot(page, "tenant-budget")
+    shutil.copyfile(ARTIFACTS / "tenant-budget.png", ROOT / "docs" / "console-tenant-budget.png")  # the docs' picture
     page.set_viewport_size({"width": 390, "height": 844})  # a narrow window: only the table scrolls, in its box
     page.reload()
     page.wait_for_function("() => document.getElementById('budget-chart').getAttribute('width') > 0")
