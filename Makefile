@@ -61,16 +61,20 @@ typecheck: install
 	cd $(ROOT) && $(VENV)/bin/basedpyright --pythonpath $(PY)
 
 # pytest's own script, not `python -m pytest`: -m would put the repo root on sys.path, where the kernels/
-# folder shadows Hugging Face's `kernels` (docs/development.md, "The `kernels` name clash").
+# folder shadows Hugging Face's `kernels` (docs/development.md, "The `kernels` name clash"). TEST_WORKERS
+# pytest-xdist workers, one torch thread each (tests/conftest.py), each taking whole modules (pyproject's
+# `--dist loadfile`; docs/development.md, "Test lanes").
+TEST_WORKERS ?= 2
 test: lint typecheck browser
-	cd $(ROOT) && $(VENV)/bin/pytest -q
+	cd $(ROOT) && $(VENV)/bin/pytest -q -n $(TEST_WORKERS)
 
-# The inner loop (docs/development.md, "Test lanes"): no real model, Ray, browser, subprocess or slow test;
-# it fails when it takes longer than FAST_BUDGET seconds (tests/lanes.py), so the lane stays fast.
+# The inner loop (docs/development.md, "Test lanes"): no real model, Ray, browser, subprocess or slow test,
+# on TEST_WORKERS workers as `make test`; it fails when it takes longer than FAST_BUDGET seconds
+# (tests/lanes.py), so the lane stays fast.
 FAST_LANE   := not slow and not ray and not browser and not subprocess and not real_model
 FAST_BUDGET ?= 180
 test-fast: install
-	cd $(ROOT) && $(VENV)/bin/pytest -q -m "$(FAST_LANE)" --lane-budget $(FAST_BUDGET)
+	cd $(ROOT) && $(VENV)/bin/pytest -q -n $(TEST_WORKERS) -m "$(FAST_LANE)" --lane-budget $(FAST_BUDGET)
 
 # `make bench`: the bench scripts, one line each (bench/README.md says more); `make bench BENCH=structured
 # ARGS=--tiny` runs bench/structured.py --tiny.

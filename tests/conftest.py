@@ -34,15 +34,42 @@ from loramux.testing import (
 )
 
 # At most 2 threads, as CI has (a cap, not a setting: raising 1 thread pinned to one core to 2 made every
-# OpenMP region spin-wait on a descheduled thread, ~100x slower).
-if torch.get_num_threads() > 2:
+# OpenMP region spin-wait on a descheduled thread, ~100x slower). Under pytest-xdist (`make test` runs 2
+# workers) each worker, and every process it starts, gets 1: two workers of 2 threads on 2 cores would be that
+# oversubscription again.
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if XDIST_WORKER is not None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+elif torch.get_num_threads() > 2:
     torch.set_num_threads(2)
+
+
+def embedded_model_dir() -> Path:
+    """HF-style directory of the embedded SmolLM2-135M-Instruct, converted from its GGUF on first use under an
+    exclusive file lock: test processes running side by side (xdist workers) convert it once between them, and
+    none reads the cache dir while another is still replacing it."""
+    import fcntl
+
+    cache_dir = Path(Settings().cache_dir)
+    (cache_dir / "models").mkdir(parents=True, exist_ok=True)
+    with open(cache_dir / "models" / f".{DEFAULT_MODEL}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        return resolve_model_dir(DEFAULT_MODEL, cache_dir)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session):
+    """Convert the embedded model before the first test when any selected test needs it: the bench scripts and
+    CLIs that the `subprocess` tests start resolve it themselves, without the lock."""
+    if not session.config.option.collectonly and any(item.get_closest_marker("real_model") for item in session.items):
+        embedded_model_dir()
 
 
 @pytest.fixture(scope="session")
 def smol_dir() -> Path:
     """HF-style directory of the embedded SmolLM2-135M-Instruct (GGUF converted on first use)."""
-    return resolve_model_dir(DEFAULT_MODEL, Path(Settings().cache_dir))
+    return embedded_model_dir()
 
 
 @pytest.fixture(scope="session")
@@ -305,7 +332,8 @@ def decode_step_lora_cost(engine: LLMEngine, requests: dict[str, str | None], pr
 @pytest.fixture(scope="session")
 def redis_url():
     """A private redis-server on a free port for this session (nothing on disk); without the binary, the
-    machine's Redis (LORAMUX_TEST_REDIS_URL, default db 15 on 127.0.0.1:6379), flushed first."""
+    machine's Redis (LORAMUX_TEST_REDIS_URL, default db 15 on 127.0.0.1:6379), flushed first: xdist worker gwN
+    takes the database N below the URL's, so that one worker's flush never wipes another's keys."""
     import shutil
 
     import redis
@@ -313,6 +341,10 @@ def redis_url():
     binary = shutil.which("redis-server")
     if binary is None:
         url = os.environ.get("LORAMUX_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+        worker = int((XDIST_WORKER or "gw0").removeprefix("gw"))
+        if worker:
+            root, _, db = url.rpartition("/")
+            url = f"{root}/{int(db) - worker}"
         redis.Redis.from_url(url).flushdb()
         yield url
         return
@@ -322,11 +354,13 @@ def redis_url():
     server.process.wait(timeout=10)
 
 
-# --- Ray: one local cluster for the session ---------------------------------------------------------
-@pytest.fixture(scope="session")
+# --- Ray: one local cluster for the Ray tests' module -----------------------------------------------
+@pytest.fixture(scope="module")
 def ray_cluster():
-    """A local Ray cluster, started once for the session (Ray takes 10-20 s to start on 2 cores) and shut down
-    at its end; yields the `ray` module. Each test module shuts down the Serve applications it started."""
+    """A local Ray cluster, started once (Ray takes 10-20 s to start on 2 cores) for the one module that holds
+    every Ray test (tests/lanes.py, ONE_MODULE_LANES) and shut down at its end, since an idle cluster's daemons
+    keep taking CPU from the tests after it; yields the `ray` module. The module shuts down the Serve
+    applications it started."""
     ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'loramux[ray]')")
     # Replicas import loramux from this checkout; keep their torch threads to one each (2 cores here).
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,

@@ -7,7 +7,7 @@ A test's markers come from what it uses, so that a new test lands in the right l
   `tiny_dir` and everything built on it need its tokenizer; or its GGUF file read directly, found in the source
   as for `subprocess`), or an explicit `@pytest.mark.real_model`.
 - `postgres`: a PostgreSQL database (the `postgresql` parameter of `database_url`, or `postgres_server_url`).
-- `ray`: the session's Ray cluster (`ray_cluster`).
+- `ray`: a local Ray cluster (`ray_cluster`, or an explicit `@pytest.mark.ray` where a bench script starts one).
 - `browser`: chromium through Playwright (the `browser` fixture).
 - `subprocess`: starts a Python or CLI process, in the test or in one of its fixtures, or through a helper of
   its own module (found in their source: `subprocess.`, `Popen`, `sys.executable`, `create_subprocess_exec`).
@@ -80,8 +80,19 @@ def _helpers(module, marker: str) -> frozenset[str]:
     return _module_helpers[key]
 
 
+_said: dict[tuple[object, str], bool] = {}
+
+
 def _source_says(func, marker: str) -> bool:
-    """Whether `func`'s source, or that of a helper of its own module it names, matches SOURCE_MARKERS[marker]."""
+    """Whether `func`'s source, or that of a helper of its own module it names, matches SOURCE_MARKERS[marker].
+    Remembered per function: a fixture is asked about once per test that uses it, and reading source is slow."""
+    key = (func, marker)
+    if key not in _said:
+        _said[key] = _read_source_says(func, marker)
+    return _said[key]
+
+
+def _read_source_says(func, marker: str) -> bool:
     if str(inspect.getsourcefile(func) or "").startswith(INSTALLED):
         return False  # pytest's and plugins' own fixtures (tmp_path, capfd, ...)
     source = _source(func)
@@ -117,10 +128,31 @@ def pytest_configure(config):  # the markers themselves are registered in pyproj
     config.stash[_started] = time.monotonic()
 
 
+# `make test` runs pytest-xdist workers with `--dist loadfile` (pyproject's addopts): each module's tests run on
+# one worker, so a module-scoped fixture is built once. Tests of these lanes share something that must never run
+# twice at once (a local Ray cluster takes the machine's cores as its num_cpus; a second would start beside it),
+# so they must all live in one module.
+ONE_MODULE_LANES = ("ray",)
+
+
+def lanes_split_across_modules(items) -> dict[str, list[str]]:
+    """ONE_MODULE_LANES whose tests among `items` are in more than one module: lane -> the modules."""
+    modules: dict[str, set[str]] = {}
+    for item in items:
+        for lane in ONE_MODULE_LANES:
+            if item.get_closest_marker(lane) is not None:
+                modules.setdefault(lane, set()).add(item.nodeid.split("::")[0])
+    return {lane: sorted(found) for lane, found in modules.items() if len(found) > 1}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by these markers
 def pytest_collection_modifyitems(config, items):
     for item in items:
         for marker in sorted(lane_markers(item) - {m.name for m in item.iter_markers()}):
             item.add_marker(marker)
+    for lane, modules in lanes_split_across_modules(items).items():
+        raise pytest.UsageError(f"the `{lane}` tests must share one module, so that one xdist worker runs them "
+                                f"all (tests/lanes.py ONE_MODULE_LANES); they are in {', '.join(modules)}")
 
 
 _started = pytest.StashKey[float]()

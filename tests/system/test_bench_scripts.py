@@ -140,20 +140,6 @@ def test_many_adapters_bench_quick_run_reports_figures(tmp_path):
     assert out_png.is_file() or "matplotlib is not installed" in out
 
 
-@pytest.mark.real_model
-def test_scale_out_bench_quick_run_reports_figure():
-    """Smoke mode: 1 and 2 engine replicas of the tiny model on a local Ray cluster, one short round each."""
-    pytest.importorskip("ray", reason="the ray extra is not installed")
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "scale_out.py"), "--smoke"],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout
-    assert "machine: " in out and "1 replica(s) x 2 thread(s)" in out, out
-    last = out.strip().splitlines()[-1]
-    assert last.startswith("FIGURE ray_two_replica_speedup "), out
-    assert float(last.split()[-1]) > 0
-
-
 def test_structured_bench_tiny_run_reports_the_step_overhead():
     """Smoke mode: the tiny random model (SmolLM2's tokenizer), one round of 8 rows x 8 tokens with 0, 1 and 8
     rows under the JSON schema; every row decodes to its max_tokens."""

@@ -2,9 +2,11 @@
 the registry and ledger, moto S3 for adapter blobs, a private Redis for limits and replica state. Clients
 are the official `openai` package over HTTP, as a tenant's would be.
 
-The session's Ray cluster (conftest's ray_cluster) and one module-wide Serve application; the tests run in
-file order: the mixed load, then the replica kill, then the single-process comparison (after the Serve
-application is gone, so its replicas do not compete for the cores).
+A local Ray cluster (conftest's ray_cluster, for this module) and one module-wide Serve application; the tests
+run in file order: the scale-out bench's smoke run (its own Ray cluster, before ray_cluster starts), the mixed
+load, then the replica kill, then the single-process comparison (after the Serve application is gone, so its
+replicas do not compete for the cores). Every test that starts Ray lives here, so that one xdist worker runs
+them all (tests/lanes.py, ONE_MODULE_LANES).
 """
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import collections
 import itertools
 import os
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -44,6 +48,7 @@ MAX_TOKENS = 8
 POLL_S = 0.2  # the cluster is polled over HTTP and Ray's state API: not every 10 ms
 PROMPTS = ["Tell me about the sea.", "List three colours.", "What is a LoRA adapter?", "Count to five.",
            "Name a famous bridge.", "Why is the sky blue?", "Write a haiku about rain.", "Say hello."]
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS: dict = {}  # what one test hands the next (file order): the load's answers, the outputs to compare
 
 
@@ -82,7 +87,7 @@ def stack(ray_cluster, tmp_path_factory, tokenizer, tiny_cfg, moto_server, postg
         setup = _set_up_tenants_and_adapters(admin, adapter_dirs)
         yield {"url": url, "admin": admin, "db": db, "settings": settings, **setup}
     finally:
-        serve.shutdown()  # the session's Ray cluster (ray_cluster) stays up for other modules
+        serve.shutdown()  # ray_cluster shuts Ray down after this module
         db.dispose()
 
 
@@ -165,6 +170,20 @@ def _ledger_rows(stack, count: int, since_ids: set | None = None) -> list[tuple]
         rows = _ledger(stack, since_ids)
         return rows if len(rows) >= count else None
     return wait_until(enough, f"{count} ledger rows", 60, POLL_S)
+
+
+@pytest.mark.real_model
+@pytest.mark.ray  # its own local Ray cluster: first in the file, before `stack` starts ray_cluster
+def test_scale_out_bench_quick_run_reports_figure():
+    """Smoke mode: 1 and 2 engine replicas of the tiny model on a local Ray cluster, one short round each."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "scale_out.py"), "--smoke"],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "machine: " in out and "1 replica(s) x 2 thread(s)" in out, out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("FIGURE ray_two_replica_speedup "), out
+    assert float(last.split()[-1]) > 0
 
 
 def test_mixed_load_is_routed_by_adapter_billed_once_and_limited_across_replicas(stack):

@@ -117,6 +117,32 @@ def test_markers_come_from_fixtures_parameters_and_source(pytester):
     }
 
 
+RAY_TEST = """
+import pytest
+
+
+@pytest.fixture
+def ray_cluster():
+    return None
+
+
+def test_uses_ray(ray_cluster):
+    assert True
+"""
+
+
+def test_ray_tests_in_two_modules_are_a_usage_error(pytester):
+    """`make test`'s xdist workers take whole modules (--dist loadfile): Ray tests in a second module could run
+    beside the first, two Ray clusters at once."""
+    lanes = ("-p", "lanes", "-W", "ignore::pytest.PytestAssertRewriteWarning", "--collect-only")
+    pytester.makepyfile(test_ray_one=RAY_TEST)
+    assert pytester.runpytest_inprocess(*lanes).ret == pytest.ExitCode.OK
+    pytester.makepyfile(test_ray_two=RAY_TEST, test_plain="def test_plain():\n    assert True\n")
+    split = pytester.runpytest_inprocess(*lanes)
+    assert split.ret == pytest.ExitCode.USAGE_ERROR
+    split.stderr.fnmatch_lines(["*the `ray` tests must share one module*they are in test_ray_one.py, test_ray_two.py"])
+
+
 def test_a_session_over_its_lane_budget_fails(pytester):
     pytester.makepyfile(test_quick="def test_passes():\n    assert True\n")
     lanes = ("-p", "lanes", "-W", "ignore::pytest.PytestAssertRewriteWarning")
