@@ -190,7 +190,11 @@ def upload_dirs_left() -> list[str]:
     return [p.name for p in Path(tempfile.gettempdir()).glob("loramux-upload-*")]
 
 
-def test_upload_abuse_is_refused_and_leaves_nothing(stack, admin, tmp_path):
+def test_upload_abuse_is_refused_and_leaves_nothing(stack, admin, tmp_path, monkeypatch):
+    # The server runs in this process: its upload dirs go to a temp dir of this test's own, where another test's
+    # upload in flight (another xdist worker's, say) is never counted as left behind.
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     server = stack[0]
     acme = server.services.tenancy.tenant("acme")
     good = adapter_dir(stack, "good", 5)
