@@ -125,6 +125,16 @@ class Settings(BaseSettings):
     # Largest JSON request body on every route but uploads (which max_upload_bytes caps): 413 above it,
     # refused from Content-Length at once or while a chunked body streams in.
     max_request_bytes: int = Field(default=4 * 1024**2, gt=0)
+    # vLLM's adapter endpoints (POST /v1/load_lora_adapter, /v1/unload_lora_adapter; admin keys): `lora_path` is an
+    # s3:// URL (read with the LORAMUX_S3_* settings) or a directory under one of these comma-separated absolute
+    # roots ("" = no local directories), registered for the tenant the X-Loramux-Tenant header names, else this one.
+    adapter_import_roots: str = ""
+    adapter_import_tenant: str = ""
+    # Resolver (vLLM's resolver plugins): a request whose `model` the registry does not know is looked up at
+    # <adapter_resolver>/<tenant name>/<model>/ (s3://bucket/prefix/ or file:///dir/; "" = off), validated,
+    # registered and served; a miss is remembered for `adapter_resolver_miss_ttl_s` (404s without a lookup).
+    adapter_resolver: str = ""
+    adapter_resolver_miss_ttl_s: float = Field(default=30.0, ge=0)
 
     def resolved_database_url(self) -> str:
         return self.database_url or f"sqlite:///{Path(self.data_dir) / 'loramux.db'}"

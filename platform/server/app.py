@@ -16,6 +16,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from loramux.admin.routes import router as admin_router
+from loramux.admin.routes import vllm_adapters
 from loramux.console.revocations import SessionRevocations
 from loramux.console.routes import install_console
 from loramux.console.session import SessionSigner
@@ -75,6 +76,7 @@ def create_app(services_factory, ledger_hooks: list | None = None, limiter_facto
     app.include_router(openai_api.router)
     app.include_router(native.router)
     app.include_router(admin_router)
+    app.include_router(vllm_adapters.router)
     install_error_handlers(app)
     install_console(app)
     docs = (app.docs_url, app.redoc_url, app.openapi_url, app.swagger_ui_oauth2_redirect_url)

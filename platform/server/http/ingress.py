@@ -2,7 +2,8 @@
 
 `Ingress` is a pure ASGI middleware. In order, cheapest first:
 
-1. **The key.** Routes under /admin need an admin key (`lmxa-...`), the open ones (/health, /ready,
+1. **The key.** Routes under /admin need an admin key (`lmxa-...`), and so do vLLM's adapter endpoints
+   (`ADMIN_PATHS_OUTSIDE_ADMIN`), the open ones (/health, /ready,
    /metrics, the docs) none, the console (/console) its own session cookie, every other path a tenant
    key (`lmx-...`): unknown paths too, so an
    anonymous client learns nothing about the route table. The caller is resolved in the threadpool
@@ -48,6 +49,8 @@ from loramux.tenancy.tenants import KEY_PREFIX, TenantContext
 
 MAX_JSON_DEPTH = 64  # arrays and objects nested in each other; OpenAI's request shapes need fewer than 8
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+# vLLM's adapter endpoints: under /v1 as vLLM has them, but operations on the server, so for admin keys.
+ADMIN_PATHS_OUTSIDE_ADMIN = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 # The operator console authenticates with its own signed session cookie (loramux.console), not a bearer key.
 OWN_AUTH_PREFIXES = ("/console",)
 # Capped by their route, at max_upload_bytes + 1 MiB.
@@ -238,7 +241,7 @@ class Ingress:
 
         if path not in self.open_paths and not _under(path, OWN_AUTH_PREFIXES):
             raw = bearer_token(headers.get("authorization"))
-            admin_route = path == "/admin" or path.startswith("/admin/")
+            admin_route = path == "/admin" or path.startswith("/admin/") or path in ADMIN_PATHS_OUTSIDE_ADMIN
             limiter, client = failure_limit(scope)
             wait = limiter.retry_after(client) if limiter is not None and raw is not None else None
             if wait is not None:

@@ -1,13 +1,16 @@
-"""Which adapter serves a request: the one it names, resolved for its tenant and brought into host RAM
-within the request's deadline, or, when that fails, the tenant's fallback (another adapter or the base
-model)."""
+"""Which adapter serves a request: the one it names, resolved for its tenant (in the registry, else through the
+resolver when one is configured) and brought into host RAM within the request's deadline, or, when that fails,
+the tenant's fallback (another adapter or the base model)."""
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from fastapi.concurrency import run_in_threadpool
 
+from loramux.adapters.formats.validation import AdapterFormatError
 from loramux.adapters.residency.cache_levels import Acquired, AdapterCache, AdapterLoadError
+from loramux.adapters.storage.adapter_source import SourceInvalid, SourceUnavailable
 from loramux.adapters.storage.registry import (
     BASE_MODEL_ALIAS,
     AdapterNotFoundError,
@@ -15,19 +18,49 @@ from loramux.adapters.storage.registry import (
     AdapterVersionInfo,
 )
 from loramux.server.http.errors import ApiError
+from loramux.services.adapter_resolver import AdapterResolver, ResolverMiss, ResolverNameInvalid
 from loramux.tenancy.tenants import TenantContext
 
 log = logging.getLogger(__name__)
 
 
 async def acquire_adapter(registry: AdapterRegistry, cache: AdapterCache, tenant: TenantContext, model: str,
-                          time_left: float, base_model_id: str
+                          time_left: float, base_model_id: str, resolver: AdapterResolver | None = None
                           ) -> tuple[AdapterVersionInfo | None, Acquired | None, str | None]:
     """(version, its host-RAM lease, why the fallback serves instead or None) for the adapter `model`
-    names: resolved in the registry for the tenant (404 when it cannot see it) and brought into host RAM
+    names: resolved in the registry for the tenant (404 when it cannot see it; with a `resolver`, a name the
+    registry does not know is looked up in its store first: `resolve_unknown`) and brought into host RAM
     within `time_left`; when that fails, the tenant's fallback (the base model: no version) or a 503."""
-    version = await run_in_threadpool(resolve_adapter, registry, tenant, model, base_model_id)
+    try:
+        version = await run_in_threadpool(resolve_adapter, registry, tenant, model, base_model_id)
+    except ApiError as exc:
+        if resolver is None or exc.status != 404:
+            raise
+        version = await resolve_unknown(resolver, tenant, model, time_left, exc)
     return await load_adapter(registry, cache, tenant, version, time_left)
+
+
+async def resolve_unknown(resolver: AdapterResolver, tenant: TenantContext, model: str, time_left: float,
+                          not_found: ApiError) -> AdapterVersionInfo:
+    """`model`, unknown to the registry, registered from the resolver's store within `time_left`: `not_found`
+    when it is not there either; 400 for a name that cannot be looked up (`../x`) or an adapter there that does
+    not validate (the message names the problem); 503 when the store cannot be reached or the fetch outlasts the
+    request (the fetch goes on: a retry finds it registered)."""
+    try:
+        return await asyncio.wait_for(resolver.resolve(tenant.tenant_id, tenant.tenant_name, model),
+                                      max(0.001, time_left))
+    except ResolverMiss:
+        raise not_found from None
+    except ResolverNameInvalid as exc:
+        raise ApiError(400, str(exc), code="invalid_model", param="model") from None
+    except (SourceInvalid, AdapterFormatError) as exc:
+        raise ApiError(400, f"adapter {model!r} at the resolver's location cannot be served: {exc}",
+                       code=getattr(exc, "code", None) or "invalid_adapter", param="model") from None
+    except SourceUnavailable as exc:
+        raise ApiError(503, str(exc), retry_after_s=5.0, code="adapter_unavailable") from None
+    except TimeoutError:
+        raise ApiError(503, f"adapter {model!r} is still being fetched from the resolver's store; retry shortly",
+                       retry_after_s=2.0, code="adapter_unavailable") from None
 
 
 def resolve_adapter(registry: AdapterRegistry, tenant: TenantContext, model: str, base_model_id: str,

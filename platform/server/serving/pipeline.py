@@ -48,6 +48,7 @@ from loramux.server.serving.fanout import Part, acquire_parts, check_fanout, rel
 from loramux.server.serving.record import finish
 from loramux.server.serving.running import Running
 from loramux.server.serving.spend import Spend, SpendAsk, reserve_spend
+from loramux.services.adapter_resolver import AdapterResolver
 from loramux.services.medusa import heads_for_request
 from loramux.tenancy.rate_limits import RateLimiter
 from loramux.tenancy.tenants import TenantContext
@@ -88,6 +89,9 @@ class RequestPipeline:
         self.compositions = CompositionCache(services.adapter_cache, settings.composition_build_threads,
                                              settings.composition_builds_per_tenant)
         self.adapter_dtype = device_and_dtype(settings)[1]  # a composite must fit it (`check_fits`)
+        # Names the registry does not know, looked up in LORAMUX_ADAPTER_RESOLVER's store (None: off).
+        self.resolver = (AdapterResolver(services, settings.adapter_resolver, settings.adapter_resolver_miss_ttl_s)
+                         if settings.adapter_resolver else None)
 
     def is_base(self, model: str | None) -> bool:
         return model in (None, "", BASE_MODEL_ALIAS, self.model_id)
@@ -242,7 +246,8 @@ class RequestPipeline:
         if target.model is None or self.is_base(target.model):
             return [Part(requested, None, None)], None
         version, lease, fallback_reason = await acquire_adapter(
-            services.registry, services.adapter_cache, tenant, target.model, _time_left(admitted), self.model_id)
+            services.registry, services.adapter_cache, tenant, target.model, _time_left(admitted), self.model_id,
+            self.resolver)
         return [Part(requested, version, lease, fallback_reason)], None
 
     async def _reserve(self, admitted: Admitted, request_id: str, parts: list[Part], composition: Composition | None,
