@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from loramux.adapters.storage.registry import AdapterVersionInfo
+from loramux.cluster.residency_score import device_room
 from loramux.cluster.shared_state import ReplicaDirectory
 from loramux.cluster.wire import to_wire
 from loramux.settings import Settings
@@ -56,6 +57,13 @@ class EngineReplica:
         self.cache.evict(digest)
         self.engine.evict_adapter(digest)
 
+    def offload(self, digest: str) -> dict:
+        """Drop the version's device copy (once no request runs on it) and keep it in host RAM: its device room
+        goes to other adapters, and its next request here copies it back from RAM. Any replica may be asked
+        (one that has no device copy changes nothing); returns {"replica": this replica's id}."""
+        self.engine.evict_adapter(digest)
+        return {"replica": self.replica_id}
+
     # -- requests --------------------------------------------------------------------------------------------
     async def generate(self, payload: dict, adapter):
         """The request's outputs as `to_wire` messages; errors the ingress must see arrive as messages.
@@ -88,12 +96,20 @@ class EngineReplica:
                 "streaming": dict(self._sent)}
 
     def snapshot(self) -> dict:
-        """What the ingress shows of this replica: engine counters, residency by digest, queue wait."""
+        """What the ingress shows of this replica, and what the engine deployment's request router scores it by
+        (`loramux.cluster.residency_score`): engine counters; `residency`, digest -> "device" | "loading", and
+        `host`, the digests in this replica's host RAM, both for the versions it has been sent; the device
+        pool's `free_device_bytes` (None: LoRA off) and `evictable` adapters (resident, no request running on
+        them); queue wait; `at`, this replica's wall-clock time when it took the snapshot."""
         stats = self.engine.stats()
-        residency = {digest: state for digest in list(self._versions)
+        digests = list(self._versions)
+        residency = {digest: state for digest in digests
                      if (state := self.engine.adapter_residency(digest)) is not None}
-        return {"stats": stats, "residency": residency, "queue_wait_s": self.engine.estimated_queue_wait_s(),
-                "adapter_names": {d: v.label for d, v in list(self._versions.items()) if d in residency},
+        host = [digest for digest in digests if self.cache.has_in_ram(digest)]
+        free_device_bytes, evictable = device_room(stats.get("lora"))
+        return {"stats": stats, "residency": residency, "host": host, "free_device_bytes": free_device_bytes,
+                "evictable": evictable, "queue_wait_s": self.engine.estimated_queue_wait_s(),
+                "adapter_names": {d: v.label for d, v in list(self._versions.items()) if d in residency or d in host},
                 "pid": os.getpid(), "at": time.time()}
 
     def shutdown(self) -> None:
