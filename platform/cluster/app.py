@@ -2,9 +2,17 @@
 replicas each run an engine (one per GPU on a GPU cluster).
 
 Requests reach engine replicas through a DeploymentHandle with `multiplexed_model_id` = the adapter
-version's digest: Serve sends a request to a replica that already has that adapter loaded (each replica
-keeps `ray_adapters_per_replica` of them, least recently used out), and places a cold adapter on one replica
-rather than on all of them. Base-model requests carry no id and go to the less loaded replica.
+version's digest, and the engine deployment routes them by where that adapter really is
+(`loramux.cluster.residency_router.ResidencyRouter`, Serve's `request_router_config`): each replica publishes
+a snapshot to Redis every `cluster_snapshot_interval_s` (its device pool's adapters, the versions in its host
+RAM, its free device bytes and evictable adapters), and the router, in the ingress's process, scores every
+replica for the request's digest: on the device (or being copied there) 1.0, in host RAM 0.7, a free device
+slot that fits it 0.6, an adapter it can evict 0.3, else 0 (`loramux.cluster.residency_score`). The best
+scored replicas are tried first, by Serve's power of two choices on queue length among equals; lower ones
+only when those are full. So a cold adapter is placed on one replica with room (the router remembers where
+it sent it until the snapshots catch up) rather than on all of them. Serve's own multiplexed loader keeps
+`ray_adapters_per_replica` host copies per replica (least recently used out), which count as host residency.
+Base-model requests carry no id and go to the less loaded of two replicas.
 
 `run(settings)` is what `loramux serve --ray` calls; `build_app(settings)` is the application for
 `serve.run` or a Serve config (`loramux.cluster.app:app_builder`).
@@ -14,14 +22,17 @@ from __future__ import annotations
 import logging
 
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 
 from loramux.cluster.deployment_settings import public_fields, replica_settings, runtime_env
+from loramux.cluster.residency_router import router_kwargs
 from loramux.settings import Settings
 
 log = logging.getLogger(__name__)
 
 APP_NAME = "loramux"
 ENGINE_DEPLOYMENT = "engine"
+ROUTER_CLASS = "loramux.cluster.residency_router.ResidencyRouter"  # imported by Serve where a handle routes
 
 
 def _engine_deployment(settings: Settings):
@@ -31,7 +42,11 @@ def _engine_deployment(settings: Settings):
                       ray_actor_options={"num_cpus": 1 if gpus else 0.5, "num_gpus": gpus,
                                          "runtime_env": runtime_env(settings)},  # secrets: never arguments
                       max_ongoing_requests=max(2 * settings.max_num_seqs, 8), health_check_period_s=2,
-                      health_check_timeout_s=10, graceful_shutdown_timeout_s=5)
+                      health_check_timeout_s=10, graceful_shutdown_timeout_s=5,
+                      request_router_config=RequestRouterConfig(
+                          request_router_class=ROUTER_CLASS,
+                          request_router_kwargs=router_kwargs(settings.cluster_snapshot_interval_s,
+                                                              settings.redis_timeout_s)))
     class Engine:
         def __init__(self, public: dict):
             from loramux.cluster.replica import EngineReplica
@@ -53,6 +68,9 @@ def _engine_deployment(settings: Settings):
 
         def info(self) -> dict:
             return self.core.info()
+
+        def offload_adapter(self, digest: str) -> dict:
+            return self.core.offload(digest)
 
         def check_health(self) -> None:
             if self.core.engine.stopped:  # the engine loop died: let Serve replace this replica

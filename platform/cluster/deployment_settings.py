@@ -7,6 +7,8 @@ variables in the deployment's Ray runtime env, where a replica's `Settings` read
 """
 from __future__ import annotations
 
+import os
+
 from loramux.settings import Settings
 
 SECRET_FIELDS: tuple[str, ...] = ("admin_key", "console_secret", "metrics_key", "s3_access_key_id",
@@ -32,3 +34,9 @@ def runtime_env(settings: Settings) -> dict:
 def replica_settings(public: dict) -> Settings:
     """The full Settings on a replica: the public fields as given, the secrets from its environment."""
     return Settings(**public)
+
+
+def secret_from_env(field: str) -> str:
+    """One secret field as this process's environment carries it ("" if unset): for code that Serve starts
+    without a Settings of its own, such as a deployment handle's request router in the ingress's process."""
+    return os.environ.get(f"LORAMUX_{field.upper()}", "")

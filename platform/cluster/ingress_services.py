@@ -13,7 +13,7 @@ from pathlib import Path
 from loramux.adapters.residency.cache_levels import Acquired
 from loramux.adapters.storage.registry import AdapterVersionInfo
 from loramux.cluster.remote_engine import RemoteAdapter, RemoteEngine
-from loramux.cluster.shared_state import ReplicaDirectory
+from loramux.cluster.shared_state import shared_directory, snapshot_ttl_s
 from loramux.services.builder import Remote, build_services
 from loramux.services.container import Services
 from loramux.settings import Settings
@@ -66,8 +66,8 @@ def ingress_services(settings: Settings, engine_handle, ingress_id: str) -> Serv
 
     model_dir = resolve_model_dir(settings.model, Path(settings.cache_dir))
     model_config, _ = read_model_config(model_dir)
-    directory = ReplicaDirectory(settings.redis_url, ttl_s=max(5.0, 5 * settings.cluster_snapshot_interval_s),
-                                 timeout_s=settings.redis_timeout_s)
+    directory = shared_directory(settings.redis_url, snapshot_ttl_s(settings.cluster_snapshot_interval_s),
+                                 settings.redis_timeout_s)  # the engine handle's request router reads it too
     directory.watch()
     engine = RemoteEngine(engine_handle, AutoTokenizer.from_pretrained(model_dir), 0, directory,
                           max_repetition=settings.structured_max_repetition)

@@ -19,6 +19,26 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "loramux:"
 
+_shared: dict[str, ReplicaDirectory] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_directory(redis_url: str, ttl_s: float, timeout_s: float) -> ReplicaDirectory:
+    """This process's one reader of `redis_url`'s snapshots, made on first use: the ingress's services
+    (`loramux.cluster.ingress_services`) and the engine handle's request router (`loramux.cluster.residency_router`)
+    share it, so they see the same snapshots and one thread refreshes them. The first caller's `ttl_s` and
+    `timeout_s` stand."""
+    with _shared_lock:
+        directory = _shared.get(redis_url)
+        if directory is None:
+            directory = _shared[redis_url] = ReplicaDirectory(redis_url, ttl_s=ttl_s, timeout_s=timeout_s)
+        return directory
+
+
+def snapshot_ttl_s(snapshot_interval_s: float) -> float:
+    """How long a reader keeps a replica it no longer hears from: 5 snapshot intervals, at least 5 s."""
+    return max(5.0, 5 * snapshot_interval_s)
+
 
 class ReplicaDirectory:
     def __init__(self, redis_url: str, prefix: str = DEFAULT_PREFIX, ttl_s: float = 5.0, cache_s: float = 0.5,
@@ -36,14 +56,16 @@ class ReplicaDirectory:
         self._stop = threading.Event()
 
     # -- readers (the ingress) -------------------------------------------------------------------------------
-    def snapshots(self) -> dict[str, dict]:
+    def snapshots(self, wait: bool = True) -> dict[str, dict]:
         """Replica id -> its latest snapshot, for every replica heard from within `ttl_s`. Read from memory:
         a background thread refreshes it every `cache_s` (callers such as /metrics and the queue-wait
         estimate on the event loop never wait on Redis; the very first call waits for the first refresh,
-        at most about two `timeout_s`). While Redis is unreachable the last snapshots seen are kept for
-        `ttl_s`, then none (the replicas can no longer be told alive)."""
+        at most about two `timeout_s`, unless `wait` is False: then it answers {} until that refresh). While
+        Redis is unreachable the last snapshots seen are kept for `ttl_s`, then none (the replicas can no
+        longer be told alive)."""
         self.watch()
-        self._refreshed.wait(2 * self.timeout_s + 0.05)
+        if wait:
+            self._refreshed.wait(2 * self.timeout_s + 0.05)
         with self._lock:
             if time.monotonic() - self._fresh_at > self.ttl_s:
                 return {}

@@ -239,6 +239,128 @@ def test_mixed_load_is_routed_by_adapter_billed_once_and_limited_across_replicas
     RESULTS["load"] = ok
 
 
+def test_the_residency_router_ranks_replicas_by_where_the_adapter_is():
+    """The engine deployment's request router on Serve's own types, without a cluster: replicas grouped best score
+    first from their snapshots (device > host > free slot that fits > evictable > unknown), a replica it just
+    sent a cold adapter to first for that adapter's next request, and base-model requests between two replicas."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata
+    from ray.serve.request_router import PendingRequest, ReplicaID
+
+    from loramux.cluster.residency_router import ResidencyRouter, router_kwargs
+
+    deployment = DeploymentID(name="engine", app_name="loramux")
+    now, digest, cold = time.time(), "a" * 64, "c" * 64
+
+    def replica(uid: str, models=()):
+        return SimpleNamespace(replica_id=ReplicaID(unique_id=uid, deployment_id=deployment),
+                               multiplexed_model_ids=set(models), max_ongoing_requests=8)
+
+    def snapshot(**fields):
+        return {"at": now, "residency": {}, "host": [], "free_device_bytes": 0, "evictable": 0, **fields}
+
+    snapshots = {"dev": snapshot(residency={digest: "device"}), "host": snapshot(host=[digest]),
+                 "small": snapshot(free_device_bytes=1000, evictable=1), "room": snapshot(free_device_bytes=10**6),
+                 "full": snapshot(), "stale": snapshot(residency={digest: "device"}, at=now - 60)}
+    replicas = [replica(uid) for uid in ("stale", "full", "small", "room", "host", "dev")] + [replica("new")]
+    router = ResidencyRouter(deployment_id=deployment, handle_source=DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(**router_kwargs(0.5, 0.25))
+    router._directory_tried, router._replica_directory = True, SimpleNamespace(snapshots=lambda wait: snapshots)
+    router._update_multiplexed_model_ids_with_replicas(replicas)
+
+    def pending(model_id: str, slot_bytes: int | None = 5000):
+        version = SimpleNamespace(summary={"device_bytes": {"lora": slot_bytes, "dora": 0}} if slot_bytes else None)
+        return PendingRequest(args=[{"request": {}, "version": version}], kwargs={}, metadata=RequestMetadata(
+            request_id=uuid.uuid4().hex, internal_request_id=uuid.uuid4().hex, multiplexed_model_id=model_id))
+
+    async def route(request):
+        groups = await router.choose_replicas(replicas, request)
+        assert request.routing_context.should_backoff  # every group full: Serve backs off before retrying
+        return [sorted(r.replica_id.unique_id for r in group) for group in groups]
+
+    async def scenario():
+        # 5 000-byte slot: "small" has 1 000 free bytes but an evictable adapter; stale and unknown score 0, and of
+        # a group of 3 or more Serve is offered two at random.
+        *best, last = await route(pending(digest))
+        assert best == [["dev"], ["host"], ["room"], ["small"]] and len(last) == 2
+        assert set(last) < {"full", "new", "stale"}
+        # Slot size unknown: any free bytes make a free slot.
+        assert (await route(pending(digest, slot_bytes=None)))[:3] == [["dev"], ["host"], ["room", "small"]]
+        first = pending(cold)
+        assert (await route(first))[0] == ["room"]
+        noted = asyncio.Event()  # done callbacks run in order: the router's, then this one
+        first.future.add_done_callback(lambda _: noted.set())
+        first.future.set_result(replicas[1])  # Serve sent it to "full" (say "room" was busy)
+        await noted.wait()
+        assert (await route(pending(cold)))[0] == ["full"]  # its adapter is on its way there
+        base = await route(pending(""))
+        assert len(base) == 1 and len(base[0]) == 2  # two at random: the shorter queue wins
+
+    asyncio.run(scenario())
+
+
+HOST_REQUESTS = 6
+
+
+def test_an_adapter_in_one_replicas_host_ram_is_served_there(stack, tiny_cfg, tmp_path, redis_url):
+    """A fresh adapter served once (on replica R), then dropped from R's device but kept in its host RAM, held by
+    no other replica: the engine deployment's residency router scores R at host level (0.7) and the other replica
+    at free-slot level (0.6), so all its requests go to R, which copies it back to its device."""
+    from loramux.cluster.shared_state import ReplicaDirectory
+
+    admin = stack["admin"]
+    adapter_dir = write_peft_adapter(tmp_path / "host-only", tiny_cfg, 8, ["q_proj", "v_proj"], seed=NUM_ADAPTERS + 1)
+    tenant_id = next(t["id"] for t in admin.get("/admin/tenants").json()["tenants"] if t["name"] == "globex")
+    files = {name: (f"{name}{suffix}", (adapter_dir / f"{name}{suffix}").read_bytes())
+             for name, suffix in (("adapter_config", ".json"), ("adapter_model", ".safetensors"))}
+    uploaded = admin.post("/admin/adapters", data={"tenant_id": tenant_id, "name": "host-only"}, files=files)
+    assert uploaded.status_code == 201, uploaded.text
+    adapter_id = uploaded.json()["id"]
+    digest = _digest(stack, adapter_id)
+    item = {"i": 0, "tenant": "globex", "model": adapter_id, "chat": True, "stream": False, "prompt": "hi"}
+
+    seen = {row[0] for row in _ledger(stack)}
+    first = _send(stack, item)
+    assert first["status"] == 200, first
+    holder = next(row[2] for row in _ledger_rows(stack, 1, seen) if row[0] == first["id"])
+
+    # Drop it from the holder's device: the call goes to whichever replica the router picks, and changes nothing
+    # on one without a device copy, so it is made until both replicas have answered it.
+    handle, answered = _engine_handle(), set()
+    def offloaded_everywhere():
+        answered.add(handle.offload_adapter.remote(digest).result(timeout_s=30)["replica"])
+        return len(answered) == 2
+    wait_until(offloaded_everywhere, "both replicas to drop the adapter's device copy", 30, POLL_S)
+
+    directory = ReplicaDirectory(redis_url, timeout_s=1.0)
+    def host_only_on_holder():
+        snaps = directory.snapshots()
+        where = {rid: (digest in snap.get("host", []), digest in snap.get("residency", {}))
+                 for rid, snap in snaps.items()}
+        return len(where) == 2 and all(w == ((True, False) if rid == holder else (False, False))
+                                       for rid, w in where.items())
+    def where_it_is():
+        return {rid: (snap.get("host"), snap.get("residency")) for rid, snap in directory.snapshots().items()}
+    try:
+        wait_until(host_only_on_holder, "the adapter in the holder's host RAM only", 30, POLL_S, detail=where_it_is)
+    finally:
+        directory.close()
+
+    seen = {row[0] for row in _ledger(stack)}
+    with ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(lambda i: _send(stack, {**item, "i": i}), range(HOST_REQUESTS)))
+    assert all(a["status"] == 200 for a in answers), answers
+    rows = _ledger_rows(stack, HOST_REQUESTS, seen)
+    served_by = collections.Counter(row[2] for row in rows if row[0] in {a["id"] for a in answers})
+    assert served_by == {holder: HOST_REQUESTS}, (served_by, holder)
+    # Served from host RAM, the adapter is back on the holder's device.
+    wait_until(lambda: any(r["replica"] == holder and digest in [a["digest"] for a in r["adapters"]]
+                           for r in admin.get("/admin/replicas").json()["replicas"]),
+               "the adapter back on the holder's device", 10, POLL_S)
+
+
 def _engine_handle():
     """The engine deployment's handle, from this driver (the test joined the cluster's Ray)."""
     from ray import serve
