@@ -184,6 +184,13 @@ class StoredBlob(ABC, Generic[T]):
         """What the waiters get when the load fails."""
 
 
+def adapter_reference(version: AdapterVersionInfo) -> str:
+    """The name the engine knows a registry version by, `<adapter id>@<version>` (ad_...@N): a valid `model` for
+    it, never the tenant-chosen name. The engine's stats feed the metrics (`vllm:lora_requests_info`,
+    `vllm:lora_adapter_loaded`), which anyone who reaches /metrics reads."""
+    return f"{version.adapter_id}@{version.version}"
+
+
 class _AdapterBlob(StoredBlob[LoRAAdapter]):
     record: AdapterVersionInfo
 
@@ -192,10 +199,7 @@ class _AdapterBlob(StoredBlob[LoRAAdapter]):
         return f"adapter {self.record.label}"
 
     def parse(self, data: bytes) -> LoRAAdapter:
-        # The engine knows a version by its id, never by the tenant-chosen name: its stats feed the metrics
-        # (`vllm:lora_requests_info`), which anyone who reaches /metrics reads.
-        version = self.record
-        return unpack(data, f"{version.adapter_id}@{version.version}", version.digest)
+        return unpack(data, adapter_reference(self.record), self.record.digest)
 
     def error(self, detail: str, retryable: bool) -> AdapterLoadError:
         return AdapterLoadError(self.record, detail, retryable)
@@ -229,6 +233,10 @@ class AdapterCache:
         self.counters: dict[str, LoadCounters] = {ADAPTER: LoadCounters(), MEDUSA: LoadCounters()}
         # Called (with no argument, in the releasing thread) after every release: room may have come free.
         self.release_listeners: list = []
+        # digest -> (reference, rank) of the adapters asked for here, for `stats()["resident"]`: kept only while
+        # the digest is in host RAM, on disk or loading (pruned whenever a new one is remembered), so it is
+        # bounded by the levels' budgets. Changed and read under `_lock`.
+        self._refs: dict[str, tuple[str, int]] = {}
 
     # The adapters' counters (what the metrics show); Medusa heads count theirs apart.
     @property
@@ -319,9 +327,27 @@ class AdapterCache:
                 self.host.insert_leased(item, blob.kind)
                 self.host.release(item.digest)
 
+    def _remember(self, digest: str, reference: str, rank: int) -> None:
+        """Name `digest` for `stats()["resident"]` (caller holds the lock); a new one first drops the names of
+        digests no level holds any more (evicted, or a load that failed)."""
+        if digest not in self._refs:
+            for gone in [d for d in self._refs if d not in self.host and d not in self.disk
+                         and d not in self._inflight]:
+                del self._refs[gone]
+        self._refs[digest] = (reference, rank)
+
+    def _remember_blob(self, blob: StoredBlob) -> None:
+        """Name an adapter version's digest (Medusa heads are not adapters a request names). A record without
+        an id or version (a stand-in) is not named: a listing must never fail a load."""
+        record = blob.record
+        if isinstance(blob, _AdapterBlob) and hasattr(record, "adapter_id") and hasattr(record, "version"):
+            rank = getattr(record, "rank", 0)
+            self._remember(blob.digest, adapter_reference(record), rank if isinstance(rank, int) else 0)
+
     def _lease_or_load(self, blob: StoredBlob[T], lease: bool) -> Acquired[T] | concurrent.futures.Future:
         """A RAM hit (leased when `lease`); or the (shared) load to wait for."""
         with self._lock:
+            self._remember_blob(blob)
             item = self.host.lease(blob.digest) if lease else self.host.touch(blob.digest)
             if item is not None:
                 self.counters[blob.kind].hits["ram"] += 1
@@ -375,6 +401,7 @@ class AdapterCache:
         """Start bringing `version` into host RAM without leasing it; None if it is already there."""
         blob = _AdapterBlob(version)
         with self._lock:
+            self._remember_blob(blob)
             if version.digest in self.host:
                 return None
             future, started = self._start(blob)
@@ -412,14 +439,17 @@ class AdapterCache:
             listener()
 
     def insert_reserved(self, adapter: LoRAAdapter, reserved: int) -> None:
-        """`HostCache.insert_reserved` under the cache's lock."""
+        """`HostCache.insert_reserved` under the cache's lock (a composite: named by its own `name`)."""
         with self._lock:
             self.host.insert_reserved(adapter, reserved)
+            rank = getattr(adapter, "rank", 0)
+            self._remember(adapter.digest, adapter.name, rank if isinstance(rank, int) else 0)
 
     def evict(self, digest: str) -> None:
         """Forget a blob everywhere (no live version or heads use it); leased RAM copies go at their last release."""
         with self._lock:
             self.host.discard(digest)
+            self._refs.pop(digest, None)
         self.disk.discard(digest)
 
     def has_in_ram(self, digest: str) -> bool:
@@ -442,17 +472,22 @@ class AdapterCache:
         `host_bytes` counts everything in host RAM (the budget's use); `host_adapters` the adapters and
         composites, `host_heads` / `host_heads_bytes` the Medusa heads. `hits`, `downloads`, `load_failures`
         and `load_seconds` ({"disk": ..., "store": ...}, `DurationHistogram.snapshot()` of successful loads) are
-        the adapters'."""
+        the adapters'. `resident`: the adapters (and composites) held, one dict per level each is held at: digest,
+        name (`adapter_reference`: ad_<id>@<version>; a composite's own name), rank, level ("host" or "disk");
+        a blob left on disk by an earlier process is listed once a request asks for its version again."""
         disk_bytes, disk_adapters = self.disk.nbytes, len(self.disk)  # under the disk cache's own lock
         load_seconds = {level: hist.snapshot() for level, hist in self.load_seconds.items()}  # their own locks
         with self._lock:  # the host cache and the counters only change under this lock
             heads, heads_bytes = self.host.count(MEDUSA)
+            resident = [{"digest": digest, "name": name, "rank": rank, "level": level}
+                        for digest, (name, rank) in sorted(self._refs.items(), key=lambda item: item[1])
+                        for level, held in (("host", digest in self.host), ("disk", digest in self.disk)) if held]
             return {"host_bytes": self.host.nbytes, "host_reserved_bytes": self.host.reserved,
                     "host_budget_bytes": self.host.budget, "host_adapters": len(self.host) - heads,
                     "host_heads": heads, "host_heads_bytes": heads_bytes,
                     "disk_bytes": disk_bytes, "disk_budget_bytes": self.disk.budget,
                     "disk_adapters": disk_adapters, "hits": dict(self.hits), "downloads": self.downloads,
-                    "load_failures": self.failures, "load_seconds": load_seconds}
+                    "load_failures": self.failures, "load_seconds": load_seconds, "resident": resident}
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

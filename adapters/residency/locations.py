@@ -53,6 +53,7 @@ class _Entry:
     name: str
     bucket: Bucket  # the pool's bucket key (its bucket and projections): slots there fit this adapter exactly
     adapter: LoRAAdapter | None  # the host copy; dropped when nothing refers to the version
+    rank: int = 0  # the adapter's rank, kept here: `stats` reports it after the host copy is dropped
     state: str = ABSENT
     slot: int = -1
     running: int = 0  # running requests (they lease the slot)
@@ -122,7 +123,8 @@ class AdapterResidency:
         entry = self.entries.get(adapter.digest)
         if entry is None:
             entry = self.entries[adapter.digest] = _Entry(adapter.digest, adapter.name,
-                                                               self.pool.bucket_of(adapter), adapter)
+                                                               self.pool.bucket_of(adapter), adapter,
+                                                               int(getattr(adapter, "rank", 0)))
         elif entry.adapter is None:
             entry.adapter = adapter
         return entry
@@ -393,16 +395,21 @@ class AdapterResidency:
 
     # -- what is where ---------------------------------------------------------------------------------
     def stats(self) -> dict:
-        """See loramux.engine.stats.lora_stats. Reads a snapshot of the entries, so other threads may call it."""
+        """See loramux.engine.stats.lora_stats. Reads a snapshot of the entries, so other threads may call it.
+        `adapters`: every version placed on the device, one dict each: name, digest, rank, state ("resident" or
+        "loading"), running and waiting requests (the Ray ingress reads these keys from replica snapshots)."""
         entries = list(self.entries.values())  # one C-level copy: atomic under the GIL
         running = sorted({e.name for e in entries if e.running})
         waiting = sorted({e.name for e in entries if e.waiting})
         placed = [e for e in entries if e.state != ABSENT]
+        adapters = [{"name": e.name, "digest": e.digest, "rank": e.rank, "state": state, "running": e.running,
+                     "waiting": e.waiting} for e in placed if (state := e.state) in (RESIDENT, LOADING)]
         return {"running": running, "waiting": waiting, "max_lora": self.max_active or self._capacity_estimate(),
                 "device_adapters": sum(1 for e in placed if e.state == RESIDENT),
                 "device_bytes": sum(self.pool.slot_bytes(e.bucket) for e in placed),
                 "device_budget_bytes": self.pool.budget, "loading": sum(1 for e in placed if e.state == LOADING),
-                "loads": self.loads, "evictions": self.evictions, "load_failures": self.load_failures}
+                "loads": self.loads, "evictions": self.evictions, "load_failures": self.load_failures,
+                "adapters": sorted(adapters, key=lambda a: (a["name"], a["digest"]))}
 
     def _capacity_estimate(self) -> int:
         """Adapters the pool holds at the mean size of those placed (one slot if none): max_lora when uncapped."""

@@ -39,6 +39,10 @@ class PinnedAdapters:
     def __contains__(self, adapter_id: str) -> bool:
         return adapter_id in self._pins
 
+    def digests(self) -> frozenset[str]:
+        """The digests of the versions pinned now (the metrics' `pinned` label); safe from any thread."""
+        return frozenset(list(self._pins.values()))  # one C-level copy first: pins may change meanwhile
+
     async def pin(self, version: AdapterVersionInfo, timeout: float | None = None) -> None:
         """Keep `version` (an adapter's latest) in host RAM until `unpin`; AdapterLoadError, TimeoutError."""
         adapter_id = version.adapter_id

@@ -117,7 +117,8 @@ class EngineParts(Protocol):
 
 
 def engine_stats(engine: EngineParts) -> dict:
-    """The engine's counters and gauges: running / waiting requests, KV blocks used / free / total,
+    """The engine's counters and gauges: running / waiting requests, KV blocks used / free / total and their size
+    in tokens (`kv_block_size`), whether prefix caching is on,
     prefix-cache blocks and hits, speculative tokens proposed / accepted (in all and per method: `speculation`),
     preemptions, adapter slots leased by running requests (`adapter_slots_pinned`: the key keeps its published
     name) and loads, `lora` (see `lora_stats`), `steps` (`StepBudget.stats()`) and
@@ -133,6 +134,8 @@ def engine_stats(engine: EngineParts) -> dict:
         "kv_blocks_used": blocks.num_used_blocks,
         "kv_blocks_free": blocks.num_free_blocks,
         "kv_blocks_total": blocks.num_blocks,
+        "kv_block_size": blocks.block_size,  # tokens per KV block
+        "prefix_caching": blocks.enable_prefix_caching,
         "prefix_cache_blocks": blocks.num_cached_blocks,
         "prefix_cache_hit_blocks": blocks.hits,
         "spec_proposed_tokens": counters.spec_proposed,
@@ -154,7 +157,9 @@ def lora_stats(engine: EngineParts) -> dict:
     max_lora: the most distinct adapters one batch may hold (LORAMUX_MAX_LORAS, or an estimate of what
     the pool holds when uncapped); device_adapters / device_bytes / device_budget_bytes; loading:
     copies in flight; loads / evictions / load_failures so far; load_seconds: copy times
-    (DurationHistogram.snapshot()). Empty when LoRA is off. Safe to call from any thread."""
+    (DurationHistogram.snapshot()); adapters: each version placed on the device (name, digest, rank, state
+    "resident" or "loading", running, waiting: `AdapterResidency.stats`). Empty when LoRA is off. Safe to call
+    from any thread."""
     if engine.adapters is None:
         return {}
     return {**engine.adapters.stats(), "load_seconds": engine.load_histogram.snapshot()}
