@@ -52,7 +52,8 @@ def create_app(services_factory, ledger_hooks: list | None = None, limiter_facto
         tenant_series = bool(services.settings.metrics_key)
         metrics.set_state_source(lambda: {**{k: v for k, v in services.engine.stats().items()
                                              if tenant_series or k != "fair_share"},
-                                          "adapter_cache": services.adapter_cache.stats()})
+                                          "adapter_cache": services.adapter_cache.stats(),
+                                          "pinned": sorted(services.pinned.digests())})
         if tenant_series and services.budgets is not None:  # budgets name tenants' end users and tags
             metrics.set_budget_source(services.budgets.statuses)
         app.state.services = services

@@ -9,10 +9,10 @@ request ids never become labels: they belong in the logs and the cost ledger. A 
 `layer` and `expert` (`loramux_moe_expert_tokens_total`): numbers fixed by the model (layers x experts series,
 e.g. 48 x 128 for Qwen3-30B-A3B), absent for a dense model.
 
-The one exception, and the one place adapter references appear in a label value, is `vllm:lora_requests_info`:
-vLLM's gauge of the same name and shape, which LoRA-affinity routers (the Kubernetes Gateway API Inference
-Extension, llm-d) scrape to send a request where its adapter already is. It has exactly one sample per
-scrape, whatever the adapters: labels `running_lora_adapters` and `waiting_lora_adapters` (comma-joined
+The exceptions, and the only places adapter references appear in a label value, are vLLM's LoRA metrics. First
+`vllm:lora_requests_info`: vLLM's gauge of the same name and shape, which LoRA-affinity routers (the Kubernetes
+Gateway API Inference Extension, llm-d) scrape to send a request where its adapter already is. It has exactly
+one sample per scrape, whatever the adapters: labels `running_lora_adapters` and `waiting_lora_adapters` (comma-joined
 references of the adapters with running / waiting requests, "" when none: `ad_<id>@<version>` for registry
 adapters, a valid `model` for them, never the tenant-chosen name; the name an operator gave an adapter
 loaded straight into the engine) and `max_lora` (the most distinct
@@ -20,7 +20,14 @@ adapters one batch may hold), value the current Unix time, as vLLM sets it. So t
 with the number of adapters or tenants (a Prometheus server storing it sees a new series whenever the set
 of names changes, as it does for vLLM; routers read only the latest sample).
 
-Budgets are the other exception: `loramux_budget_limit_usd`, `loramux_budget_spent_usd` and
+Then `vllm:lora_adapter_loaded{adapter_name, level, pinned, rank}` (vllm_metrics.py, with the other vLLM names the
+Kubernetes routers read: queue, batch, KV-cache use, cache config, max adapters, device load times): one series per
+adapter per cache level it is held at (device, host RAM, disk), named by the same references. It grows with the
+adapters held only, which the levels' byte budgets bound (not with the adapters registered, tenants or requests),
+and a series goes when its adapter leaves that level. `level` and `pinned` take fixed values; `rank` the few LoRA
+ranks served.
+
+Budgets are the last exception: `loramux_budget_limit_usd`, `loramux_budget_spent_usd` and
 `loramux_budget_reserved_usd` (labels `tenant` (id), `scope`, `subject`: a key id, end user or tag, "" for a
 tenant's own budget) have one series per budget, so they grow with the budgets operators set, and they name
 tenants' users and tags: the server gives them a source (`set_budget_source`) only when /metrics is behind a
@@ -34,7 +41,6 @@ Recording never raises: a metric must not fail a request.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -43,9 +49,13 @@ from typing import TYPE_CHECKING
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
 
 from loramux.engine.speculation.policy import METHODS
+from loramux.server.serving.metric_values import count as _count
+from loramux.server.serving.metric_values import histogram as _histogram
+from loramux.server.serving.metric_values import names as _names
+from loramux.server.serving.metric_values import seconds as _seconds
+from loramux.server.serving.vllm_metrics import vllm_families
 
 if TYPE_CHECKING:
     from loramux.billing.budgets import BudgetStatus
@@ -72,64 +82,6 @@ LATENCY_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 
 # Gap between two streamed tokens of one request: 1 ms .. 5 s.
 INTER_TOKEN_BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
                                           0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
-
-
-def _finite(value) -> float | None:
-    """`value` as a finite float, or None (missing, a bool, not a number, NaN or infinite)."""
-    if value is None or isinstance(value, bool):
-        return None
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        return None
-    return value if math.isfinite(value) else None
-
-
-def _seconds(value: float | None) -> float | None:
-    """A duration fit to observe, or None; negatives -> 0."""
-    value = _finite(value)
-    return None if value is None else max(0.0, value)
-
-
-def _count(value) -> float | None:
-    """A non-negative finite number (counter increment or state value), or None."""
-    value = _finite(value)
-    return None if value is None or value < 0 else value
-
-
-def _names(value) -> str:
-    """Adapter names (a list, tuple or set of str) comma-joined, sorted and unique; anything else -> "".
-    A name that could not be told apart in the joined list (empty, or with a comma) is left out."""
-    if not isinstance(value, (list, tuple, set, frozenset)):
-        return ""
-    return ",".join(sorted({v for v in value if isinstance(v, str) and v and "," not in v}))
-
-
-def _histogram(snapshot) -> tuple[list[tuple[str, float]], float] | None:
-    """A `DurationHistogram.snapshot()` as HistogramMetricFamily buckets [(le, cumulative count)] and sum, or
-    None if it is not one: bounds ascending and ending at +Inf, counts non-negative and non-decreasing."""
-    if not isinstance(snapshot, Mapping):
-        return None
-    raw, total = snapshot.get("buckets"), _finite(snapshot.get("sum"))
-    if not isinstance(raw, (list, tuple)) or not raw or total is None:
-        return None
-    buckets: list[tuple[str, float]] = []
-    last_bound, last_count = -math.inf, 0.0
-    for item in raw:
-        if not isinstance(item, (list, tuple)) or len(item) != 2 or isinstance(item[0], bool):
-            return None
-        try:
-            bound = float(item[0])
-        except (TypeError, ValueError):
-            return None
-        count = _count(item[1])
-        if math.isnan(bound) or bound <= last_bound or count is None or count < last_count:
-            return None
-        buckets.append((floatToGoString(bound), count))
-        last_bound, last_count = bound, count
-    if last_bound != math.inf:
-        return None
-    return buckets, max(0.0, total)
 
 
 class _StateCollector(Collector):
@@ -282,7 +234,8 @@ class _StateCollector(Collector):
         return [queue, running, kv, pinned, cache_bytes, budget, resident, hits, misses, failures, loading,
                 device_loads, evictions, load_seconds, lora_info, replica_running, replica_adapters,
                 *_step_families(state.get("steps")), *_speculation_families(state.get("speculation")),
-                *_fair_share_families(state.get("fair_share")), _expert_family(state.get("moe_expert_tokens"))]
+                *_fair_share_families(state.get("fair_share")), _expert_family(state.get("moe_expert_tokens")),
+                *vllm_families(state)]
 
 
 def _expert_family(rows) -> Metric:
@@ -546,7 +499,10 @@ class ServerMetrics:
         loading, loads, evictions, load_seconds (a DurationHistogram snapshot)} and adapter_cache = {hits:
         {ram, disk, store}, downloads, load_failures, host_bytes, host_budget_bytes, host_adapters, disk_bytes,
         disk_budget_bytes, disk_adapters, load_seconds: {disk, store}}, moe_expert_tokens (per layer, a list of
-        counts per expert: `loramux_moe_expert_tokens_total`). Missing or non-numeric values are left
+        counts per expert: `loramux_moe_expert_tokens_total`); for the vLLM-named metrics (vllm_metrics.py) also
+        kv_block_size, prefix_caching, lora.adapters ([{name, digest, rank, state, ...}]), adapter_cache.resident
+        ([{digest, name, rank, level}]), pinned (digests pinned in host RAM) and, on Ray, replicas. Missing or
+        non-numeric values are left
         out (`vllm:lora_requests_info` is there whenever `lora` is); if `fn` raises, the error is logged,
         `loramux_state_source_errors_total` goes up and the rest of the scrape is served.
         """
