@@ -31,6 +31,9 @@ from loramux.engine.tokens import TokenizerMethods
 
 log = logging.getLogger(__name__)
 
+# Engine stats that describe a replica's configuration rather than count its work: shown as the first replica's.
+_PER_REPLICA = frozenset({"kv_block_size", "prefix_caching"})
+
 
 @dataclass(frozen=True)
 class RemoteAdapter:
@@ -117,7 +120,9 @@ class RemoteEngine(TokenizerMethods):
         total: dict = {}
         for snap in snapshots.values():
             for key, value in snap.get("stats", {}).items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                if key in _PER_REPLICA:  # the same on every replica: no sum
+                    total.setdefault(key, value)
+                elif isinstance(value, (int, float)) and not isinstance(value, bool):
                     total[key] = total.get(key, 0) + value
                 elif key == "moe_expert_tokens":  # per layer, per expert: summed element-wise
                     total[key] = _sum_nested(total.get(key), value)
