@@ -8,16 +8,20 @@ into a temporary directory, within a byte cap, and says precisely why it cannot:
 
 - `SourceInvalid`: the location itself is refused (a scheme other than s3:// or file://, a path outside every
   allowed root, a symlink leading out of it, pickle weights instead of safetensors, a file over the cap): 400;
+  `SourceUnreadable`, one of them, when the store or file system refused to read it (access denied, no such
+  bucket, an unreadable file): the operator's to fix;
 - `SourceNotFound`: no adapter there (no `adapter_config.json`): 404;
 - `SourceUnavailable`: the store could not be reached (timeout, 5xx, throttled): retry later, 503.
 
-Messages name the location as the caller gave it (an operator's own URL), never credentials.
+Messages name the location as the caller gave it (an operator's own URL), never credentials; each error's
+`reason` says the same without the location, for callers who must not show it (the resolver answers tenants).
+Sizes are checked before a byte is copied (S3: a HEAD request), and copies stop at the cap.
 """
 from __future__ import annotations
 
 import os
-import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -25,19 +29,29 @@ from loramux.adapters.formats.validation_common import ALLOWED_FILENAMES
 from loramux.adapters.storage.store import ObjectStore
 from loramux.adapters.storage.store_errors import BlobNotFoundError, StoreError, StoreUnavailableError
 
-__all__ = ["SourceError", "SourceInvalid", "SourceNotFound", "SourceUnavailable", "fetch_adapter",
+__all__ = ["SourceError", "SourceInvalid", "SourceUnreadable", "SourceNotFound", "SourceUnavailable", "fetch_adapter",
            "parse_roots", "join_location"]
 
 CONFIG_FILE, WEIGHTS_FILE = ALLOWED_FILENAMES[0], ALLOWED_FILENAMES[1]
 _PICKLE_WEIGHTS = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
+_CHUNK = 1 << 20
 
 
 class SourceError(ValueError):
-    """An adapter location that could not be fetched; the message says what to fix."""
+    """An adapter location that could not be fetched; the message says what to fix, `reason` the same without
+    naming the location."""
+
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        self.reason = reason if reason is not None else message
 
 
 class SourceInvalid(SourceError):
     """The location is not allowed or does not hold a servable adapter's files (HTTP 400)."""
+
+
+class SourceUnreadable(SourceInvalid):
+    """The store or file system refused to read the location (access denied, no such bucket, unreadable)."""
 
 
 class SourceNotFound(SourceError):
@@ -105,77 +119,106 @@ def _fetch_s3(url: str, dest: Path, open_s3: Callable[[str], ObjectStore], caps:
         store = open_s3(url)
     except ValueError as exc:
         raise SourceInvalid(f"adapter location {url!r} is not a valid S3 URL: {exc}") from None
-    try:
+    with _store_errors(url):
         listed = set(store.list_keys(""))
-    except StoreUnavailableError as exc:
-        raise SourceUnavailable(f"the store holding {url!r} could not be reached; retry later ({exc})") from None
-    except (StoreError, ValueError) as exc:
-        raise SourceInvalid(f"cannot list {url!r}: {exc}") from None
     _check_listing(listed, url)
     files = {}
     for name, cap in caps.items():
+        with _store_errors(url, name):
+            size = store.size(name)
+        _check_size(name, size, cap, url)
         target = dest / name
-        try:
+        with _store_errors(url, name):
             size = store.get_to_file(name, target)
-        except BlobNotFoundError:
-            raise SourceNotFound(f"no {name} at {url!r}") from None
-        except StoreUnavailableError as exc:
-            raise SourceUnavailable(f"the store holding {url!r} could not be reached; retry later ({exc})") from None
-        except StoreError as exc:
-            raise SourceInvalid(f"cannot read {name} at {url!r}: {exc}") from None
-        if size > cap:
+        if size > cap:  # replaced by a larger object between the HEAD and the GET
             target.unlink(missing_ok=True)
-            raise SourceInvalid(f"{name} at {url!r} is {size} bytes; this server accepts at most {cap} "
-                                "(LORAMUX_MAX_UPLOAD_BYTES)")
+            _check_size(name, size, cap, url)
         files[name] = target
     return files
+
+
+@contextmanager
+def _store_errors(url: str, name: str | None = None) -> Iterator[None]:
+    """The store's errors as SourceErrors: a missing object is SourceNotFound, an unreachable store
+    SourceUnavailable, any other refusal (access denied, no such bucket) SourceUnreadable."""
+    what = f"{name} at {url!r}" if name else repr(url)
+    try:
+        yield
+    except BlobNotFoundError:
+        raise SourceNotFound(f"no {what}", f"no {name or 'adapter'} there") from None
+    except StoreUnavailableError as exc:
+        raise SourceUnavailable(f"the store holding {url!r} could not be reached; retry later ({exc})",
+                                "the adapter store could not be reached; retry later") from None
+    except (StoreError, ValueError) as exc:
+        raise SourceUnreadable(f"cannot read {what}: {exc}", "the adapter store refused to read it") from None
+
+
+def _check_size(name: str, size: int, cap: int, where: str) -> None:
+    if size > cap:
+        raise SourceInvalid(f"{name} at {where!r} is {size} bytes; this server accepts at most {cap} "
+                            "(LORAMUX_MAX_UPLOAD_BYTES)",
+                            f"{name} is {size} bytes; this server accepts at most {cap}")
 
 
 def _check_listing(names: set[str], where: str) -> None:
     """What is at the location, judged before anything is downloaded: 404 without a config, 400 for pickle
     weights or missing safetensors weights."""
     if CONFIG_FILE not in names:
-        raise SourceNotFound(f"no adapter at {where!r}: {CONFIG_FILE} is missing")
+        raise SourceNotFound(f"no adapter at {where!r}: {CONFIG_FILE} is missing", f"{CONFIG_FILE} is missing")
     if WEIGHTS_FILE not in names:
         pickled = sorted(names & set(_PICKLE_WEIGHTS))
         if pickled:
-            raise SourceInvalid(f"{where!r} holds pickle weights ({pickled[0]}), which are refused: save the adapter "
-                                f"as safetensors ({WEIGHTS_FILE}, save_pretrained(..., safe_serialization=True))")
-        raise SourceInvalid(f"{where!r} has {CONFIG_FILE} but no {WEIGHTS_FILE}")
+            advice = (f"pickle weights ({pickled[0]}) are refused: save the adapter as safetensors ({WEIGHTS_FILE}, "
+                      "save_pretrained(..., safe_serialization=True))")
+            raise SourceInvalid(f"{where!r} holds {advice}", advice)
+        raise SourceInvalid(f"{where!r} has {CONFIG_FILE} but no {WEIGHTS_FILE}",
+                            f"{CONFIG_FILE} without {WEIGHTS_FILE}")
 
 
 def _fetch_local(path: Path, shown: str, dest: Path, roots: Sequence[Path], caps: dict[str, int]) -> dict[str, Path]:
     if not roots:
         raise SourceInvalid("local adapter directories are not allowed on this server: set "
                             "LORAMUX_ADAPTER_IMPORT_ROOTS, or give an s3:// URL")
+    text = str(path)
+    if "\x00" in text or any(ord(c) < 0x20 for c in text):  # also what a file:// URL's %-escapes decoded to
+        raise SourceInvalid("lora_path holds control characters")
     if not path.is_absolute():
         raise SourceInvalid(f"adapter location {shown!r} must be an absolute directory or an s3:// URL")
     if any(part == ".." for part in path.parts):
         raise SourceInvalid(f"adapter location {shown!r} has '..' segments")
+    try:
+        return _copy_local(path, shown, dest, roots, caps)
+    except SourceError:
+        raise
+    except (OSError, ValueError, RuntimeError) as exc:  # too long, a symlink loop, unreadable, ...
+        raise SourceUnreadable(f"cannot read {shown!r}: {type(exc).__name__}",
+                               f"the adapter directory could not be read ({type(exc).__name__})") from None
+
+
+def _copy_local(path: Path, shown: str, dest: Path, roots: Sequence[Path], caps: dict[str, int]) -> dict[str, Path]:
     real = path.resolve()
     if not _under_any(real, roots):
-        raise SourceInvalid(f"adapter location {shown!r} is not under an allowed root (LORAMUX_ADAPTER_IMPORT_ROOTS)")
+        raise SourceInvalid(f"adapter location {shown!r} is not under an allowed root (LORAMUX_ADAPTER_IMPORT_ROOTS)",
+                            "it leads outside the adapter store")
     if not real.is_dir():
-        raise SourceNotFound(f"no adapter directory at {shown!r}")
-    try:
-        listed = {entry.name for entry in os.scandir(real) if entry.is_file()}
-    except OSError as exc:
-        raise SourceInvalid(f"cannot list {shown!r}: {type(exc).__name__}") from None
+        raise SourceNotFound(f"no adapter directory at {shown!r}", "no adapter directory there")
+    listed = {entry.name for entry in os.scandir(real) if entry.is_file()}
     _check_listing(listed, shown)
     files = {}
     for name, cap in caps.items():
         source = (real / name).resolve()
         if not _under_any(source, roots):  # a symlink inside the directory leading out of every root
-            raise SourceInvalid(f"{name} in {shown!r} leads outside the allowed roots")
-        size = source.stat().st_size
-        if size > cap:
-            raise SourceInvalid(f"{name} in {shown!r} is {size} bytes; this server accepts at most {cap} "
-                                "(LORAMUX_MAX_UPLOAD_BYTES)")
+            raise SourceInvalid(f"{name} in {shown!r} leads outside the allowed roots",
+                                f"{name} leads outside the adapter store")
+        _check_size(name, source.stat().st_size, cap, shown)
         target = dest / name
-        with open(source, "rb") as src, open(target, "wb") as out:
-            shutil.copyfileobj(src, out, 1 << 20)
-            if out.tell() > cap:  # grew while it was copied
-                raise SourceInvalid(f"{name} in {shown!r} is larger than {cap} bytes")
+        # O_NOFOLLOW: the resolved path must still be a plain file when it is opened, not a link swapped in since.
+        fd = os.open(source, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd, "rb") as src, open(target, "wb") as out:
+            while chunk := src.read(min(_CHUNK, cap + 1 - out.tell())):
+                out.write(chunk)
+                if out.tell() > cap:  # grew while it was copied: stop at the cap
+                    _check_size(name, out.tell(), cap, shown)
         files[name] = target
     return files
 

@@ -246,6 +246,13 @@ class AdapterRegistry(BlobListeners):
             raise not_found
         return adapter, version
 
+    def was_deleted(self, tenant_id: str, name: str) -> bool:
+        """Whether the tenant deleted (or unloaded) an adapter of this name and has no live one of it now."""
+        with self.db.session() as s:
+            rows = s.scalars(select(Adapter.deleted_at).where(Adapter.tenant_id == tenant_id,
+                                                              Adapter.name == name)).all()
+        return bool(rows) and all(deleted is not None for deleted in rows)
+
     def list(self, tenant_id: str, include_public: bool = True) -> list[AdapterVersionInfo]:
         """The latest version of each adapter the tenant may use: its own, then other tenants' public ones."""
         with self.db.session() as s:

@@ -208,6 +208,13 @@ class S3Store(Counted):
     def exists(self, key: str) -> bool:
         return self._on_object("exists", key, "head_object")
 
+    def size(self, key: str) -> int:
+        """The object's size in bytes, from a HEAD request (BlobNotFoundError when there is none)."""
+        self._count("size")
+        full = self._full_key(key)
+        with self._translated("size", key):
+            return int(self._client.head_object(Bucket=self.bucket, Key=full)["ContentLength"])
+
     def delete(self, key: str) -> None:
         # A missing key is not an error (S3 itself does not complain; some compatible services do).
         self._on_object("delete", key, "delete_object")

@@ -3,7 +3,8 @@
 Adapter blobs live under server-made keys (`blob_key`), never under names taken from user input.
 Both backends give the same guarantees: a `put` is atomic (readers see the old or the new object,
 never a partial one), `get_to_file` writes its destination through a temporary file and a rename,
-`delete` of a missing key is not an error, and every failure is one of three exception types:
+`delete` of a missing key is not an error, `size` reads an object's length without its bytes, and every
+failure is one of three exception types:
 
 - `BlobNotFoundError`: the key does not exist;
 - `StoreUnavailableError`: unreachable, timed out, 5xx, throttled: the caller may retry later;
@@ -52,6 +53,8 @@ class ObjectStore(Protocol):
     def get_to_file(self, key: str, dest: Path) -> int: ...
 
     def exists(self, key: str) -> bool: ...
+
+    def size(self, key: str) -> int: ...
 
     def delete(self, key: str) -> None: ...
 
@@ -137,6 +140,17 @@ class FileStore(Counted):
     def exists(self, key: str) -> bool:
         self._count("exists")
         return self._path(key).is_file()
+
+    def size(self, key: str) -> int:
+        """The object's size in bytes (BlobNotFoundError when there is none)."""
+        self._count("size")
+        path = self._path(key)
+        try:
+            if not path.is_file():
+                raise FileNotFoundError(key)
+            return path.stat().st_size
+        except OSError as exc:
+            raise self._error("size", key, exc) from exc
 
     def delete(self, key: str) -> None:
         self._count("delete")

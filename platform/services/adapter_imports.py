@@ -92,6 +92,7 @@ def unload_adapter(services: Services, tenant: TenantInfo, name: str) -> list[Ad
     a public adapter of another tenant is not its to unload). Blocking."""
     from loramux.services.adapters import delete_adapter
 
+    check_name(name)  # a name: not `ad_<id>` or `name@version`, which would delete more than the caller named
     version = services.registry.resolve(tenant.id, name)
     if version.tenant_id != tenant.id:
         raise AdapterNotFoundError(f"adapter {name!r} not found")

@@ -6,7 +6,12 @@
   and the registry then keeps the bytes as one version: an upload of the current version's bytes is not a new
   version).
 - **Misses are remembered** for `adapter_resolver_miss_ttl_s`, so a client asking again and again for a name that
-  is not there costs no store round trip; an adapter put there is found once the miss expires.
+  is not there costs no store round trip; an adapter put there is found once the miss expires. An adapter there
+  that fails validation is remembered the same way (a 400 without a second download).
+- **Unloaded stays unloaded.** A name the tenant deleted or unloaded is not fetched again (404): an explicit load
+  or upload brings it back.
+- **Tenants never see the store.** Errors tenants get name their adapter, never the bucket, prefix or path; what
+  the store said is logged.
 - **Only plain names.** A `model` that cannot be an adapter name (`../x`, a path, control characters) is refused
   before any lookup (`ResolverNameInvalid`, a 400); `owner/name`, `ad_<id>` and `name@version` references are the
   registry's alone (not resolved: their miss stays a 404), as is the base model's alias.
@@ -20,15 +25,22 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from anyio import to_thread
+from anyio import CapacityLimiter, to_thread
 
-from loramux.adapters.storage.adapter_source import SourceNotFound, join_location
-from loramux.adapters.storage.registry import AdapterVersionInfo
+from loramux.adapters.formats.validation_common import AdapterFormatError
+from loramux.adapters.storage.adapter_source import (
+    SourceInvalid,
+    SourceNotFound,
+    SourceUnavailable,
+    SourceUnreadable,
+    join_location,
+)
+from loramux.adapters.storage.registry import AdapterNotFoundError, AdapterVersionInfo
 from loramux.names import InvalidNameError, check_name
-from loramux.services.adapter_imports import fetch_and_register
+from loramux.services.adapter_imports import fetch_and_register, s3_opener
 from loramux.services.container import Services
 
-__all__ = ["AdapterResolver", "ResolverNameInvalid", "ResolverMiss", "check_resolver_url"]
+__all__ = ["AdapterResolver", "ResolverNameInvalid", "ResolverMiss", "ResolverRefused", "check_resolver_url"]
 
 log = logging.getLogger(__name__)
 _MAX_MISSES = 10_000  # remembered misses; the oldest are forgotten first past this
@@ -40,6 +52,13 @@ class ResolverNameInvalid(ValueError):
 
 class ResolverMiss(LookupError):
     """No adapter of that name in the registry or at the resolver's location (HTTP 404)."""
+
+
+class ResolverRefused(ValueError):
+    """The resolver's store holds an adapter of that name that cannot be served (HTTP 400); the message says why
+    without naming the store. `code`: the validation check that failed, where one did."""
+
+    code: str | None = None
 
 
 def check_resolver_url(url: str) -> str:
@@ -61,11 +80,17 @@ class AdapterResolver:
     """Looks up unknown adapter names at `url`; use on the server's event loop."""
 
     def __init__(self, services: Services, url: str, miss_ttl_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, max_fetches: int = 2):
+        """`max_fetches`: fetches running at once (each holds a worker thread through its download and validation,
+        on threads of their own so that they never starve the server's threadpool)."""
         self.services, self.url = services, check_resolver_url(url)
+        if urlsplit(self.url).scheme == "s3":
+            s3_opener(services.settings)(self.url)  # a bad bucket name fails the server's start, not each request
         self.miss_ttl_s, self.clock = miss_ttl_s, clock
+        self._limiter = CapacityLimiter(max_fetches)
         self._inflight: dict[tuple[str, str], asyncio.Future[AdapterVersionInfo]] = {}
-        self._misses: dict[tuple[str, str], float] = {}  # (tenant id, name) -> when the miss expires
+        # (tenant id, name) -> (when it expires, the error to answer with): misses and adapters that failed validation
+        self._failures: dict[tuple[str, str], tuple[float, Exception]] = {}  # copied for each answer (tracebacks)
         self.lookups = 0  # fetches started (for tests and operators)
 
     def _roots(self) -> list[Path]:
@@ -75,8 +100,10 @@ class AdapterResolver:
 
     async def resolve(self, tenant_id: str, tenant_name: str, model: str) -> AdapterVersionInfo:
         """The adapter `model` names, registered from the resolver's store for the tenant when it is there.
-        Raises ResolverNameInvalid (400), ResolverMiss (404), and what a fetch or registration raises
-        (SourceInvalid and AdapterFormatError: 400; SourceUnavailable: 503)."""
+        Raises ResolverNameInvalid (400), ResolverMiss (404: also for a name the tenant deleted or unloaded, which
+        only an explicit load or upload brings back), ResolverRefused (400: the adapter there is not servable; its
+        message says why without naming the store) and SourceUnavailable (503: the store could not be reached or
+        read; what it said is logged for the operator)."""
         if not isinstance(model, str) or not _plain_name(model):
             raise ResolverMiss(f"adapter {model!r} not found")
         try:
@@ -88,11 +115,11 @@ class AdapterResolver:
         except InvalidNameError as exc:
             raise ResolverNameInvalid(f"model {model[:200]!r} cannot be resolved: {exc}") from None
         key = (tenant_id, model)
-        expires = self._misses.get(key)
-        if expires is not None:
-            if self.clock() < expires:
-                raise ResolverMiss(f"adapter {model!r} not found")
-            del self._misses[key]
+        failed = self._failures.get(key)
+        if failed is not None:
+            if self.clock() < failed[0]:
+                raise _copy_of(failed[1])
+            del self._failures[key]
         future = self._inflight.get(key)
         if future is None:
             future = asyncio.ensure_future(self._fetch(key, tenant_name))
@@ -102,21 +129,47 @@ class AdapterResolver:
 
     async def _fetch(self, key: tuple[str, str], tenant_name: str) -> AdapterVersionInfo:
         tenant_id, name = key
+        registry = self.services.registry
+        try:  # registered meanwhile (by a fetch that ended between this request's registry lookup and now)?
+            return await to_thread.run_sync(registry.resolve, tenant_id, name)
+        except AdapterNotFoundError:
+            pass
+        if await to_thread.run_sync(registry.was_deleted, tenant_id, name):
+            raise self._remember(key, ResolverMiss(f"adapter {name!r} was unloaded or deleted"))
         self.lookups += 1
         location = join_location(self.url, tenant_name, name)
         tenant = await to_thread.run_sync(self.services.tenancy.tenant, tenant_id)
         try:
             version = await to_thread.run_sync(fetch_and_register, self.services, tenant, name, location,
-                                                 self._roots())
+                                               self._roots(), limiter=self._limiter)
         except SourceNotFound:
-            self._remember_miss(key)
-            raise ResolverMiss(f"adapter {name!r} not found in the registry or at the resolver's location") from None
-        log.info("resolved adapter %s for tenant %s from %s: %s", name, tenant_id, self.url, version.label)
+            raise self._remember(key, ResolverMiss(f"adapter {name!r} not found in the registry or the resolver's "
+                                                   "store")) from None
+        except (SourceUnreadable, SourceUnavailable) as exc:  # the operator's to fix: logged, not shown
+            log.warning("resolver could not read %s: %s", location, exc)
+            raise SourceUnavailable(str(exc), f"adapter {name!r} could not be read from the adapter store; "
+                                    "retry later") from None
+        except SourceInvalid as exc:
+            raise self._remember(key, ResolverRefused(f"adapter {name!r} in the adapter store cannot be served: "
+                                                      f"{exc.reason}")) from None
+        except AdapterFormatError as exc:
+            refused = ResolverRefused(f"adapter {name!r} in the adapter store cannot be served: {exc}")
+            refused.code = getattr(exc, "code", None)
+            raise self._remember(key, refused) from None
+        log.info("resolved adapter %s for tenant %s from %s: %s", name, tenant_id, location, version.label)
         return version
 
-    def _remember_miss(self, key: tuple[str, str]) -> None:
-        if self.miss_ttl_s <= 0:
-            return
-        if len(self._misses) >= _MAX_MISSES:
-            self._misses.pop(next(iter(self._misses)))
-        self._misses[key] = self.clock() + self.miss_ttl_s
+    def _remember(self, key: tuple[str, str], error: Exception) -> Exception:
+        """Answer `error` for `key` without a lookup for `miss_ttl_s`; returns it, to raise."""
+        if self.miss_ttl_s > 0:
+            if len(self._failures) >= _MAX_MISSES:
+                self._failures.pop(next(iter(self._failures)))
+            self._failures[key] = (self.clock() + self.miss_ttl_s, _copy_of(error))
+        return error
+
+
+def _copy_of(error: Exception) -> Exception:
+    """A fresh exception like `error` (raising one object again and again would chain its tracebacks)."""
+    copy = type(error)(*error.args)
+    copy.__dict__.update(error.__dict__)
+    return copy

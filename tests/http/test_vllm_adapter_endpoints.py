@@ -196,6 +196,7 @@ def test_bad_loads_are_refused_with_what_to_fix(stack, tiny_dir):
     pickled.mkdir()
     (pickled / "adapter_config.json").write_bytes((stack["dirs"]["first"] / "adapter_config.json").read_bytes())
     (pickled / "adapter_model.bin").write_bytes(b"not loaded")
+    (imports / "loop").symlink_to(imports / "loop")
     put_dir(stack["s3"], bucket, "rollout/misshapen", misshapen_adapter(tmp / "misshapen", stack["dirs"]["first"]))
     config = json.loads((stack["dirs"]["first"] / "adapter_config.json").read_text())
     stack["s3"].put_object(Bucket=bucket, Key="rollout/no-weights/adapter_config.json", Body=json.dumps(config))
@@ -208,6 +209,9 @@ def test_bad_loads_are_refused_with_what_to_fix(stack, tiny_dir):
         ({"lora_name": "x", "lora_path": "http://example.com/a"}, "acme", 400, "unsupported adapter location"),
         ({"lora_name": "x", "lora_path": str(pickled)}, "acme", 400, "pickle weights"),
         ({"lora_name": "x", "lora_path": str(imports / "missing")}, "acme", 404, "no adapter directory"),
+        ({"lora_name": "x", "lora_path": f"{(imports / 'a').as_uri()}%00b"}, "acme", 400, "control characters"),
+        ({"lora_name": "x", "lora_path": str(imports / "loop")}, "acme", 400, "cannot read"),
+        ({"lora_name": "x", "lora_path": str(imports / ("n" * 300))}, "acme", 400, "cannot read"),
         ({"lora_name": "x", "lora_path": f"s3://{bucket}/rollout/nothing-here/"}, "acme", 404, "adapter_config.json"),
         ({"lora_name": "x", "lora_path": f"s3://{bucket}/rollout/no-weights/"}, "acme", 400, "no adapter_model"),
         ({"lora_name": "x", "lora_path": f"s3://{bucket}/rollout/../rollout/first/"}, "acme", 400, "'..'"),
@@ -245,6 +249,11 @@ def test_the_resolver_serves_an_s3_only_adapter_once_under_16_concurrent_first_r
     assert text_of(complete(stack, "only-in-s3")) == expected["third"]  # now from the registry
     assert resolver.lookups == lookups + 1
 
+    # Unloaded stays unloaded: the resolver does not fetch it back.
+    assert admin_post(stack, "unload_lora_adapter", {"lora_name": "only-in-s3"}).status_code == 200
+    gone = complete(stack, "only-in-s3")
+    assert gone.status_code == 404 and resolver.lookups == lookups + 1
+
 
 def test_the_resolver_refuses_unknown_and_hostile_names(stack):
     resolver = stack["server"].app.state.pipeline.resolver
@@ -267,9 +276,15 @@ def test_the_resolver_refuses_unknown_and_hostile_names(stack):
 def test_the_resolver_says_why_an_adapter_in_its_store_cannot_be_served(stack):
     put_dir(stack["s3"], stack["bucket"], "resolver/acme/too-big",
             misshapen_adapter(stack["tmp"] / "resolver-misshapen", stack["dirs"]["second"]))
-    resp = complete(stack, "too-big")
-    assert resp.status_code == 400, resp.text
-    assert "shape" in resp.json()["error"]["message"] and resp.json()["error"]["param"] == "model"
+    resolver = stack["server"].app.state.pipeline.resolver
+    lookups = resolver.lookups
+    for _ in range(2):  # the second answer is remembered: no second download
+        resp = complete(stack, "too-big")
+        assert resp.status_code == 400, resp.text
+        message = resp.json()["error"]["message"]
+        assert "shape" in message and resp.json()["error"]["param"] == "model"
+        assert stack["bucket"] not in message and "resolver/" not in message  # the store is the operator's
+    assert resolver.lookups == lookups + 1
     acme = stack["server"].services.tenancy.tenant("acme").id
     assert "too-big" not in {v.name for v in stack["server"].services.registry.list_all(acme)}
 
@@ -285,3 +300,12 @@ def test_models_list_shows_the_tenants_adapters_with_their_parent(stack):
     base = stack["server"].app.state.pipeline.model_id
     assert base in models and "listed" in models and "theirs" not in models
     assert models["listed"].model_extra["parent"] == base
+
+
+def test_a_store_the_resolver_cannot_read_is_a_503_that_names_no_bucket(stack, monkeypatch):
+    resolver = stack["server"].app.state.pipeline.resolver
+    monkeypatch.setattr(resolver, "url", "s3://loramux-no-such-bucket-here/resolver/")
+    resp = complete(stack, "anything-new")
+    assert resp.status_code == 503 and resp.headers["Retry-After"], resp.text
+    message = resp.json()["error"]["message"]
+    assert "could not be read from the adapter store" in message and "no-such-bucket" not in message

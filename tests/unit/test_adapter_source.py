@@ -20,6 +20,7 @@ from loramux.adapters.storage.adapter_source import (
 from loramux.adapters.storage.store import FileStore, StoreUnavailableError
 from loramux.services import adapter_resolver
 from loramux.services.adapter_resolver import AdapterResolver, ResolverMiss, ResolverNameInvalid, check_resolver_url
+from loramux.settings import Settings
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
@@ -131,9 +132,17 @@ def test_the_resolver_remembers_a_miss_until_it_expires(tmp_path, monkeypatch):
                 raise Missing("not yet")
         return SimpleNamespace(label=f"{name}@1", name=name)
 
+    def not_registered(tenant_id, name):
+        from loramux.adapters.storage.registry import AdapterNotFoundError
+        raise AdapterNotFoundError(name)
+
     monkeypatch.setattr(adapter_resolver, "fetch_and_register", fake_fetch)
-    services = SimpleNamespace(tenancy=SimpleNamespace(tenant=lambda ref: SimpleNamespace(id=ref)))
+    registry = SimpleNamespace(resolve=not_registered, was_deleted=lambda tenant_id, name: name == "unloaded")
+    services = SimpleNamespace(tenancy=SimpleNamespace(tenant=lambda ref: SimpleNamespace(id=ref)), registry=registry,
+                               settings=Settings(s3_endpoint_url="http://127.0.0.1:9"))
     resolver = AdapterResolver(services, "s3://bucket/prefix/", miss_ttl_s=30, clock=lambda: now[0])
+    with pytest.raises(ValueError):  # a bucket name S3 cannot have fails at the start, not on each request
+        AdapterResolver(services, "s3://Bad_Bucket!/p/")
 
     async def scenario():
         with pytest.raises(ResolverMiss):
@@ -154,6 +163,8 @@ def test_the_resolver_remembers_a_miss_until_it_expires(tmp_path, monkeypatch):
         for reference in ("ad_123", "x@2", "other/name", "base"):
             with pytest.raises((ResolverMiss, ResolverNameInvalid)):
                 await resolver.resolve("t1", "acme", reference)
+        with pytest.raises(ResolverMiss, match="unloaded or deleted"):  # unloaded stays unloaded
+            await resolver.resolve("t1", "acme", "unloaded")
 
     asyncio.run(scenario())
     assert [name for name, _ in fetched] == ["later", "later", "later", "new"]

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from fastapi.concurrency import run_in_threadpool
 
-from loramux.adapters.formats.validation import AdapterFormatError
 from loramux.adapters.residency.cache_levels import Acquired, AdapterCache, AdapterLoadError
-from loramux.adapters.storage.adapter_source import SourceInvalid, SourceUnavailable
+from loramux.adapters.storage.adapter_source import SourceUnavailable
 from loramux.adapters.storage.registry import (
     BASE_MODEL_ALIAS,
     AdapterNotFoundError,
@@ -18,7 +18,7 @@ from loramux.adapters.storage.registry import (
     AdapterVersionInfo,
 )
 from loramux.server.http.errors import ApiError
-from loramux.services.adapter_resolver import AdapterResolver, ResolverMiss, ResolverNameInvalid
+from loramux.services.adapter_resolver import AdapterResolver, ResolverMiss, ResolverNameInvalid, ResolverRefused
 from loramux.tenancy.tenants import TenantContext
 
 log = logging.getLogger(__name__)
@@ -31,21 +31,22 @@ async def acquire_adapter(registry: AdapterRegistry, cache: AdapterCache, tenant
     names: resolved in the registry for the tenant (404 when it cannot see it; with a `resolver`, a name the
     registry does not know is looked up in its store first: `resolve_unknown`) and brought into host RAM
     within `time_left`; when that fails, the tenant's fallback (the base model: no version) or a 503."""
+    deadline = time.monotonic() + time_left
     try:
         version = await run_in_threadpool(resolve_adapter, registry, tenant, model, base_model_id)
     except ApiError as exc:
         if resolver is None or exc.status != 404:
             raise
-        version = await resolve_unknown(resolver, tenant, model, time_left, exc)
-    return await load_adapter(registry, cache, tenant, version, time_left)
+        version = await resolve_unknown(resolver, tenant, model, deadline - time.monotonic(), exc)
+    return await load_adapter(registry, cache, tenant, version, deadline - time.monotonic())
 
 
 async def resolve_unknown(resolver: AdapterResolver, tenant: TenantContext, model: str, time_left: float,
                           not_found: ApiError) -> AdapterVersionInfo:
     """`model`, unknown to the registry, registered from the resolver's store within `time_left`: `not_found`
     when it is not there either; 400 for a name that cannot be looked up (`../x`) or an adapter there that does
-    not validate (the message names the problem); 503 when the store cannot be reached or the fetch outlasts the
-    request (the fetch goes on: a retry finds it registered)."""
+    not validate (the message names the problem, never the store's location); 503 when the store cannot be
+    reached or read, or the fetch outlasts the request (the fetch goes on: a retry finds it registered)."""
     try:
         return await asyncio.wait_for(resolver.resolve(tenant.tenant_id, tenant.tenant_name, model),
                                       max(0.001, time_left))
@@ -53,13 +54,12 @@ async def resolve_unknown(resolver: AdapterResolver, tenant: TenantContext, mode
         raise not_found from None
     except ResolverNameInvalid as exc:
         raise ApiError(400, str(exc), code="invalid_model", param="model") from None
-    except (SourceInvalid, AdapterFormatError) as exc:
-        raise ApiError(400, f"adapter {model!r} at the resolver's location cannot be served: {exc}",
-                       code=getattr(exc, "code", None) or "invalid_adapter", param="model") from None
+    except ResolverRefused as exc:
+        raise ApiError(400, str(exc), code=exc.code or "invalid_adapter", param="model") from None
     except SourceUnavailable as exc:
-        raise ApiError(503, str(exc), retry_after_s=5.0, code="adapter_unavailable") from None
+        raise ApiError(503, exc.reason, retry_after_s=5.0, code="adapter_unavailable") from None
     except TimeoutError:
-        raise ApiError(503, f"adapter {model!r} is still being fetched from the resolver's store; retry shortly",
+        raise ApiError(503, f"adapter {model!r} is still being fetched from the adapter store; retry shortly",
                        retry_after_s=2.0, code="adapter_unavailable") from None
 
 
