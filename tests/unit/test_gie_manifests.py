@@ -263,12 +263,21 @@ def test_unknown_fields_follows_additional_properties_and_preserve_unknown_field
 
 # --- cross-references ---
 
-def test_the_route_sends_v1_from_the_named_gateway_to_the_pool():
+def test_the_route_sends_the_tenant_api_from_the_named_gateway_to_the_pool():
+    """Exactly the app's tenant routes under /v1: a new one must be routed, and vLLM's adapter endpoints (admin
+    keys) must not be reachable through the public gateway."""
+    from loramux.server.app import create_app
+    from loramux.server.http.ingress import ADMIN_PATHS_OUTSIDE_ADMIN
+
     route = one("HTTPRoute")
     (parent,) = route["spec"]["parentRefs"]
     assert parent["kind"] == "Gateway" and parent["name"]
     (rule,) = route["spec"]["rules"]
-    assert rule["matches"] == [{"path": {"type": "PathPrefix", "value": "/v1"}}]
+    routed = {m["path"]["value"] for m in rule["matches"]}
+    assert {m["path"]["type"] for m in rule["matches"]} == {"Exact"}
+    app_paths = {path for path in create_app(lambda: None).openapi()["paths"] if path.startswith("/v1/")}
+    assert routed == app_paths - ADMIN_PATHS_OUTSIDE_ADMIN
+    assert not routed & ADMIN_PATHS_OUTSIDE_ADMIN
     assert rule["backendRefs"] == [{"group": POOL_GROUP, "kind": "InferencePool", "name": pool()["metadata"]["name"]}]
 
 
