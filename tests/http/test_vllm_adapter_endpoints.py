@@ -299,7 +299,11 @@ def test_models_list_shows_the_tenants_adapters_with_their_parent(stack):
     models = {m.id: m for m in client.models.list()}
     base = stack["server"].app.state.pipeline.model_id
     assert base in models and "listed" in models and "theirs" not in models
-    assert models["listed"].model_extra["parent"] == base
+    assert models["listed"].model_extra["parent"] == base and models[base].model_extra["parent"] is None
+    reference = models["listed"].model_extra["root"]  # what the routers' metrics name it by: also a valid model
+    assert reference.startswith("ad_") and reference.endswith("@1")
+    assert text_of(complete(stack, reference)) == stack["expected"]["first"]
+    assert models["listed"].model_extra["max_model_len"] == stack["server"].services.engine.max_model_len
 
 
 def test_a_store_the_resolver_cannot_read_is_a_503_that_names_no_bucket(stack, monkeypatch):
