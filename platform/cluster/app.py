@@ -72,9 +72,14 @@ def _engine_deployment(settings: Settings):
         def offload_adapter(self, digest: str) -> dict:
             return self.core.offload(digest)
 
+        async def warm_host(self, version) -> dict:
+            """Operator / test hook: the version (an AdapterVersionInfo) into the host RAM of the replica this
+            call reaches, bypassing Serve's multiplexed loader (`EngineReplica.warm_host`); {"replica": its id}.
+            A call with no `multiplexed_model_id` goes to either replica (the shorter queue of two)."""
+            return await self.core.warm_host(version)
+
         def check_health(self) -> None:
-            if self.core.engine.stopped:  # the engine loop died: let Serve replace this replica
-                raise RuntimeError("engine stopped")
+            self.core.check_health()  # raises once the engine loop died: Serve replaces this replica
 
         def __del__(self):
             core = getattr(self, "core", None)

@@ -52,6 +52,17 @@ class EngineReplica:
         self.cache.release(digest)  # the host cache keeps it within its budget; the engine holds what it uses
         return lease.adapter
 
+    async def warm_host(self, version: AdapterVersionInfo) -> dict:
+        """Remember `version` and bring it into this replica's host RAM (object store -> disk -> RAM, not onto the
+        device), so its snapshots list it under `host` and the residency router scores this replica at host level
+        for it. An operator's warm-up hook (pre-load an adapter before its traffic), and how the system test
+        leaves an adapter in exactly one replica's host RAM. Unlike a request, it does not go through Serve's
+        multiplexed loader, so Serve's own record of what each replica holds does not know of it: only routing
+        by the snapshots sends its requests here. Returns {"replica": this replica's id}."""
+        self.remember(version)
+        await self.load_adapter(version.digest)
+        return {"replica": self.replica_id}
+
     def evict(self, digest: str) -> None:
         self._versions.pop(digest, None)
         self.cache.evict(digest)
@@ -94,6 +105,11 @@ class EngineReplica:
         so far, for every request it is generating."""
         return {"replica": self.replica_id, "pid": os.getpid(), "max_model_len": self.engine.max_model_len,
                 "streaming": dict(self._sent)}
+
+    def check_health(self) -> None:
+        """Raise RuntimeError once the engine loop has died (Serve's health check then replaces the replica)."""
+        if self.engine.stopped:
+            raise RuntimeError("engine stopped")
 
     def snapshot(self) -> dict:
         """What the ingress shows of this replica, and what the engine deployment's request router scores it by

@@ -301,64 +301,119 @@ def test_the_residency_router_ranks_replicas_by_where_the_adapter_is():
     asyncio.run(scenario())
 
 
-HOST_REQUESTS = 6
+HOST_REQUESTS = 8
 
 
 def test_an_adapter_in_one_replicas_host_ram_is_served_there(stack, tiny_cfg, tmp_path, redis_url):
-    """A fresh adapter served once (on replica R), then dropped from R's device but kept in its host RAM, held by
-    no other replica: the engine deployment's residency router scores R at host level (0.7) and the other replica
-    at free-slot level (0.6), so all its requests go to R, which copies it back to its device."""
+    """A fresh adapter brought into one replica's (R's) host RAM by the engine deployment's `warm_host`, which
+    bypasses Serve's multiplexed loader, so only R's snapshots know it: the residency router scores R at host level
+    (0.7) and the other replica at most at free-slot level (0.6), so all its requests go to R, which copies it to
+    its device. Serve's default router would send none there (see below)."""
+    from loramux.adapters.storage.registry import AdapterRegistry
     from loramux.cluster.shared_state import ReplicaDirectory
+    from loramux.db import Database
 
     admin = stack["admin"]
-    adapter_dir = write_peft_adapter(tmp_path / "host-only", tiny_cfg, 8, ["q_proj", "v_proj"], seed=NUM_ADAPTERS + 1)
     tenant_id = next(t["id"] for t in admin.get("/admin/tenants").json()["tenants"] if t["name"] == "globex")
-    files = {name: (f"{name}{suffix}", (adapter_dir / f"{name}{suffix}").read_bytes())
-             for name, suffix in (("adapter_config", ".json"), ("adapter_model", ".safetensors"))}
-    uploaded = admin.post("/admin/adapters", data={"tenant_id": tenant_id, "name": "host-only"}, files=files)
-    assert uploaded.status_code == 201, uploaded.text
-    adapter_id = uploaded.json()["id"]
-    digest = _digest(stack, adapter_id)
-    item = {"i": 0, "tenant": "globex", "model": adapter_id, "chat": True, "stream": False, "prompt": "hi"}
-
-    seen = {row[0] for row in _ledger(stack)}
-    first = _send(stack, item)
-    assert first["status"] == 200, first
-    holder = next(row[2] for row in _ledger_rows(stack, 1, seen) if row[0] == first["id"])
-
-    # Drop it from the holder's device: the call goes to whichever replica the router picks, and changes nothing
-    # on one without a device copy, so it is made until both replicas have answered it.
-    handle, answered = _engine_handle(), set()
-    def offloaded_everywhere():
-        answered.add(handle.offload_adapter.remote(digest).result(timeout_s=30)["replica"])
-        return len(answered) == 2
-    wait_until(offloaded_everywhere, "both replicas to drop the adapter's device copy", 30, POLL_S)
-
+    adapter_id = _upload(stack, tmp_path, tiny_cfg, tenant_id, "host-only", seed=NUM_ADAPTERS + 1)
+    db = Database(stack["settings"].resolved_database_url())
+    try:  # the version as the ingress sends it (only the registry's SQL side is used)
+        version = AdapterRegistry(db, None, None, "").resolve(tenant_id, adapter_id)
+    finally:
+        db.engine.dispose()
+    digest = version.digest
     directory = ReplicaDirectory(redis_url, timeout_s=1.0)
-    def host_only_on_holder():
-        snaps = directory.snapshots()
-        where = {rid: (digest in snap.get("host", []), digest in snap.get("residency", {}))
-                 for rid, snap in snaps.items()}
-        return len(where) == 2 and all(w == ((True, False) if rid == holder else (False, False))
-                                       for rid, w in where.items())
-    def where_it_is():
-        return {rid: (snap.get("host"), snap.get("residency")) for rid, snap in directory.snapshots().items()}
+
+    def where(digest: str = digest) -> dict:
+        return {rid: (digest in snap.get("host", []), snap.get("residency", {}).get(digest))
+                for rid, snap in directory.snapshots().items()}
+
     try:
-        wait_until(host_only_on_holder, "the adapter in the holder's host RAM only", 30, POLL_S, detail=where_it_is)
+        live = wait_until(lambda: len(s := directory.snapshots()) == 2 and set(s), "both replicas' snapshots", 30,
+                          POLL_S)
+        # R is the replica whose Serve multiplexed loader holds more adapters: Serve's default router sends a model
+        # id that no loader holds to the replicas with the fewest, so with it every request would go to the other
+        # replica (which then holds it, and gets the rest). On a tie, one more adapter served breaks it.
+        loaded = _loaded_by_serve(stack, live)
+        if len({len(ids) for ids in loaded.values()}) == 1:
+            decoy = _upload(stack, tmp_path, tiny_cfg, tenant_id, "decoy", seed=NUM_ADAPTERS + 2)
+            seen = {row[0] for row in _ledger(stack)}
+            assert _send(stack, {"i": 0, "tenant": "globex", "model": decoy, "chat": True, "stream": False,
+                                 "prompt": "hi"})["status"] == 200
+            decoy_on = _ledger_rows(stack, 1, seen)[0][2]
+            # Its replica's loader reports it to Serve every 0.1 s: by the time the snapshots have shown it for
+            # 1 s, this driver's handle knows where it is.
+            _listed_for(directory, decoy_on, lambda snap, d=_digest(stack, decoy): d in snap.get("residency", {}),
+                        1.0, "the decoy on its replica's device")
+            loaded = _loaded_by_serve(stack, live)
+        target, other = sorted(live, key=lambda rid: len(loaded[rid]), reverse=True)
+        # A call keyed by an adapter only the target has served goes there (under either router); warm_host
+        # itself does not use the key.
+        key = _digest(stack, min(loaded[target] - loaded[other]))
+        handle = _engine_handle().options(multiplexed_model_id=key)
+        holder = handle.warm_host.remote(version).result(timeout_s=60)["replica"]
+        assert holder == target, (holder, target, loaded)
+
+        # Listed in R's host RAM (not on its device) for 1 s, so the ingress's reader (refreshed every 0.5 s) has
+        # seen it; the other replica never saw it.
+        def on_holders_host_only(snap):
+            assert where().get(other, (False, None)) == (False, None), where()
+            return digest in snap.get("host", []) and digest not in snap.get("residency", {})
+        _listed_for(directory, holder, on_holders_host_only, 1.0, "the adapter in the holder's host RAM only", where)
+
+        # All at once: the residency router sends each to R (host 0.7 against free slot 0.6 at best, then a
+        # request just sent there counts as device 1.0). Serve's default router would send none (probability 0 of
+        # all 8 on R; checked with it: 8 of 8 on the other replica): R holds more multiplexed models than the other
+        # replica. With equal counts, the first request would go to either at random (power of two choices) and the
+        # rest follow whichever loaded it (reported every 0.1 s): all on R about half the time (a run put 7 of 8
+        # there), which is why the tie is broken above.
+        seen = {row[0] for row in _ledger(stack)}
+        item = {"tenant": "globex", "model": adapter_id, "chat": True, "stream": False, "prompt": "hi"}
+        with ThreadPoolExecutor(HOST_REQUESTS) as pool:
+            answers = list(pool.map(lambda i: _send(stack, {**item, "i": i}), range(HOST_REQUESTS)))
+        assert all(a["status"] == 200 for a in answers), answers
+        rows = _ledger_rows(stack, HOST_REQUESTS, seen)
+        served_by = collections.Counter(row[2] for row in rows if row[0] in {a["id"] for a in answers})
+        print(f"host-only adapter warmed on {holder} (adapters each replica's Serve loader holds: "
+              f"{ {rid: len(ids) for rid, ids in loaded.items()} }), served by {dict(served_by)}")
+        assert served_by == {holder: HOST_REQUESTS}, (served_by, holder, loaded)
+        # Served from host RAM, the adapter is now on R's device.
+        wait_until(lambda: where().get(holder, (False, None))[1] == "device", "the adapter on the holder's device",
+                   10, POLL_S, detail=where)
     finally:
         directory.close()
 
-    seen = {row[0] for row in _ledger(stack)}
-    with ThreadPoolExecutor(3) as pool:
-        answers = list(pool.map(lambda i: _send(stack, {**item, "i": i}), range(HOST_REQUESTS)))
-    assert all(a["status"] == 200 for a in answers), answers
-    rows = _ledger_rows(stack, HOST_REQUESTS, seen)
-    served_by = collections.Counter(row[2] for row in rows if row[0] in {a["id"] for a in answers})
-    assert served_by == {holder: HOST_REQUESTS}, (served_by, holder)
-    # Served from host RAM, the adapter is back on the holder's device.
-    wait_until(lambda: any(r["replica"] == holder and digest in [a["digest"] for a in r["adapters"]]
-                           for r in admin.get("/admin/replicas").json()["replicas"]),
-               "the adapter back on the holder's device", 10, POLL_S)
+
+def _upload(stack, tmp_path: Path, tiny_cfg, tenant_id: str, name: str, seed: int) -> str:
+    """A fresh rank-8 adapter uploaded for the tenant; its id."""
+    adapter_dir = write_peft_adapter(tmp_path / name, tiny_cfg, 8, ["q_proj", "v_proj"], seed=seed)
+    files = {part: (f"{part}{suffix}", (adapter_dir / f"{part}{suffix}").read_bytes())
+             for part, suffix in (("adapter_config", ".json"), ("adapter_model", ".safetensors"))}
+    uploaded = stack["admin"].post("/admin/adapters", data={"tenant_id": tenant_id, "name": name}, files=files)
+    assert uploaded.status_code == 201, uploaded.text
+    return uploaded.json()["id"]
+
+
+def _loaded_by_serve(stack, replicas) -> dict[str, set[str]]:
+    """Replica id -> the adapters its Serve multiplexed loader holds: those it has served (the ledger says which;
+    its LRU of ray_adapters_per_replica drops none in this module, and no adapter here has a second version)."""
+    rows = _ledger(stack)
+    return {rid: {row[1] for row in rows if row[2] == rid and row[1] is not None} for rid in replicas}
+
+
+def _listed_for(directory, replica_id: str, holds, seconds: float, what: str, detail=None) -> None:
+    """Until `replica_id`'s snapshots have satisfied `holds(snapshot)` for `seconds` of its clock (from the first
+    one that did, through the latest)."""
+    since: list[float] = []
+
+    def long_enough() -> bool:
+        snap = directory.snapshots().get(replica_id)
+        if snap is None or not holds(snap):
+            since.clear()
+            return False
+        since[:] = since or [snap["at"]]
+        return snap["at"] >= since[0] + seconds
+    wait_until(long_enough, what, 30, POLL_S, detail=detail)
 
 
 def _engine_handle():
