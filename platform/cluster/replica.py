@@ -116,15 +116,20 @@ class EngineReplica:
         (`loramux.cluster.residency_score`): engine counters; `residency`, digest -> "device" | "loading", and
         `host`, the digests in this replica's host RAM, both for the versions it has been sent; the device
         pool's `free_device_bytes` (None: LoRA off) and `evictable` adapters (resident, no request running on
-        them); queue wait; `at`, this replica's wall-clock time when it took the snapshot."""
+        them); `adapter_cache.resident`, the host RAM copies by reference and rank; queue wait; `at`, this
+        replica's wall-clock time when it took the snapshot."""
         stats = self.engine.stats()
         digests = list(self._versions)
         residency = {digest: state for digest in digests
                      if (state := self.engine.adapter_residency(digest)) is not None}
         host = [digest for digest in digests if self.cache.has_in_ram(digest)]
         free_device_bytes, evictable = device_room(stats.get("lora"))
+        # Host RAM copies by reference and rank, for the ingress's vllm:lora_adapter_loaded (disk copies stay out:
+        # many, and routers score device and host residency only).
+        in_ram = [r for r in self.cache.stats().get("resident", ()) if r.get("level") == "host"]
         return {"stats": stats, "residency": residency, "host": host, "free_device_bytes": free_device_bytes,
-                "evictable": evictable, "queue_wait_s": self.engine.estimated_queue_wait_s(),
+                "evictable": evictable, "adapter_cache": {"resident": in_ram},
+                "queue_wait_s": self.engine.estimated_queue_wait_s(),
                 "adapter_names": {d: v.label for d, v in list(self._versions.items()) if d in residency or d in host},
                 "pid": os.getpid(), "at": time.time()}
 

@@ -67,7 +67,7 @@ class ResidencyRouter(MultiplexMixin, RequestRouter):
             return [_two_choices(candidate_replicas)]
         by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
         scores = self.scores(digest, candidate_replicas, _slot_bytes(pending_request))
-        return [_two_choices([by_id[replica_id] for replica_id in group]) for group in rank(scores)]
+        return [pair for group in rank(scores) for pair in _pairs([by_id[replica_id] for replica_id in group])]
 
     def scores(self, digest: str, replicas: list[RunningReplica], slot_bytes: int | None = None) -> dict[str, float]:
         """Replica unique id -> its residency score for `digest`, now."""
@@ -129,6 +129,13 @@ def router_kwargs(snapshot_interval_s: float, redis_timeout_s: float) -> dict:
 
     return {"max_age_s": max(2.0, 4 * snapshot_interval_s), "settle_s": max(1.0, 2 * snapshot_interval_s),
             "ttl_s": snapshot_ttl_s(snapshot_interval_s), "redis_timeout_s": redis_timeout_s}
+
+
+def _pairs(replicas: list[RunningReplica]) -> list[list[RunningReplica]]:
+    """A score group offered to Serve two at a time, in random order: Serve tries each pair (the less loaded of
+    the two first) before the next, so every replica of a better group is tried before any of a worse one."""
+    shuffled = random.sample(replicas, len(replicas))
+    return [shuffled[i:i + 2] for i in range(0, len(shuffled), 2)]
 
 
 def _two_choices(replicas: list[RunningReplica]) -> list[RunningReplica]:

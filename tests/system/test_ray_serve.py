@@ -281,11 +281,11 @@ def test_the_residency_router_ranks_replicas_by_where_the_adapter_is():
         return [sorted(r.replica_id.unique_id for r in group) for group in groups]
 
     async def scenario():
-        # 5 000-byte slot: "small" has 1 000 free bytes but an evictable adapter; stale and unknown score 0, and of
-        # a group of 3 or more Serve is offered two at random.
-        *best, last = await route(pending(digest))
-        assert best == [["dev"], ["host"], ["room"], ["small"]] and len(last) == 2
-        assert set(last) < {"full", "new", "stale"}
+        # 5 000-byte slot: "small" has 1 000 free bytes but an evictable adapter; stale and unknown score 0. A group
+        # of 3 or more is offered two at a time in random order, all of it before any worse group.
+        *best, pair, rest = await route(pending(digest))
+        assert best == [["dev"], ["host"], ["room"], ["small"]] and len(pair) == 2 and len(rest) == 1
+        assert sorted(pair + rest) == ["full", "new", "stale"]
         # Slot size unknown: any free bytes make a free slot.
         assert (await route(pending(digest, slot_bytes=None)))[:3] == [["dev"], ["host"], ["room", "small"]]
         first = pending(cold)
@@ -360,6 +360,13 @@ def test_an_adapter_in_one_replicas_host_ram_is_served_there(stack, tiny_cfg, tm
             assert where().get(other, (False, None)) == (False, None), where()
             return digest in snap.get("host", []) and digest not in snap.get("residency", {})
         _listed_for(directory, holder, on_holders_host_only, 1.0, "the adapter in the holder's host RAM only", where)
+        # The ingress's /metrics says so too, under the adapter's reference (what routers read).
+        from prometheus_client.parser import text_string_to_metric_families
+
+        scraped = {f.name: f for f in text_string_to_metric_families(stack["admin"].get("/metrics").text)}
+        levels = {s.labels["level"] for s in scraped["vllm:lora_adapter_loaded"].samples
+                  if s.labels["adapter_name"] == f"{adapter_id}@{version.version}"}
+        assert levels == {"host"}, levels
 
         # All at once: the residency router sends each to R (host 0.7 against free slot 0.6 at best, then a
         # request just sent there counts as device 1.0). Serve's default router would send none (probability 0 of

@@ -161,7 +161,8 @@ def ray_state(**over) -> dict:
 
 def test_ray_reports_each_adapter_at_its_best_level_across_replicas():
     found = families(lambda: ray_state())
-    assert loaded(found) == {("ad_a@1", "device", "true", "8"), ("ad_b@2", "device", "false", "16")}
+    # The ingress's pins are not the replicas' (their host RAM does not hold them): never "true" on Ray.
+    assert loaded(found) == {("ad_a@1", "device", "false", "8"), ("ad_b@2", "device", "false", "16")}
     assert value(found, "vllm:num_requests_running") == 3 and value(found, "vllm:kv_cache_usage_perc") == 0.25
     (config,) = found["vllm:cache_config_info"].samples  # the replicas' block size, not the ingress's sum
     assert config.labels["block_size"] == "16" and config.labels["num_gpu_blocks"] == "40"
@@ -169,9 +170,10 @@ def test_ray_reports_each_adapter_at_its_best_level_across_replicas():
     assert value(found, "vllm:lora_adapter_load_seconds", "vllm:lora_adapter_load_seconds_count") == 3
 
     host_only = ray_state()
-    host_only["replicas"]["r1"]["stats"]["lora"]["adapters"] = []  # B now in host RAM only (a named entry)
-    host_only["replicas"]["r0"]["host"] = [{"digest": B, "name": "ad_b@2", "rank": 16}]
-    assert loaded(families(lambda: host_only)) == {("ad_a@1", "device", "true", "8"),
+    host_only["replicas"]["r1"]["stats"]["lora"]["adapters"] = []  # B now in host RAM only, named as replicas
+    host_only["replicas"]["r0"]["adapter_cache"] = {  # publish it (EngineReplica.snapshot)
+        "resident": [{"digest": B, "name": "ad_b@2", "rank": 16, "level": "host"}]}
+    assert loaded(families(lambda: host_only)) == {("ad_a@1", "device", "false", "8"),
                                                    ("ad_b@2", "host", "false", "16")}
 
 
@@ -182,7 +184,7 @@ def test_ray_replicas_that_disagree_or_lack_keys_are_left_out():
     del odd["replicas"]["r0"]["host"]
     found = families(lambda: odd)
     assert "vllm:cache_config_info" not in found and "vllm:lora_adapter_load_seconds" not in found
-    assert loaded(found) == {("ad_a@1", "device", "true", "8"), ("ad_b@2", "device", "false", "16")}
+    assert loaded(found) == {("ad_a@1", "device", "false", "8"), ("ad_b@2", "device", "false", "16")}
     found = families(lambda: {"replicas": {}, "pinned": []})
     assert loaded(found) == set() and "vllm:max_gpu_lora_adapters" not in found
 

@@ -92,6 +92,8 @@ def vllm_families(state: Mapping) -> list[Metric]:
 
     pinned = state.get("pinned")
     pinned = {d for d in pinned if isinstance(d, str)} if isinstance(pinned, (list, tuple, set, frozenset)) else set()
+    if replicas is not None:  # a Ray ingress records pins, but its replicas' host RAM does not hold them (yet)
+        pinned = set()
     rows = _ray_residency(state) if replicas is not None else _residency(state)
     for labels in sorted({(name, level, "true" if digest in pinned else "false", rank)
                           for digest, name, rank, level in rows}):
