@@ -5,10 +5,10 @@ Serve runs a router in every process that holds a handle to the engine deploymen
 the requests) and any driver. For a request keyed by an adapter digest (`multiplexed_model_id`), each
 candidate replica gets the score `loramux.cluster.residency_score.residency_score` gives it from its latest
 snapshot in Redis (replica id = `ReplicaID.unique_id`, the id `EngineReplica` publishes under), and the
-router offers Serve its replicas best score first, one group per score; Serve probes the group's queue
-lengths and takes the shortest queue that accepts, moving to the next group only when every replica of
-this one is full. Within a group (ties), and for base-model requests (no digest), it is Serve's power of two
-choices: two replicas drawn at random, the shorter queue wins.
+router offers Serve its replicas best score first, each score group in random pairs; Serve probes a pair's
+queue lengths and takes the shorter queue that accepts, moving to the next pair, and to the next group only when
+every replica of this one is full. Within a group (ties) this is Serve's power of two choices; base-model
+requests (no digest) get plain power of two choices: two replicas drawn at random, the shorter queue wins.
 
 Snapshots lag (a replica publishes every `LORAMUX_CLUSTER_SNAPSHOT_INTERVAL_S`, and the reader refreshes
 every 0.5 s), so the router also remembers where it sent each digest and counts that replica as holding it
