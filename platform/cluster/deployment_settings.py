@@ -7,8 +7,6 @@ variables in the deployment's Ray runtime env, where a replica's `Settings` read
 """
 from __future__ import annotations
 
-import os
-
 from loramux.settings import Settings
 
 SECRET_FIELDS: tuple[str, ...] = ("admin_key", "console_secret", "metrics_key", "s3_access_key_id",
@@ -39,4 +37,6 @@ def replica_settings(public: dict) -> Settings:
 def secret_from_env(field: str) -> str:
     """One secret field as this process's environment carries it ("" if unset): for code that Serve starts
     without a Settings of its own, such as a deployment handle's request router in the ingress's process."""
-    return os.environ.get(f"LORAMUX_{field.upper()}", "")
+    if field not in SECRET_FIELDS:
+        raise ValueError(f"{field!r} is not one of the secret fields {SECRET_FIELDS}")
+    return str(getattr(Settings(), field) or "")

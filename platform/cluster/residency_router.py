@@ -110,7 +110,11 @@ class ResidencyRouter(MultiplexMixin, RequestRouter):
         environment carries, as the deployment's runtime env sets it); None, once and for all, without one."""
         if not self._directory_tried:
             self._directory_tried = True
-            url = secret_from_env("redis_url")
+            try:
+                url = secret_from_env("redis_url")
+            except ValueError as exc:  # the environment's settings do not validate: route without snapshots
+                log.warning("settings unreadable in the request router's process: %s", exc)
+                url = ""
             if not url:
                 log.info("no LORAMUX_REDIS_URL in this process: adapter requests are routed without replica "
                          "snapshots (Serve's multiplexing only)")
