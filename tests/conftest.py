@@ -310,6 +310,27 @@ def hf_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int
     return outs
 
 
+def peft_greedy_texts(model_dir: Path, tokenizer, adapter_dirs: dict, prompt: list[int], new_tokens: int) -> dict:
+    """{adapter name or None (the base model): the text HF transformers + PEFT generate greedily for `prompt`},
+    exactly `new_tokens` tokens each (no EOS stop, as the server's ignore_eos), each adapter on a fresh base."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    def fresh_base():
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        base.generation_config.eos_token_id = None
+        base.generation_config.pad_token_id = 0
+        return base
+
+    def greedy(model) -> str:
+        return tokenizer.decode(hf_greedy(model, [prompt], new_tokens)[0])
+
+    expected = {None: greedy(fresh_base())}
+    for name, path in adapter_dirs.items():
+        expected[name] = greedy(PeftModel.from_pretrained(fresh_base(), path).eval())
+    return expected
+
+
 def decode_step_lora_cost(engine: LLMEngine, requests: dict[str, str | None], prompt) -> tuple[int, int]:
     """LoRA multiply-adds and weight bytes of one decode step of `requests` (id -> adapter), each started with
     `prompt` and past its prefill; the requests are aborted afterwards."""

@@ -14,10 +14,9 @@ import threading
 import httpx
 import openai
 import pytest
-import torch
 from sqlalchemy import select
 
-from conftest import adapter_files, admin_client, live_stack, new_tenant_key
+from conftest import adapter_files, admin_client, live_stack, new_tenant_key, peft_greedy_texts
 from loramux.db import LedgerEntry
 from loramux.model.loader import read_model_config
 from loramux.testing import write_peft_adapter
@@ -45,26 +44,9 @@ def register_all(services, tenant: str, dirs: dict) -> dict:
 @pytest.fixture(scope="module")
 def peft_reference(tiny_dir, tmp_path_factory, tokenizer):
     """({adapter: its directory}, {adapter or None: the text PEFT generates greedily for PROMPT})."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
     cfg, _ = read_model_config(tiny_dir)
     dirs = write_adapters(tmp_path_factory.mktemp("fanout-adapters"), cfg)
-
-    def fresh_base():
-        base = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
-        base.generation_config.eos_token_id = None  # exactly NEW_TOKENS, as ignore_eos does
-        base.generation_config.pad_token_id = 0
-        return base
-
-    def greedy(model) -> str:
-        with torch.inference_mode():
-            out = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False)
-        return tokenizer.decode(out[0, len(PROMPT):].tolist())
-
-    expected = {None: greedy(fresh_base())}
-    for name, path in dirs.items():
-        expected[name] = greedy(PeftModel.from_pretrained(fresh_base(), path).eval())
+    expected = peft_greedy_texts(tiny_dir, tokenizer, dirs, PROMPT, NEW_TOKENS)
     return dirs, expected
 
 

@@ -13,9 +13,8 @@ import boto3
 import httpx
 import openai
 import pytest
-import torch
 
-from conftest import adapter_files, live_stack, new_tenant_key
+from conftest import adapter_files, live_stack, new_tenant_key, peft_greedy_texts
 from loramux.model.loader import read_model_config
 from loramux.testing import write_peft_adapter
 from loramux.testing.services import MOTO_CREDENTIALS, MOTO_REGION, moto_create_bucket
@@ -31,28 +30,11 @@ NAMES = ("first", "second", "third")
 @pytest.fixture(scope="module")
 def adapters(tiny_dir, tmp_path_factory, tokenizer):
     """({name: its PEFT directory}, {name or None: PEFT's greedy text for PROMPT})."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
     cfg, _ = read_model_config(tiny_dir)
     root = tmp_path_factory.mktemp("vllm-adapters")
     dirs = {name: write_peft_adapter(root / name, cfg, 4, TARGETS, seed=300 + i, b_std=1.0)
             for i, name in enumerate(NAMES)}
-
-    def fresh_base():
-        base = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
-        base.generation_config.eos_token_id = None  # exactly NEW_TOKENS, as ignore_eos does
-        base.generation_config.pad_token_id = 0
-        return base
-
-    def greedy(model) -> str:
-        with torch.inference_mode():
-            out = model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False)
-        return tokenizer.decode(out[0, len(PROMPT):].tolist())
-
-    expected = {None: greedy(fresh_base())}
-    for name, path in dirs.items():
-        expected[name] = greedy(PeftModel.from_pretrained(fresh_base(), path).eval())
+    expected = peft_greedy_texts(tiny_dir, tokenizer, dirs, PROMPT, NEW_TOKENS)
     assert len(set(expected.values())) == len(expected)  # each adapter really changes the output
     return dirs, expected
 
