@@ -20,6 +20,7 @@ from sqlalchemy import MetaData, select
 from conftest import admin_client, serve_admin_stack
 from loramux.billing.reports import COLUMN_NAMES
 from loramux.db import Adapter, AdapterVersion
+from loramux.server.http.ingress import ADMIN_PATHS_OUTSIDE_ADMIN
 from loramux.testing import write_peft_adapter
 
 ADMIN_KEY = "lmxa-test-admin-key-0123456789abcdefghijklmnop"
@@ -65,7 +66,8 @@ def test_auth_matrix_over_every_route(stack):
                 continue
             no_key = c.request(method, path)
             assert no_key.status_code == 401, (method, route_path, no_key.text)
-            if route_path.startswith("/admin"):
+            admin_route = route_path.startswith("/admin") or route_path in ADMIN_PATHS_OUTSIDE_ADMIN
+            if admin_route:
                 as_tenant = c.request(method, path, headers={"Authorization": f"Bearer {tenant_key}"})
                 assert as_tenant.status_code == 403, (method, route_path)
                 assert "tenant API keys are not accepted" in as_tenant.text
@@ -77,7 +79,7 @@ def test_auth_matrix_over_every_route(stack):
                 assert "admin keys are not accepted" in as_admin.text
                 as_tenant = c.request(method, path, headers={"Authorization": f"Bearer {tenant_key}"})
                 assert as_tenant.status_code not in (401, 403), (method, route_path, as_tenant.text)
-            wrong = "lmxa-wrong" if route_path.startswith("/admin") else "lmx-wrong"
+            wrong = "lmxa-wrong" if admin_route else "lmx-wrong"
             bad = c.request(method, path, headers={"Authorization": f"Bearer {wrong}"})
             assert bad.status_code == 401
             checked += 1
