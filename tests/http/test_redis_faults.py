@@ -101,9 +101,10 @@ def check_fail_mode(client, key: str, fail_mode: str) -> list[float]:
         else:
             assert answer.status_code == 503, answer.text
             assert answer.json()["error"]["code"] == "limits_unavailable" and int(answer.headers["Retry-After"]) >= 1
-    # A loop blocked on Redis would show in every call (each Redis call waits its 0.25 s timeout, or 3 s);
-    # the median keeps a CPU-starved moment on a loaded 2-core machine from deciding.
-    assert sorted(health_times)[2] < 0.1 and max(health_times) < 1.0, health_times
+    # A loop blocked on Redis would show in every call (each Redis call waits its 0.25 s timeout), or in one call
+    # for the whole delay: the median keeps a CPU-starved moment on a loaded 2-core machine from deciding (one
+    # health call once took 1.02 s there), and no call may have waited out a delayed Redis call.
+    assert sorted(health_times)[2] < 0.1 and max(health_times) < DELAY_S - 0.5, health_times
     return took
 
 
