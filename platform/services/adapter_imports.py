@@ -14,8 +14,9 @@ from pathlib import Path
 
 from loramux.adapters.storage.adapter_source import fetch_adapter, parse_roots
 from loramux.adapters.storage.registry import AdapterNotFoundError, AdapterVersionInfo
-from loramux.adapters.storage.store import ObjectStore, open_store
+from loramux.adapters.storage.store import ObjectStore
 from loramux.names import check_name
+from loramux.services.builder import store_at
 from loramux.services.container import Services
 from loramux.settings import Settings
 from loramux.tenancy.tenants import TenantInfo
@@ -36,9 +37,7 @@ class ImportTenantMissing(ValueError):
 def s3_opener(settings: Settings):
     """`open_s3(url)` for `fetch_adapter`: an S3 store at `url` with the server's endpoint and credentials."""
     def open_s3(url: str) -> ObjectStore:
-        return open_store(url, endpoint_url=settings.s3_endpoint_url, region=settings.s3_region,
-                          access_key_id=settings.s3_access_key_id, secret_access_key=settings.s3_secret_access_key,
-                          timeout_s=settings.s3_timeout_s, max_attempts=settings.s3_max_attempts)
+        return store_at(settings, url)
     return open_s3
 
 

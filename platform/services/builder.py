@@ -70,7 +70,12 @@ class EngineSide:
 
 def store_from_settings(settings: Settings) -> ObjectStore:
     """The adapter object store that LORAMUX_STORE_URL and the LORAMUX_S3_* settings describe."""
-    return open_store(settings.resolved_store_url(), endpoint_url=settings.s3_endpoint_url, region=settings.s3_region,
+    return store_at(settings, settings.resolved_store_url())
+
+
+def store_at(settings: Settings, url: str) -> ObjectStore:
+    """A store at `url` (file:// or s3://) reached with the server's LORAMUX_S3_* endpoint and credentials."""
+    return open_store(url, endpoint_url=settings.s3_endpoint_url, region=settings.s3_region,
                       access_key_id=settings.s3_access_key_id, secret_access_key=settings.s3_secret_access_key,
                       timeout_s=settings.s3_timeout_s, max_attempts=settings.s3_max_attempts)
 
